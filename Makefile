@@ -1,0 +1,30 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench-quick clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q torch==2.13.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/epochal demo --dir ./checkpoints
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=10 tests
+	$(BIN)/ruff check src
+	$(BIN)/mypy src/epochal
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/mypy src/epochal
+
+clean:
+	rm -rf $(VENV) checkpoints

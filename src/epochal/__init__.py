@@ -1,0 +1,65 @@
+"""epochal: epoch-by-epoch training jobs with crash-safe, checksummed, pickle-free checkpoints.
+
+A rebuild of Caffe2's ``checkpoint.py`` system (Job, JobRunner, checkpoint managers,
+metadata handlers) in plain Python. See README.md and docs/.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .checkpoint.manager import CheckpointManager, MultiNodeCheckpointManager
+from .checkpoint.metadata import MetadataHandler
+from .checkpoint.naming import db_name, get_ckpt_filename
+from .checkpoint.upload import CopyUploadBuilder, UploadTaskGroupBuilder
+from .errors import (
+    BlobMismatchError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    MissingBlobError,
+    Preempted,
+    UnsupportedBlobError,
+)
+from .execution import (
+    Cluster,
+    Node,
+    Task,
+    TaskGroup,
+    TaskOutput,
+    Workspace,
+    WorkspaceType,
+    final_output,
+)
+from .jobs import CheckpointEvent, Job, JobRunner, RunListener, epoch_limiter
+from .sessions import LocalSession, Session
+from .storage.base import DbBackend, available_db_types, get_db_type, register_db_type
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "DirectoryMetadataHandler": "epochal.checkpoint.directory",
+    "RNGState": "epochal.integrations.rng",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: keeps `import epochal` light.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'epochal' has no attribute {name!r}")
+
+
+__all__ = [
+    "BlobMismatchError", "CheckpointCorruptError", "CheckpointError", "CheckpointEvent",
+    "CheckpointManager", "CheckpointNotFoundError", "CheckpointVersionError", "Cluster",
+    "CopyUploadBuilder", "DbBackend", "DirectoryMetadataHandler", "Job", "JobRunner",
+    "LocalSession", "MetadataHandler", "MissingBlobError", "MultiNodeCheckpointManager", "Node",
+    "Preempted", "RNGState", "RunListener", "Session", "Task", "TaskGroup", "TaskOutput",
+    "UnsupportedBlobError", "UploadTaskGroupBuilder", "Workspace", "WorkspaceType",
+    "available_db_types", "db_name", "epoch_limiter", "final_output", "get_ckpt_filename",
+    "get_db_type", "register_db_type",
+]

@@ -1,0 +1,370 @@
+"""Checkpoint managers: build the tasks that save and load one db per node per epoch.
+
+As in the seed, a manager never touches a workspace itself: ``init``, ``save``, ``load`` and
+friends *build* Tasks (or TaskGroups, one task per node) that a session runs where each node
+lives. Timing stats (ns per db) and sizes are task outputs, read when reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import CheckpointError
+from ..execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
+from ..storage.base import get_db_type
+from .metadata import MetadataHandler, call_optional
+from .naming import check_node_name, db_name
+from .steps import INTERNAL_PREFIX, DbExists, GetBlobNames, LoadBlobs, SaveBlobs, Timed
+
+logger = logging.getLogger("epochal")
+
+
+class InitRequiredError(CheckpointError, AssertionError):
+    """A manager method that needs ``init`` was called before it."""
+
+
+class NodeListMismatchError(CheckpointError, AssertionError):
+    """A multi-node manager was called with other nodes than it was initialized with."""
+
+
+class _HandlerCalls:
+    """The handler-facing methods both managers share (seed semantics, incl. its truthiness
+    quirk: ``report``/``set_params`` under ``if handler:``, the rest under ``is not None``)."""
+
+    _metadata_handler: Any
+    _db_prefix: str
+    _db_type: str
+    _path_prefix: str | None
+    _path_type: str | None
+
+    @property
+    def metadata_handler(self) -> MetadataHandler | None:
+        return self._metadata_handler  # type: ignore[no-any-return]
+
+    @property
+    def db_prefix(self) -> str:
+        return self._db_prefix
+
+    @property
+    def db_type(self) -> str:
+        return self._db_type
+
+    def write_checkpoint_metadata(self, epoch: int) -> None:
+        if self._metadata_handler is not None:
+            self._metadata_handler.write(epoch=epoch)
+
+    def get_resume_from_epoch_id(self, user_epoch: int | None = None) -> int | None:
+        if self._metadata_handler is not None:
+            return self._metadata_handler.last_epoch(user_epoch=user_epoch)  # type: ignore[no-any-return]
+        return user_epoch
+
+    def cp_accessible(self, epoch: int | None = None) -> bool:
+        if self._metadata_handler is not None:
+            return self._metadata_handler.cp_accessible(epoch)  # type: ignore[no-any-return]
+        return True
+
+    def _keep_paths(self, path_prefix: str | None, path_type: str | None) -> None:
+        if path_prefix:
+            self._path_prefix = path_prefix
+        if path_type:
+            self._path_type = path_type
+
+    def _handler_set_params(self, node_names: list[str]) -> None:
+        if self._metadata_handler:
+            self._metadata_handler.set_params(
+                db_prefix=self._db_prefix, db_type=self._db_type, node_names=node_names,
+                path_prefix=self._path_prefix, path_type=self._path_type,
+            )
+
+    def _report(self, action_name: str, stats: dict[str, int], sizes: dict[str, int]) -> None:
+        logger.debug("%s stats: %s", action_name, stats)
+        if self._metadata_handler:
+            call_optional(self._metadata_handler, "report_bytes", action_name, sizes)
+            self._metadata_handler.report(action_name, stats)
+
+
+class CheckpointManager(_HandlerCalls):
+    """Checkpoints the global workspace of one node: one db per epoch at
+    ``db_name(epoch, node_name, db_prefix)``.
+
+    ``map_location`` and ``verify`` are epochal's additions: where loaded torch tensors go
+    (default: back to their saved device when it exists), and whether loads check checksums.
+    """
+
+    BLOB_NAMES = "blob_names"
+
+    def __init__(
+        self,
+        db_prefix: str,
+        node_name: str,
+        db_type: str = "native",
+        metadata_handler: MetadataHandler | None = None,
+        *,
+        map_location: Any = None,
+        verify: bool = True,
+    ) -> None:
+        self._db_prefix = db_prefix
+        self._node_name = check_node_name(str(node_name))
+        self._db_type = db_type
+        get_db_type(db_type)  # an unknown db_type fails here, naming it
+        self._metadata_handler = metadata_handler
+        self._map_location, self._verify = map_location, verify
+        self._blob_names = self.BLOB_NAMES
+        self._names_output: TaskOutput | None = None
+        self._path_prefix: str | None = None
+        self._path_type: str | None = None
+        self._current_db_name: str | None = None
+        self._current_checkpoint_duration: TaskOutput | None = None
+        self._current_checkpoint_bytes: TaskOutput | None = None
+
+    # -- accessors
+    @property
+    def node_name(self) -> str:
+        return self._node_name
+
+    def node_names(self) -> list[str]:
+        return [self._node_name]
+
+    def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
+        """The db path of ``node_name`` at ``epoch``; None for a node this manager lacks."""
+        if str(node_name) != self._node_name:
+            return None
+        return db_name(epoch, self._node_name, self._db_prefix)
+
+    def _db(self, epoch: int, path_prefix: str | None = None) -> str:
+        return db_name(epoch, self._node_name, self._db_prefix, path_prefix)
+
+    # -- tasks
+    def init(
+        self,
+        nodes: Sequence[Any] | None = None,
+        retrieve_from_epoch: int | None = None,
+        path_prefix: str | None = None,
+        path_type: str | None = None,
+    ) -> Task:
+        """A Task whose output ``blob_names`` fixes the blob list: every blob of the node's
+        global workspace now (run it right after init_group), or the list stored in the
+        checkpoint of ``retrieve_from_epoch``."""
+        if nodes is not None and len(nodes) != 1:
+            raise AssertionError("CheckpointManager only supports single node.")
+        if retrieve_from_epoch is None:
+            step: Any = GetBlobNames(self._blob_names)
+        else:
+            full = self._db(retrieve_from_epoch, path_prefix)
+            logger.info("Initializing checkpoints from = %s", full)
+            step = LoadBlobs(
+                full, path_type or self._db_type, [self._blob_names], node=self._node_name,
+                epoch=retrieve_from_epoch, keep_device=True, verify=self._verify,
+            )
+        task = Task(step=step, outputs=[self._blob_names], node=self._node_name, name="checkpoint_init")
+        self._names_output = task.outputs()[0]
+        return task
+
+    def blob_list(self) -> list[str]:
+        """The current blob list (init must have been built and run)."""
+        if self._names_output is None:
+            raise InitRequiredError(f"node {self._node_name!r}: init must be called first.")
+        try:
+            names = self._names_output.fetch()
+        except RuntimeError:
+            names = None
+        if names is None:
+            raise InitRequiredError(f"node {self._node_name!r}: the init task has not run yet")
+        return [str(n) for n in names.tolist()]
+
+    def _timed_task(self, cp_op_name: str, op: Any) -> Task:
+        base = f"{INTERNAL_PREFIX}{self._node_name}/{cp_op_name}"
+        task = Task(step=Timed(op, f"{base}.ns", f"{base}.bytes"), node=self._node_name, name=cp_op_name)
+        self._current_checkpoint_duration = task.add_output(f"{base}.ns")
+        self._current_checkpoint_bytes = task.add_output(f"{base}.bytes")
+        return task
+
+    def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
+        """Add ``{db path: ns}`` of the most recently built timed task (and bytes to ``sizes``)."""
+        if self._current_db_name and self._current_checkpoint_duration:
+            try:
+                ns = self._current_checkpoint_duration.fetch()
+            except (RuntimeError, KeyError):
+                ns = None
+            if ns is not None:
+                stats[self._current_db_name] = int(ns[0])
+                if sizes is not None and self._current_checkpoint_bytes is not None:
+                    sizes[self._current_db_name] = int(self._current_checkpoint_bytes.fetch() or 0)
+                return
+        logger.info("Failed to collect checkpoint stats: %s", self._current_db_name)
+
+    def report_checkpoint_stats(self, action_name: str) -> None:
+        stats: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        self.collect_checkpoint_stats(stats, sizes)
+        self._report(action_name, stats, sizes)
+
+    def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> Task:
+        """A timed Task loading every blob of the blob list from the db of ``epoch``."""
+        self._current_db_name = self._db(epoch, path_prefix)
+        logger.info("Loading checkpoints from = %s", self._current_db_name)
+        return self._timed_task("checkpoint_load", LoadBlobs(
+            self._current_db_name, path_type or self._db_type, self.blob_list(),
+            node=self._node_name, epoch=epoch, keep_device=True,
+            map_location=self._map_location, verify=self._verify,
+        ))
+
+    def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> Task:
+        """A timed Task loading just ``blob_names`` (those the db has) from ``epoch``."""
+        self._current_db_name = self._db(epoch)
+        logger.info("Load from %s", self._current_db_name)
+        return self._timed_task("checkpoint_partial_load", LoadBlobs(
+            self._current_db_name, self._db_type, list(blob_names), node=self._node_name,
+            epoch=epoch, allow_incomplete=True, map_location=self._map_location, verify=self._verify,
+        ))
+
+    def check_db_exists(self, epoch: int) -> Task:
+        """A Task whose one output says whether the db of ``epoch`` exists."""
+        path = self._db(epoch)
+        logger.info("Check existence of %s", path)
+        flag = f"{INTERNAL_PREFIX}{self._node_name}/db_exists"
+        return Task(step=DbExists(path, self._db_type, flag), outputs=[flag], node=self._node_name,
+                    name="check_db_exists")
+
+    def save(self, epoch: int) -> Task:
+        """A timed Task saving the blob list, in order, to the db of ``epoch``."""
+        self._current_db_name = self._db(epoch)
+        logger.info("Saving to %s", self._current_db_name)
+        return self._timed_task("checkpoint_save", SaveBlobs(
+            self._current_db_name, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
+        ))
+
+    def set_params(self, nodes: Any, path_prefix: str | None = None, path_type: str | None = None) -> None:
+        self._keep_paths(path_prefix, path_type)
+        self._handler_set_params([self._node_name])
+
+
+class MultiNodeCheckpointManager(_HandlerCalls):
+    """One CheckpointManager per node; builds TaskGroups with one task per node.
+
+    Handler calls happen only here, never in the per-node managers.
+    """
+
+    def __init__(
+        self,
+        db_prefix: str,
+        db_type: str = "native",
+        metadata_handler: MetadataHandler | None = None,
+        *,
+        map_location: Any = None,
+        verify: bool = True,
+    ) -> None:
+        self._node_managers: list[tuple[str, CheckpointManager]] | None = None
+        self._db_prefix = db_prefix
+        self._db_type = db_type
+        get_db_type(db_type)
+        self._metadata_handler = metadata_handler
+        self._map_location, self._verify = map_location, verify
+        self._path_prefix: str | None = None
+        self._path_type: str | None = None
+        self._node_names: list[str] = []
+
+    def node_names(self) -> list[str]:
+        if self._node_managers is not None:
+            return [n for n, _ in self._node_managers]
+        return list(self._node_names)
+
+    def node_managers(self) -> list[tuple[str, CheckpointManager]]:
+        """``(node name, its CheckpointManager)`` in node order (empty before init)."""
+        return list(self._node_managers or [])
+
+    def _check_nodes(self, nodes: Sequence[Any]) -> None:
+        assert self._node_managers is not None
+        old, new = [n for n, _ in self._node_managers], [str(n) for n in nodes]
+        if old != new:
+            raise NodeListMismatchError(
+                f"node list changed: the manager was initialized with {old}, now called with {new}"
+            )
+
+    def _create_managers(self, nodes: Sequence[Any]) -> None:
+        if not nodes:
+            raise CheckpointError("MultiNodeCheckpointManager needs at least one node")
+        self._node_managers = []
+        for node in nodes:
+            name = str(node)
+            self._node_managers.append((name, CheckpointManager(
+                db_prefix=self._db_prefix, node_name=name, db_type=self._db_type,
+                map_location=self._map_location, verify=self._verify,
+            )))
+
+    def _task_group(self, func: Any, *args: Any, **kw: Any) -> TaskGroup:
+        if self._node_managers is None:
+            raise InitRequiredError("init must be called first.")
+        with TaskGroup(WorkspaceType.GLOBAL) as group:
+            for node, manager in self._node_managers:
+                with Node(node):
+                    func(manager, *args, **kw)
+        return group
+
+    def init(
+        self,
+        nodes: Sequence[Any],
+        retrieve_from_epoch: int | None = None,
+        path_prefix: str | None = None,
+        path_type: str | None = None,
+    ) -> TaskGroup:
+        """Per-node init tasks; a no-op group if already initialized (the blob lists are kept)."""
+        if self._node_managers is not None:
+            self._check_nodes(nodes)
+            return TaskGroup(WorkspaceType.GLOBAL)
+        self._create_managers(nodes)
+        return self._task_group(
+            CheckpointManager.init, nodes=[nodes[-1]], retrieve_from_epoch=retrieve_from_epoch,
+            path_prefix=path_prefix, path_type=path_type,
+        )
+
+    def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> TaskGroup:
+        return self._task_group(CheckpointManager.load, epoch, path_prefix=path_prefix, path_type=path_type)
+
+    def save(self, epoch: int) -> TaskGroup:
+        return self._task_group(CheckpointManager.save, epoch)
+
+    def load_blobs_locally(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int, session: Any) -> bool:
+        """Load ``blob_names`` from every node's db of ``epoch``, node by node; False (after
+        logging which db) at the first node whose db does not exist."""
+        if self._node_managers is not None:
+            self._check_nodes(nodes)
+        else:
+            self._create_managers(nodes)
+        assert self._node_managers is not None
+        for _, manager in self._node_managers:  # report only what this call loads
+            manager._current_db_name = manager._current_checkpoint_duration = None
+        for _, manager in self._node_managers:
+            exists_task = manager.check_db_exists(epoch)
+            session.run(exists_task)
+            if not bool(exists_task.outputs()[0].fetch()):
+                logger.info("DB %s does not exist!", manager.get_ckpt_db_name(manager.node_name, epoch))
+                return False
+            session.run(manager.load_blobs_from_checkpoint(blob_names, epoch))
+        logger.info("Successfully loaded from checkpoints.")
+        return True
+
+    def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
+        if self._node_managers is None:
+            raise TypeError("init must be called first: the manager has no nodes yet")
+        for node, manager in self._node_managers:
+            if node == str(node_name):
+                return manager.get_ckpt_db_name(node, epoch)
+        return None
+
+    def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
+        for _, manager in self._node_managers or []:
+            manager.collect_checkpoint_stats(stats, sizes)
+
+    def report_checkpoint_stats(self, action_name: str) -> None:
+        stats: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        self.collect_checkpoint_stats(stats, sizes)
+        self._report(action_name, stats, sizes)
+
+    def set_params(self, nodes: Sequence[Any], path_prefix: str | None = None, path_type: str | None = None) -> None:
+        self._node_names = [check_node_name(str(n)) for n in nodes]
+        self._keep_paths(path_prefix, path_type)
+        self._handler_set_params(self._node_names)

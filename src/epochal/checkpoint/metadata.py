@@ -1,0 +1,61 @@
+"""The metadata handler protocol: who decides where to resume and records each commit.
+
+JobRunner and the managers call exactly the seed's five methods. A handler may also offer
+the optional extensions below; epochal calls them only when present, so a handler with just
+the five keeps working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class MetadataHandler(Protocol):
+    """The seed's interface, worked out from how checkpoint.py calls it."""
+
+    def set_params(
+        self,
+        db_prefix: str,
+        db_type: str,
+        node_names: list[str],
+        path_prefix: str | None,
+        path_type: str | None,
+    ) -> None:
+        """Where checkpoints live (called first, with keywords)."""
+
+    def last_epoch(self, user_epoch: int | None = None) -> int | None:
+        """The epoch to resume from (None: start from scratch). Its answer is final."""
+
+    def write(self, epoch: int) -> None:
+        """Checkpoint ``epoch`` was saved on every node: commit it."""
+
+    def report(self, action_name: str, stats: dict[str, int]) -> None:
+        """``stats`` maps each db path to the nanoseconds its save/load took."""
+
+    def cp_accessible(self, epoch: int | None = None) -> bool:
+        """Whether the next checkpoint can be written (falsy: skip the save with a warning)."""
+
+
+class MetadataHandlerExtensions(Protocol):
+    """Optional methods a handler may add (all are looked up with ``getattr``).
+
+    - ``report_bytes(action_name, sizes: dict[str, int])``: bytes per db, called just before
+      ``report`` with the same keys.
+    - ``mark_final(epoch)``: the job's stop condition was reached at ``epoch`` (called after
+      its ``write``).
+    - ``is_final(epoch) -> bool``: ``epoch`` was a finished job's last one; a rerun with no
+      explicit resume epoch loads it and runs no further epoch.
+    """
+
+    def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
+
+    def mark_final(self, epoch: int) -> None: ...
+
+    def is_final(self, epoch: int) -> bool: ...
+
+
+def call_optional(handler: Any, method: str, *args: Any) -> Any:
+    """Call ``handler.method(*args)`` if the handler has it; None otherwise."""
+    fn = getattr(handler, method, None) if handler is not None else None
+    return fn(*args) if callable(fn) else None

@@ -1,0 +1,133 @@
+"""The steps that checkpoint tasks run on a node's workspace.
+
+Each is a small picklable object (not a closure), so a multi-machine session can ship it to
+the node's own process and run it there, next to that node's workspace and disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, CheckpointNotFoundError, MissingBlobError
+from ..storage.base import ReadStats, get_db_type
+from ..storage.codecs import LOAD_OPTIONS
+
+logger = logging.getLogger("epochal")
+
+#: Blobs under this prefix are epochal's own bookkeeping (timers, sizes) and never checkpointed.
+INTERNAL_PREFIX = "__epochal__/"
+
+
+class GetBlobNames:
+    """Store the sorted names of the workspace's own blobs (not a parent's) in ``output``."""
+
+    def __init__(self, output: str) -> None:
+        self.output = output
+
+    def __call__(self, ws: Any) -> int:
+        names = [n for n in ws.blobs if not n.startswith(INTERNAL_PREFIX)]
+        if self.output not in names:
+            names = sorted([*names, self.output])
+        ws[self.output] = np.array(names, dtype=str)
+        return 0
+
+
+class LoadBlobs:
+    """Load ``names`` (all listed in the db when None) from one db into the workspace.
+
+    Live objects already in the workspace are passed to the codecs, which restore them in place
+    (torch tensors, modules, optimizers); everything is verified before anything is restored.
+    """
+
+    def __init__(
+        self,
+        db: str,
+        db_type: str,
+        names: Sequence[str] | None,
+        *,
+        node: str,
+        epoch: int,
+        allow_incomplete: bool = False,
+        keep_device: bool = False,
+        map_location: Any = None,
+        verify: bool = True,
+    ) -> None:
+        self.db, self.db_type = db, db_type
+        self.names = list(names) if names is not None else None
+        self.node, self.epoch = node, epoch
+        self.allow_incomplete, self.keep_device = allow_incomplete, keep_device
+        self.map_location, self.verify = map_location, verify
+
+    def __call__(self, ws: Any) -> int:
+        backend = get_db_type(self.db_type)
+        if not backend.exists(self.db):
+            raise CheckpointNotFoundError(
+                f"checkpoint {self.db} (node {self.node!r}, epoch {self.epoch}) does not exist"
+            )
+        names = self.names
+        existing = {n: ws[n] for n in (names or []) if n in ws}
+        stats = ReadStats()
+        opts = {"keep_device": self.keep_device, "map_location": self.map_location}
+        token = LOAD_OPTIONS.set(opts)
+        try:
+            values = backend.read(
+                self.db, names, allow_incomplete=self.allow_incomplete, existing=existing,
+                verify=self.verify, stats=stats,
+            )
+        finally:
+            LOAD_OPTIONS.reset(token)
+        for name, value in values.items():
+            ws[name] = value
+        return stats.nbytes
+
+
+class SaveBlobs:
+    """Save ``names`` from the workspace to one db (created or replaced, atomically)."""
+
+    def __init__(self, db: str, db_type: str, names: Sequence[str], *, node: str, epoch: int) -> None:
+        self.db, self.db_type, self.names = db, db_type, list(names)
+        self.node, self.epoch = node, epoch
+
+    def __call__(self, ws: Any) -> int:
+        if not self.names:
+            raise CheckpointError(f"checkpoint {self.db}: nothing to save (empty blob list)")
+        blobs: dict[str, Any] = {}
+        for name in self.names:
+            if name not in ws:
+                raise MissingBlobError(
+                    f"blob {name!r} of the blob list of node {self.node!r} is not in its workspace "
+                    f"(saving {self.db}, epoch {self.epoch})"
+                )
+            blobs[name] = ws[name]
+        return int(get_db_type(self.db_type).write(self.db, blobs))
+
+
+class DbExists:
+    """Set ``output`` to whether the db can be opened for reading."""
+
+    def __init__(self, db: str, db_type: str, output: str) -> None:
+        self.db, self.db_type, self.output = db, db_type, output
+
+    def __call__(self, ws: Any) -> int:
+        ws[self.output] = np.bool_(False)
+        ws[self.output] = np.bool_(get_db_type(self.db_type).exists(self.db))
+        return 0
+
+
+class Timed:
+    """Run ``op`` and record its duration (a 1-element int64 array of ns) and bytes moved."""
+
+    def __init__(self, op: Any, ns_blob: str, bytes_blob: str) -> None:
+        self.op, self.ns_blob, self.bytes_blob = op, ns_blob, bytes_blob
+        self.name = getattr(op, "name", type(op).__name__)
+
+    def __call__(self, ws: Any) -> None:
+        start = time.perf_counter_ns()
+        nbytes = self.op(ws)
+        ws[self.ns_blob] = np.array([time.perf_counter_ns() - start], dtype=np.int64)
+        ws[self.bytes_blob] = np.int64(nbytes or 0)

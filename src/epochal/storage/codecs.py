@@ -1,0 +1,334 @@
+"""Blob codecs: the one place that turns a value into raw segments plus a JSON meta, and back.
+
+A codec never pickles. ``encode`` returns an :class:`Encoded` (a kind, a JSON-able meta dict,
+and raw byte segments that a format writes as they are). Loading is two-phase so that a format
+can verify every checksum before any live object is touched:
+
+1. ``allocate(meta, sizes)`` returns fresh writable buffers, one per segment, that the format
+   fills (``readinto``) and verifies;
+2. ``decode(meta, buffers, existing)`` builds the value, restoring into ``existing`` (a live
+   object under the same name in the workspace) in place when the codec knows how.
+
+Codecs are picked by ``accepts(value)`` in registration order (newest first) and found again
+by ``kind`` on load. Integrations (torch, state dicts) register their own codecs; kinds with a
+known prefix import their integration lazily, so the core imports with numpy alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import struct
+from contextvars import ContextVar
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import UnsupportedBlobError
+
+Buffer = memoryview
+
+#: Options for codecs while loading, set by the checkpoint manager around a load, e.g.
+#: ``{"map_location": "cpu"}`` for torch tensors. Codecs read it with ``LOAD_OPTIONS.get()``.
+LOAD_OPTIONS: ContextVar[dict[str, Any]] = ContextVar("epochal_load_options", default={})
+
+
+@dataclass
+class Encoded:
+    """A value ready to be written: ``segments`` are written raw, ``meta`` as JSON."""
+
+    kind: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    segments: list[memoryview] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """How one family of values becomes segments and back. See the module docstring."""
+
+    kind: str
+
+    def accepts(self, value: Any) -> bool: ...
+
+    def encode(self, value: Any) -> Encoded: ...
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]: ...
+
+    def decode(self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None) -> Any: ...
+
+
+def _bytes_view(obj: Any) -> memoryview:
+    """A flat, C-contiguous uint8 view of ``obj`` (copied only when it is not contiguous)."""
+    mv = memoryview(obj)
+    if not mv.c_contiguous:
+        mv = memoryview(np.ascontiguousarray(obj))
+    return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
+def fresh_buffers(sizes: Sequence[int]) -> list[memoryview]:
+    """Uninitialised writable buffers of the given sizes (numpy's allocator: no zeroing)."""
+    return [memoryview(np.empty(int(n), dtype=np.uint8)) for n in sizes]
+
+
+# ---------------------------------------------------------------- dtypes
+def dtype_to_json(dt: np.dtype) -> Any:
+    """A JSON form of a numpy dtype that rebuilds it exactly; refuses object dtypes."""
+    if dt.hasobject:
+        raise UnsupportedBlobError(f"dtype {dt} holds Python objects")
+    if dt.fields is not None or dt.subdtype is not None:
+        return {"descr": _descr_to_json(dt.descr)}
+    return dt.str
+
+
+def _descr_to_json(descr: Any) -> Any:
+    out = []
+    for item in descr:
+        name, typ, *shape = item
+        typ = _descr_to_json(typ) if isinstance(typ, list) else typ
+        out.append([name, typ, *[list(s) for s in shape]])
+    return out
+
+
+def _descr_from_json(descr: Any) -> Any:
+    out = []
+    for item in descr:
+        if not isinstance(item, list) or len(item) not in (2, 3):
+            raise ValueError(f"bad dtype description {item!r}")
+        name, typ, *shape = item
+        typ = _descr_from_json(typ) if isinstance(typ, list) else str(typ)
+        out.append((str(name), typ, *[tuple(int(d) for d in s) for s in shape]))
+    return out
+
+
+def dtype_from_json(obj: Any) -> np.dtype:
+    """Inverse of :func:`dtype_to_json`; raises ValueError on anything that is not a plain dtype."""
+    if isinstance(obj, str):
+        if obj.startswith("|O") or "O" == obj.lstrip("<>|=")[:1]:
+            raise ValueError(f"object dtype {obj!r} is not allowed")
+        dt = np.dtype(obj)
+    elif isinstance(obj, dict) and isinstance(obj.get("descr"), list):
+        dt = np.dtype(_descr_from_json(obj["descr"]))
+    else:
+        raise ValueError(f"unknown dtype {obj!r}")
+    if dt.hasobject:
+        raise ValueError(f"object dtype {obj!r} is not allowed")
+    return dt
+
+
+def check_shape(shape: Any, what: str = "shape") -> tuple[int, ...]:
+    """Validate a JSON shape: a list of non-negative ints of sane rank."""
+    if not isinstance(shape, list) or len(shape) > 64:
+        raise ValueError(f"bad {what} {shape!r}")
+    out = []
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0 or d > 2**62:
+            raise ValueError(f"bad {what} {shape!r}")
+        out.append(d)
+    return tuple(out)
+
+
+def expected_nbytes(dt: np.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * dt.itemsize
+
+
+# ---------------------------------------------------------------- codecs
+class NdarrayCodec:
+    """numpy arrays of every non-object dtype, any shape (0-d and empty included), raw bytes."""
+
+    kind = "ndarray"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, np.ndarray)
+
+    def encode(self, value: Any) -> Encoded:
+        arr = np.asarray(value)
+        meta = {"dtype": dtype_to_json(arr.dtype), "shape": list(arr.shape)}
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        return Encoded(self.kind, meta, [_bytes_view(arr.reshape(-1).view(np.uint8))
+                                          if arr.size else memoryview(b"")])
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
+        dt = dtype_from_json(meta.get("dtype"))
+        shape = check_shape(meta.get("shape"))
+        if len(sizes) != 1 or sizes[0] != expected_nbytes(dt, shape):
+            raise ValueError(f"{list(sizes)} bytes do not fit dtype {dt} and shape {shape}")
+        # Allocate with the final dtype so the decoded array owns aligned memory.
+        arr = np.empty(shape, dtype=dt)
+        return [memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(bytearray())]
+
+    def decode(self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None) -> Any:
+        dt = dtype_from_json(meta.get("dtype"))
+        shape = check_shape(meta.get("shape"))
+        buf = buffers[0]
+        if buf.nbytes != expected_nbytes(dt, shape):
+            raise ValueError(f"{buf.nbytes} bytes do not fit dtype {dt} and shape {shape}")
+        if buf.nbytes == 0:
+            return np.empty(shape, dtype=dt)
+        base = buf.obj if isinstance(buf.obj, np.ndarray) else None
+        if base is not None and base.dtype == dt and base.shape == shape and buf.nbytes == base.nbytes:
+            return base
+        return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+class NumpyScalarCodec:
+    """numpy scalars (np.float32(1.5), np.bool_(True), np.str_...), kept as their numpy type."""
+
+    kind = "npscalar"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, np.generic)
+
+    def encode(self, value: Any) -> Encoded:
+        arr = np.asarray(value)
+        return Encoded(self.kind, {"dtype": dtype_to_json(arr.dtype)}, [_bytes_view(arr.tobytes())])
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
+        dt = dtype_from_json(meta.get("dtype"))
+        if len(sizes) != 1 or sizes[0] != dt.itemsize:
+            raise ValueError(f"{list(sizes)} bytes do not fit a scalar of dtype {dt}")
+        return fresh_buffers(sizes)
+
+    def decode(self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None) -> Any:
+        dt = dtype_from_json(meta.get("dtype"))
+        if buffers[0].nbytes != dt.itemsize:
+            raise ValueError(f"{buffers[0].nbytes} bytes do not fit a scalar of dtype {dt}")
+        return np.frombuffer(buffers[0], dtype=dt)[0].copy()
+
+
+class PyScalarCodec:
+    """Python None, bool, int (any size), float (bit-exact: NaN payloads, -0.0), str, bytes."""
+
+    kind = "py"
+
+    def accepts(self, value: Any) -> bool:
+        return value is None or type(value) in (bool, int, float, str, bytes, bytearray)
+
+    def encode(self, value: Any) -> Encoded:
+        t = type(value)
+        if value is None:
+            return Encoded(self.kind, {"type": "none"})
+        if t is bool:
+            return Encoded(self.kind, {"type": "bool", "value": bool(value)})
+        if t is int:
+            return Encoded(self.kind, {"type": "int", "value": str(value)})
+        if t is float:
+            bits = struct.unpack("<Q", struct.pack("<d", value))[0]
+            return Encoded(self.kind, {"type": "float", "bits": f"{bits:016x}"})
+        if t is str:
+            return Encoded(self.kind, {"type": "str"}, [memoryview(value.encode("utf-8", "surrogatepass"))])
+        return Encoded(self.kind, {"type": "bytes" if t is bytes else "bytearray"}, [memoryview(bytes(value))])
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
+        return fresh_buffers(sizes)
+
+    def decode(self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None) -> Any:
+        t = meta.get("type")
+        if t == "none":
+            return None
+        if t == "bool":
+            v = meta.get("value")
+            if not isinstance(v, bool):
+                raise ValueError("bad bool value")
+            return v
+        if t == "int":
+            v = meta.get("value")
+            if not isinstance(v, str) or len(v) > 100_000:
+                raise ValueError("bad int value")
+            return int(v)
+        if t == "float":
+            return struct.unpack("<d", struct.pack("<Q", int(str(meta.get("bits")), 16)))[0]
+        if len(buffers) != 1:
+            raise ValueError(f"a {t} needs one segment, got {len(buffers)}")
+        if t == "str":
+            return bytes(buffers[0]).decode("utf-8", "surrogatepass")
+        if t == "bytes":
+            return bytes(buffers[0])
+        if t == "bytearray":
+            return bytearray(buffers[0])
+        raise ValueError(f"unknown Python scalar type {t!r}")
+
+
+# ---------------------------------------------------------------- registry
+_codecs: list[Codec] = []
+_by_kind: dict[str, Codec] = {}
+# kind prefix -> module that registers those codecs when imported
+_lazy_modules: dict[str, str] = {
+    "torch.": "epochal.integrations.torch",
+    "tree": "epochal.storage.tree",
+}
+
+
+def register_codec(codec: Codec, *, first: bool = True) -> None:
+    """Add a codec; ``first`` puts it ahead of the others when values are matched."""
+    if codec.kind in _by_kind:
+        _codecs.remove(_by_kind[codec.kind])
+    _by_kind[codec.kind] = codec
+    if first:
+        _codecs.insert(0, codec)
+    else:
+        _codecs.append(codec)
+
+
+for _c in (NdarrayCodec(), NumpyScalarCodec(), PyScalarCodec()):
+    register_codec(_c, first=False)
+
+
+def _lazy_import_for_value(value: Any) -> bool:
+    mod = type(value).__module__ or ""
+    if mod.split(".")[0] == "torch":
+        importlib.import_module("epochal.integrations.torch")
+        return True
+    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict") or isinstance(
+        value, (dict, list, tuple)
+    ):
+        importlib.import_module("epochal.storage.tree")
+        return True
+    return False
+
+
+def codec_for_value(value: Any, name: str = "?") -> Codec:
+    """The codec that stores ``value``; :class:`UnsupportedBlobError` naming the blob if none."""
+    for attempt in range(2):
+        for codec in _codecs:
+            if codec.accepts(value):
+                return codec
+        if attempt == 0 and not _lazy_import_for_value(value):
+            break
+    raise UnsupportedBlobError(
+        f"blob {name!r}: cannot store a value of type {type(value).__module__}.{type(value).__qualname__} "
+        "without pickle (supported: numpy arrays and scalars, int, float, bool, str, bytes, None, "
+        "torch tensors, objects with state_dict()/load_state_dict(), and dicts/lists of those)"
+    )
+
+
+def codec_for_kind(kind: str) -> Codec:
+    """The codec that reads ``kind``; ValueError if no codec (or lazy integration) knows it."""
+    codec = _by_kind.get(kind)
+    if codec is None:
+        for prefix, module in _lazy_modules.items():
+            if kind.startswith(prefix):
+                try:
+                    importlib.import_module(module)
+                except ImportError as e:
+                    raise ValueError(f"blob kind {kind!r} needs {module}: {e}") from e
+                codec = _by_kind.get(kind)
+                break
+    if codec is None:
+        raise ValueError(f"unknown blob kind {kind!r}")
+    return codec
+
+
+def encode(value: Any, name: str = "?") -> Encoded:
+    """Encode ``value`` (named ``name`` in errors) with the codec that accepts it."""
+    codec = codec_for_value(value, name)
+    try:
+        return codec.encode(value)
+    except UnsupportedBlobError as e:
+        raise UnsupportedBlobError(f"blob {name!r}: {e}") from None
