@@ -108,14 +108,17 @@ def _descr_from_json(descr: Any) -> Any:
 
 def dtype_from_json(obj: Any) -> np.dtype:
     """Inverse of :func:`dtype_to_json`; raises ValueError on anything that is not a plain dtype."""
-    if isinstance(obj, str):
-        if obj.startswith("|O") or "O" == obj.lstrip("<>|=")[:1]:
-            raise ValueError(f"object dtype {obj!r} is not allowed")
-        dt = np.dtype(obj)
-    elif isinstance(obj, dict) and isinstance(obj.get("descr"), list):
-        dt = np.dtype(_descr_from_json(obj["descr"]))
-    else:
-        raise ValueError(f"unknown dtype {obj!r}")
+    try:
+        if isinstance(obj, str) and len(obj) < 64:
+            if "O" == obj.lstrip("<>|=")[:1]:
+                raise ValueError(f"object dtype {obj!r} is not allowed")
+            dt = np.dtype(obj)
+        elif isinstance(obj, dict) and isinstance(obj.get("descr"), list):
+            dt = np.dtype(_descr_from_json(obj["descr"]))
+        else:
+            raise ValueError(f"unknown dtype {obj!r}")
+    except (TypeError, SyntaxError) as e:
+        raise ValueError(f"unknown dtype {obj!r}: {e}") from None
     if dt.hasobject:
         raise ValueError(f"object dtype {obj!r} is not allowed")
     return dt
