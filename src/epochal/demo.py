@@ -156,9 +156,9 @@ def build_job(epochs: int, seed: int = 0) -> tuple[Job, Any]:
 
 def run_demo(directory: str = "checkpoints", epochs: int = 10, quiet: bool = False, keep_last: int | None = 3) -> int:
     """Train (or resume) the demo job with checkpoints under ``directory``; return the last epoch."""
-    from .checkpoint.directory import DirectoryMetadataHandler
-
     import os
+
+    from .checkpoint.directory import DirectoryMetadataHandler
 
     os.makedirs(directory, exist_ok=True)
     session = LocalSession()

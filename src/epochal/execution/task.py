@@ -97,7 +97,7 @@ class TaskOutput:
         return f"TaskOutput({self.get()!r})"
 
 
-OutputSpec = Union[str, TaskOutput, Sequence[Union[str, TaskOutput]], None]
+OutputSpec = Union[str, TaskOutput, Sequence[Union[str, TaskOutput]], None]  # noqa: UP007
 
 
 def _step_name(step: Any) -> str | None:
@@ -125,7 +125,7 @@ class Task(Managed):
         self.group = group if group is not None else TaskGroup.current(required=False)
         self._steps: list[Step] = []
         if step is not None:
-            self._steps = list(step) if isinstance(step, (list, tuple)) else [step]
+            self._steps = list(step) if isinstance(step, (list, tuple)) else [step]  # type: ignore[list-item]
             for s in self._steps:
                 if not callable(s):
                     raise TypeError(f"task step {s!r} is not callable")
@@ -135,13 +135,13 @@ class Task(Managed):
         base = name or _step_name(step) or "task"
         full = f"{self.node}/{base}"
         if self.group is not None:
-            taken = {t.name for t in self.group._all_tasks()}
+            taken = {str(t.name) for t in self.group._all_tasks()}
             i, candidate = 0, full
             while candidate in taken:
                 i += 1
                 candidate = f"{full}:{i}"
             full = candidate
-        self.name = full
+        self.name: str = full
         if outputs is not None:
             self.add_outputs(outputs)
         if self.group is not None:
@@ -188,8 +188,9 @@ class Task(Managed):
             self.group._pending.remove(self)
         return super().__enter__()
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        super().__exit__(exc_type, *exc)
+    def __exit__(self, *exc: object) -> None:
+        exc_type = exc[0] if exc else None
+        super().__exit__(*exc)
         if exc_type is None and self.group is not None and self not in self.group._pending:
             # re-appended: tasks stay ordered by when they finished being defined
             self.group._pending.append(self)

@@ -113,31 +113,32 @@ class JobRunner:
             self.resume_from_epoch = manager.get_resume_from_epoch_id(self.resume_from_epoch)
             if self.resume_from_epoch is not None:
                 logger.info("Resuming from epoch %d", self.resume_from_epoch)
-        from_scratch = self.resume_from_epoch is None
+        resume = self.resume_from_epoch
+        from_scratch = resume is None
         handler = getattr(manager, "metadata_handler", None) if manager else None
         finished = bool(
             not from_scratch and user_epoch is None
-            and call_optional(handler, "is_final", self.resume_from_epoch)
+            and call_optional(handler, "is_final", resume)
         )
         self._emit("on_train_start", self.resume_from_epoch, list(job.nodes_to_checkpoint()))
         if from_scratch:
             session.run(job.init_group)
         if manager:
             logger.info("Preparing checkpoints ...")
-            session.run(manager.init(job.nodes_to_checkpoint(), retrieve_from_epoch=self.resume_from_epoch))
-            if from_scratch:
+            session.run(manager.init(job.nodes_to_checkpoint(), retrieve_from_epoch=resume))
+            if resume is None:
                 self.save_checkpoints(0, session)
             else:
-                logger.info("Loading checkpoints for epoch %d ...", self.resume_from_epoch)
+                logger.info("Loading checkpoints for epoch %d ...", resume)
                 start = time.perf_counter()
-                self._emit("on_checkpoint_start", "checkpoint_load", self.resume_from_epoch)
-                session.run(manager.load(self.resume_from_epoch))
+                self._emit("on_checkpoint_start", "checkpoint_load", resume)
+                session.run(manager.load(resume))
                 manager.report_checkpoint_stats("checkpoint_load")
-                self._checkpoint_event("checkpoint_load", self.resume_from_epoch, start, True, None)
+                self._checkpoint_event("checkpoint_load", resume, start, True, None)
                 logger.info("Checkpoint loaded")
         logger.info("Finished initializing")
 
-        epoch = 1 if from_scratch else self.resume_from_epoch + 1  # type: ignore[operator]
+        epoch = 1 if resume is None else resume + 1
         if finished:
             epoch -= 1
             logger.info("Epoch %d was the last epoch of a finished job: no further epoch runs", epoch)
@@ -152,6 +153,8 @@ class JobRunner:
             logger.info("Finished epoch %d", epoch)
             self._emit("on_epoch_end", epoch, time.perf_counter() - start)
             stop = [o.fetch() for o in job.stop_conditions]
+            if any(stop):  # lets a handler commit "final" in the same write as the epoch
+                call_optional(handler, "expect_final", epoch)
             saved = self.save_checkpoints(epoch, session) if manager else False
             if any(stop):
                 logger.info("Stopping")

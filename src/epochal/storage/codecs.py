@@ -67,13 +67,13 @@ def _bytes_view(obj: Any) -> memoryview:
     """A flat, C-contiguous uint8 view of ``obj`` (copied only when it is not contiguous)."""
     mv = memoryview(obj)
     if not mv.c_contiguous:
-        mv = memoryview(np.ascontiguousarray(obj))
+        mv = memoryview(np.ascontiguousarray(obj))  # type: ignore[arg-type]
     return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
 
 
 def fresh_buffers(sizes: Sequence[int]) -> list[memoryview]:
     """Uninitialised writable buffers of the given sizes (numpy's allocator: no zeroing)."""
-    return [memoryview(np.empty(int(n), dtype=np.uint8)) for n in sizes]
+    return [memoryview(np.empty(int(n), dtype=np.uint8)) for n in sizes]  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- dtypes
@@ -164,7 +164,8 @@ class NdarrayCodec:
             raise ValueError(f"{list(sizes)} bytes do not fit dtype {dt} and shape {shape}")
         # Allocate with the final dtype so the decoded array owns aligned memory.
         arr = np.empty(shape, dtype=dt)
-        return [memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(bytearray())]
+        flat = arr.reshape(-1).view(np.uint8)
+        return [memoryview(flat) if arr.size else memoryview(bytearray())]  # type: ignore[arg-type]
 
     def decode(self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None) -> Any:
         dt = dtype_from_json(meta.get("dtype"))

@@ -1,0 +1,80 @@
+"""RaySession: a real multi-process run on a local Ray cluster, one actor per node."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
+from epochal import Cluster, Job, JobRunner, MultiNodeCheckpointManager, Task, get_db_type  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ["PYTHONPATH"] = os.pathsep.join([TESTS, *sys.path])  # workers import _pipeline
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+class WhoAmI:
+    def __call__(self, ws):
+        ws["pid"] = np.int64(os.getpid())
+
+
+def test_multinode_job_on_ray_resumes_from_every_epoch(ray_cluster, tmp_path):
+    from epochal.sessions.ray import RaySession
+
+    with Cluster():
+        with Job() as job:
+            for n in range(3):
+                build_pipeline(n)
+        session = RaySession()
+        mgr = MultiNodeCheckpointManager(str(tmp_path), "native")
+        assert JobRunner(job, mgr).train(session) == 4
+        # every node's state lives in its own process, and only there
+        pids = {session.node_info(f"trainer_{n}")["pid"] for n in range(3)}
+        assert len(pids) == 3 and os.getpid() not in pids
+        for n in range(3):
+            assert session.fetch_blob(f"trainer_{n}", f"trainer_{n}/total").tolist() == [145]
+            assert f"trainer_{(n + 1) % 3}/total" not in session.blobs(f"trainer_{n}")
+            # each node's db holds exactly that node's blobs
+            saved = get_db_type("native").read(str(tmp_path / f"trainer_{n}.4"))
+            assert sorted(saved) == sorted(["blob_names", *(f"trainer_{n}/{k}" for k in ("cursor", "data", "total"))])
+        session.close()
+
+        for epoch in range(1, 5):
+            s = RaySession()
+            JobRunner(job, MultiNodeCheckpointManager(str(tmp_path)), resume_from_epoch=epoch).train(s)
+            assert s.fetch_blob("trainer_1", "trainer_1/total").tolist() == [EXPECTED_TOTALS[-1]]
+            s.close()
+
+        s = RaySession()
+        runner = JobRunner(job, MultiNodeCheckpointManager(str(tmp_path)))
+        assert runner.load_blobs_from_checkpoints(["trainer_0/total", "trainer_2/total"], 2, s)
+        assert s.fetch_blob("trainer_2", "trainer_2/total").tolist() == [EXPECTED_TOTALS[1]]
+        assert s.fetch_blob("trainer_0", "trainer_0/total").tolist() == [EXPECTED_TOTALS[1]]
+        s.close()
+
+
+def test_step_errors_propagate_from_the_node(ray_cluster):
+    from epochal.sessions.ray import RaySession
+
+    class Boom:
+        def __call__(self, ws):
+            raise ValueError("bad step on the node")
+
+    s = RaySession()
+    with pytest.raises(ValueError, match="bad step on the node"):
+        s.run(Task(step=Boom(), node="n0"))
+    t = Task(step=WhoAmI(), outputs="pid", node="n0")
+    s.run(t)
+    assert int(t.outputs()[0].fetch()) == s.node_info("n0")["pid"]
+    s.close()
