@@ -195,6 +195,22 @@ def test_epoch_limiter_counts_and_resumes(tmp_path):
             LocalSession(ws2)
         ) == 3
         assert int(ws2["ticks"]) == 3
+
+    def rebuilt():
+        with Job() as j:
+            with j.init_group:
+                Task(step=Zero())
+            Task(step=Tick())
+            epoch_limiter(j, 3)
+        return j
+
+    # a job rebuilt in this process (as a restarted script would) finds its counter again
+    with Node("n"), Cluster():
+        ws3 = Workspace()
+        assert JobRunner(rebuilt(), CheckpointManager(str(tmp_path), "n"), resume_from_epoch=2).train(
+            LocalSession(ws3)
+        ) == 3
+        assert int(ws3["ticks"]) == 3
     with pytest.raises(ValueError):
         epoch_limiter(Job(), 0)
 

@@ -16,7 +16,16 @@ from ..execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
 from ..storage.base import get_db_type
 from .metadata import MetadataHandler, call_optional
 from .naming import check_node_name, db_name
-from .steps import INTERNAL_PREFIX, DbExists, GetBlobNames, LoadBlobs, SaveBlobs, Timed
+from .steps import (
+    INTERNAL_PREFIX,
+    DbExists,
+    GetBlobNames,
+    JoinSave,
+    LoadBlobs,
+    SaveBlobs,
+    SnapshotAndSave,
+    Timed,
+)
 
 logger = logging.getLogger("epochal")
 
@@ -147,7 +156,7 @@ class CheckpointManager(_HandlerCalls):
         """A Task whose output ``blob_names`` fixes the blob list: every blob of the node's
         global workspace now (run it right after init_group), or the list stored in the
         checkpoint of ``retrieve_from_epoch``."""
-        if nodes is not None and len(nodes) != 1:
+        if nodes and len(nodes) != 1:  # None or [] (a job whose init group has no task)
             raise AssertionError("CheckpointManager only supports single node.")
         if retrieve_from_epoch is None:
             step: Any = GetBlobNames(self._blob_names)
@@ -228,13 +237,29 @@ class CheckpointManager(_HandlerCalls):
         return Task(step=DbExists(path, self._db_type, flag), outputs=[flag], node=self._node_name,
                     name="check_db_exists")
 
-    def save(self, epoch: int) -> Task:
-        """A timed Task saving the blob list, in order, to the db of ``epoch``."""
+    def save(self, epoch: int, background: bool = False) -> Task:
+        """A timed Task saving the blob list, in order, to the db of ``epoch``.
+
+        With ``background``, the task only snapshots the blobs and starts the write on a
+        background thread of the node's process; run :meth:`join_save` before committing.
+        """
         self._current_db_name = self._db(epoch)
-        logger.info("Saving to %s", self._current_db_name)
-        return self._timed_task("checkpoint_save", SaveBlobs(
+        logger.info("Saving to %s%s", self._current_db_name, " (background)" if background else "")
+        step = SnapshotAndSave if background else SaveBlobs
+        return self._timed_task("checkpoint_save", step(
             self._current_db_name, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
         ))
+
+    def join_save(self, epoch: int) -> Task:
+        """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
+        and its stats are the whole save's (snapshot until the file is durable)."""
+        self._current_db_name = self._db(epoch)
+        base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
+        task = Task(step=JoinSave(self._current_db_name, f"{base}.ns", f"{base}.bytes"),
+                    node=self._node_name, name="checkpoint_join")
+        self._current_checkpoint_duration = task.add_output(f"{base}.ns")
+        self._current_checkpoint_bytes = task.add_output(f"{base}.bytes")
+        return task
 
     def set_params(self, nodes: Any, path_prefix: str | None = None, path_type: str | None = None) -> None:
         self._keep_paths(path_prefix, path_type)
@@ -285,7 +310,10 @@ class MultiNodeCheckpointManager(_HandlerCalls):
 
     def _create_managers(self, nodes: Sequence[Any]) -> None:
         if not nodes:
-            raise CheckpointError("MultiNodeCheckpointManager needs at least one node")
+            raise CheckpointError(
+                "no nodes to checkpoint: the job's init group has no task; give the Job "
+                "nodes_to_checkpoint=[...] or add an init task on each node"
+            )
         self._node_managers = []
         for node in nodes:
             name = str(node)
@@ -323,8 +351,11 @@ class MultiNodeCheckpointManager(_HandlerCalls):
     def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> TaskGroup:
         return self._task_group(CheckpointManager.load, epoch, path_prefix=path_prefix, path_type=path_type)
 
-    def save(self, epoch: int) -> TaskGroup:
-        return self._task_group(CheckpointManager.save, epoch)
+    def save(self, epoch: int, background: bool = False) -> TaskGroup:
+        return self._task_group(CheckpointManager.save, epoch, background=background)
+
+    def join_save(self, epoch: int) -> TaskGroup:
+        return self._task_group(CheckpointManager.join_save, epoch)
 
     def load_blobs_locally(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int, session: Any) -> bool:
         """Load ``blob_names`` from every node's db of ``epoch``, node by node; False (after

@@ -131,3 +131,69 @@ class Timed:
         nbytes = self.op(ws)
         ws[self.ns_blob] = np.array([time.perf_counter_ns() - start], dtype=np.int64)
         ws[self.bytes_blob] = np.int64(nbytes or 0)
+
+
+# ---------------------------------------------------------------- background saves
+class _Pending:
+    """A background write of one db: its future and when its snapshot started."""
+
+    def __init__(self, future: Any, started_ns: int) -> None:
+        self.future, self.started_ns = future, started_ns
+
+
+_pending: dict[str, _Pending] = {}  # db path -> its write in flight, in this (node's) process
+_executor: Any = None
+
+
+def _write_in_background(db_type: str, db: str, blobs: dict[str, Any]) -> tuple[int, int]:
+    nbytes = int(get_db_type(db_type).write(db, blobs))
+    return nbytes, time.perf_counter_ns()
+
+
+class SnapshotAndSave(SaveBlobs):
+    """Snapshot the blobs now (encoded and copied: later updates can't reach them) and write
+    them on a background thread of this node's process; :class:`JoinSave` waits for it.
+
+    The snapshot costs a copy of the checkpoint in memory; the write overlaps the next epoch.
+    """
+
+    def __call__(self, ws: Any) -> int:
+        global _executor
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ..storage.codecs import Frozen
+
+        started = time.perf_counter_ns()
+        if self.db in _pending:
+            raise CheckpointError(f"checkpoint {self.db}: a background save of it is still running")
+        if not self.names:
+            raise CheckpointError(f"checkpoint {self.db}: nothing to save (empty blob list)")
+        frozen: dict[str, Any] = {}
+        for name in self.names:
+            if name not in ws:
+                raise MissingBlobError(
+                    f"blob {name!r} of the blob list of node {self.node!r} is not in its workspace "
+                    f"(saving {self.db}, epoch {self.epoch})"
+                )
+            frozen[name] = Frozen(ws[name], name)
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochal-save")
+        _pending[self.db] = _Pending(_executor.submit(_write_in_background, self.db_type, self.db, frozen), started)
+        return sum(f.nbytes for f in frozen.values())
+
+
+class JoinSave:
+    """Wait for the background save of ``db``; record its whole duration (snapshot to durable
+    file) and bytes like a synchronous save's; re-raise its error."""
+
+    def __init__(self, db: str, ns_blob: str, bytes_blob: str) -> None:
+        self.db, self.ns_blob, self.bytes_blob = db, ns_blob, bytes_blob
+        self.name = "checkpoint_save"
+
+    def __call__(self, ws: Any) -> None:
+        pending = _pending.pop(self.db, None)
+        if pending is None:
+            raise CheckpointError(f"checkpoint {self.db}: no background save is pending")
+        nbytes, done_ns = pending.future.result()
+        ws[self.ns_blob] = np.array([done_ns - pending.started_ns], dtype=np.int64)
+        ws[self.bytes_blob] = np.int64(nbytes)

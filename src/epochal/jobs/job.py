@@ -32,6 +32,7 @@ class Job(Managed):
         self.exit_group = exit_group or TaskGroup()
         self.stop_conditions: list[TaskOutput] = list(stop_conditions or [])
         self._nodes_to_checkpoint = nodes_to_checkpoint
+        self._limiters = 0  # epoch_limiters added so far (they name their counters by it)
 
     def nodes_to_checkpoint(self) -> list[str]:
         """The given node list, else the nodes of the init group's tasks, in order."""
@@ -97,17 +98,18 @@ class _CountDown:
         ws[self.output] = np.bool_(before <= 0)
 
 
-_limiter_ids = iter(range(1 << 62))
-
-
 def epoch_limiter(job: Job, num_epochs: int) -> TaskOutput:
     """Stop ``job`` after ``num_epochs`` epochs in all (the count is checkpointed, so a resumed
     run does not restart it)."""
     if num_epochs < 1:
         raise ValueError(f"num_epochs must be >= 1, got {num_epochs}")
-    n = next(_limiter_ids)
-    counter, flag = f"epoch_limiter:{n}/counter", f"epoch_limiter:{n}/stop"
+    # Names depend only on the job's structure, so a job rebuilt by a new process (or the
+    # same one) finds its saved counter again when it resumes.
+    n = job._limiters
+    job._limiters += 1
     node = Node.current()
+    suffix = f":{n}" if n else ""
+    counter, flag = f"epoch_limiter{suffix}/{node}/counter", f"epoch_limiter{suffix}/{node}/stop"
     with job.init_group:
         Task(step=_CreateCounter(counter, num_epochs - 1), node=node, name="epoch_limiter_init")
     with job.epoch_group:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib
 import math
 import struct
-from contextvars import ContextVar
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -259,6 +259,46 @@ class PyScalarCodec:
         raise ValueError(f"unknown Python scalar type {t!r}")
 
 
+class Frozen:
+    """A value already encoded, with its segments copied: a snapshot that later changes to
+    the live value cannot reach. Background saves write these while training goes on."""
+
+    __slots__ = ("encoded",)
+
+    def __init__(self, value: Any, name: str = "?") -> None:
+        enc = encode(value, name)
+        copies = []
+        for seg in enc.segments:
+            buf = np.empty(seg.nbytes, dtype=np.uint8)
+            if seg.nbytes:
+                buf[:] = np.frombuffer(seg, dtype=np.uint8)
+            copies.append(memoryview(buf))  # type: ignore[arg-type]
+        self.encoded = Encoded(enc.kind, enc.meta, copies)
+
+    @property
+    def nbytes(self) -> int:
+        return self.encoded.nbytes
+
+
+class FrozenCodec:
+    """Writes a :class:`Frozen` snapshot as the value it was taken of (same kind and meta), so
+    it reads back with that value's own codec."""
+
+    kind = "__frozen__"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, Frozen)
+
+    def encode(self, value: Any) -> Encoded:
+        return value.encoded  # type: ignore[no-any-return]
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
+        raise ValueError("frozen snapshots are never read back as such")
+
+    def decode(self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None) -> Any:
+        raise ValueError("frozen snapshots are never read back as such")
+
+
 # ---------------------------------------------------------------- registry
 _codecs: list[Codec] = []
 _by_kind: dict[str, Codec] = {}
@@ -280,7 +320,7 @@ def register_codec(codec: Codec, *, first: bool = True) -> None:
         _codecs.append(codec)
 
 
-for _c in (NdarrayCodec(), NumpyScalarCodec(), PyScalarCodec()):
+for _c in (FrozenCodec(), NdarrayCodec(), NumpyScalarCodec(), PyScalarCodec()):
     register_codec(_c, first=False)
 
 

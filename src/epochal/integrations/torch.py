@@ -1,0 +1,311 @@
+"""PyTorch support: tensors, dtypes, devices and generators as blobs, raw and pickle-free.
+
+Importing this module registers its codecs; :mod:`epochal.storage.codecs` imports it lazily the
+first time it meets a torch value or a ``torch.*`` blob kind, so ``import epochal`` never
+imports torch. Stateful torch objects (``nn.Module``, optimizers, LR schedulers, GradScaler)
+need nothing here beyond tensors: :mod:`epochal.storage.tree` stores their state dicts.
+
+Tensors (kind ``torch.tensor``) are stored as their raw bytes, taken through a ``uint8`` view of
+the contiguous CPU tensor, never through numpy dtypes. So every dtype round-trips bit for bit,
+bfloat16, float8, complex32 and the bit/sub-byte dtypes included, as do NaN payloads and -0.0.
+The meta records dtype name, shape, device and ``requires_grad``; a dtype is found again by
+name as an attribute of ``torch`` that must be a ``torch.dtype``: nothing is evaluated.
+
+Where a loaded tensor goes, in order:
+
+1. a live tensor in the workspace under the blob's name receives the data in place
+   (``copy_``): a model that shares its parameters with the workspace sees the restored
+   values. Shape and dtype must match, else :class:`~epochal.errors.BlobMismatchError`;
+2. ``LOAD_OPTIONS["map_location"]`` (a device, a device string, or a dict mapping saved device
+   strings to targets), when set, maps the tensor there;
+3. with ``keep_device`` (the default, as in the seed's Load), back to the device it was saved
+   from when that device exists here; otherwise to the CPU with a warning.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import BlobMismatchError, UnsupportedBlobError
+from ..storage import tree as _tree  # noqa: F401  (state dicts of torch objects need it)
+from ..storage.codecs import LOAD_OPTIONS, Encoded, check_shape, register_codec
+
+__all__ = [
+    "TensorCodec",
+    "TorchDtypeCodec",
+    "TorchDeviceCodec",
+    "GeneratorCodec",
+    "dtype_from_name",
+    "resolve_device",
+]
+
+
+def dtype_from_name(name: Any) -> torch.dtype:
+    """The torch dtype called ``name`` (``"bfloat16"``); ValueError for anything else."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+        raise ValueError(f"bad torch dtype name {name!r}")
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dt
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dt).removeprefix("torch.")
+
+
+_available: dict[str, bool] = {}
+
+
+def _device_available(dev: torch.device) -> bool:
+    """True when tensors can be placed on ``dev`` in this process (cached per device)."""
+    key = str(dev)
+    if key not in _available:
+        if dev.type == "cpu":
+            ok = True
+        elif dev.type == "cuda":
+            ok = torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+        else:
+            try:
+                torch.empty(0, device=dev)
+                ok = dev.type != "meta"
+            except Exception:
+                ok = False
+        _available[key] = ok
+    return _available[key]
+
+
+def resolve_device(saved: str, options: dict[str, Any] | None = None) -> torch.device:
+    """The device a tensor saved from ``saved`` goes to under ``options`` (see module doc)."""
+    opts = LOAD_OPTIONS.get() if options is None else options
+    ml = opts.get("map_location")
+    if isinstance(ml, dict):
+        ml = ml.get(saved)
+    if ml is not None:
+        if not isinstance(ml, (str, torch.device)):
+            raise TypeError(f"map_location must be a device, a string or a dict, not {ml!r}")
+        return torch.device(ml)
+    if not opts.get("keep_device", True):
+        return torch.device("cpu")
+    try:
+        dev = torch.device(saved)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is not None and _device_available(dev):
+        return dev
+    warnings.warn(
+        f"a tensor was saved on device {saved!r}, which this process does not have; "
+        "loading it to the CPU (pass map_location to choose a device)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return torch.device("cpu")
+
+
+def _bytes_of(u8: torch.Tensor) -> memoryview:
+    """A memoryview over a 1-d uint8 CPU tensor's memory (it keeps the tensor alive)."""
+    arr: Any = u8.numpy()
+    return memoryview(arr)
+
+
+def _empty_buffer() -> memoryview:
+    return memoryview(bytearray())
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` in C order, as a memoryview that keeps them alive (no copy when
+    ``t`` is already a contiguous CPU tensor)."""
+    if t.numel() == 0:
+        return _empty_buffer()
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    u8 = t.reshape(-1).view(torch.uint8)
+    return _bytes_of(u8)  # a uint8 array over the tensor's memory: no dtype involved
+
+
+def _check_tensor(t: torch.Tensor) -> None:
+    if t.layout != torch.strided:
+        raise UnsupportedBlobError(f"a tensor with layout {t.layout} (only dense tensors)")
+    if t.is_quantized:
+        raise UnsupportedBlobError("a quantized tensor (dequantize it first)")
+    if t.is_nested:
+        raise UnsupportedBlobError("a nested tensor")
+    if t.device.type == "meta":
+        raise UnsupportedBlobError("a tensor on the meta device has no data")
+    if isinstance(t, torch.nn.parameter.UninitializedParameter):
+        raise UnsupportedBlobError("an uninitialized (lazy) parameter")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedBlobError(
+            f"a tensor subclass {type(t).__module__}.{type(t).__qualname__} "
+            "(only torch.Tensor and nn.Parameter are stored)"
+        )
+
+
+class TensorCodec:
+    """Dense torch tensors and parameters of every dtype, stored as raw bytes."""
+
+    kind = "torch.tensor"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
+
+    def encode(self, value: Any) -> Encoded:
+        t: torch.Tensor = value
+        _check_tensor(t)
+        meta: dict[str, Any] = {
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "device": str(t.device),
+        }
+        if t.requires_grad:
+            meta["requires_grad"] = True
+        if isinstance(t, torch.nn.Parameter):
+            meta["parameter"] = True
+        return Encoded(self.kind, meta, [_raw_bytes(t)])
+
+    @staticmethod
+    def _layout(meta: dict[str, Any]) -> tuple[torch.dtype, tuple[int, ...], int]:
+        dt = dtype_from_name(meta.get("dtype"))
+        shape = check_shape(meta.get("shape"))
+        return dt, shape, math.prod(shape) * dt.itemsize
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
+        dt, shape, nbytes = self._layout(meta)
+        if len(sizes) != 1 or sizes[0] != nbytes:
+            raise ValueError(f"{list(sizes)} bytes do not fit a {dt} tensor of shape {shape}")
+        if nbytes == 0:
+            return [_empty_buffer()]
+        return [_bytes_of(torch.empty(nbytes, dtype=torch.uint8))]
+
+    def decode(
+        self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
+    ) -> Any:
+        dt, shape, nbytes = self._layout(meta)
+        if len(buffers) != 1 or buffers[0].nbytes != nbytes:
+            raise ValueError(f"the data does not fit a {dt} tensor of shape {shape}")
+        buf = buffers[0]
+        if isinstance(existing, torch.Tensor):
+            if tuple(existing.shape) != shape or existing.dtype != dt:
+                raise BlobMismatchError(
+                    f"checkpoint tensor has shape {shape} and dtype {dt}, the live tensor has "
+                    f"shape {tuple(existing.shape)} and dtype {existing.dtype}"
+                )
+        if nbytes == 0:
+            cpu = torch.empty(shape, dtype=dt)
+        else:
+            if buf.readonly:
+                buf = memoryview(bytearray(buf))
+            cpu = torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape)
+        if isinstance(existing, torch.Tensor):
+            with torch.no_grad():
+                existing.copy_(cpu)
+            return existing
+        saved_device = meta.get("device", "cpu")
+        if not isinstance(saved_device, str):
+            raise ValueError(f"bad device {saved_device!r}")
+        dev = resolve_device(saved_device)
+        t = cpu if dev.type == "cpu" else cpu.to(dev)
+        rg = meta.get("requires_grad") is True and (t.is_floating_point() or t.is_complex())
+        if meta.get("parameter") is True:
+            return torch.nn.Parameter(t, requires_grad=rg)
+        if rg:
+            t.requires_grad_(True)
+        return t
+
+
+class TorchDtypeCodec:
+    """A ``torch.dtype`` value (it appears in some state dicts), stored by name."""
+
+    kind = "torch.dtype"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, torch.dtype)
+
+    def encode(self, value: Any) -> Encoded:
+        return Encoded(self.kind, {"name": dtype_name(value)})
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
+        if list(sizes):
+            raise ValueError("a torch.dtype has no data segments")
+        return []
+
+    def decode(
+        self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
+    ) -> Any:
+        return dtype_from_name(meta.get("name"))
+
+
+class TorchDeviceCodec:
+    """A ``torch.device`` value, stored as its string (``"cuda:0"``), restored as it was."""
+
+    kind = "torch.device"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, torch.device)
+
+    def encode(self, value: Any) -> Encoded:
+        return Encoded(self.kind, {"device": str(value)})
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
+        if list(sizes):
+            raise ValueError("a torch.device has no data segments")
+        return []
+
+    def decode(
+        self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
+    ) -> Any:
+        dev = meta.get("device")
+        if not isinstance(dev, str) or len(dev) > 64:
+            raise ValueError(f"bad device {dev!r}")
+        return torch.device(dev)
+
+
+class GeneratorCodec:
+    """A ``torch.Generator`` (e.g. a DataLoader's): its state bytes; restored in place
+    (``set_state``) into a live generator, else into a new one on the saved device."""
+
+    kind = "torch.generator"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, torch.Generator)
+
+    def encode(self, value: Any) -> Encoded:
+        state = value.get_state()
+        return Encoded(self.kind, {"device": str(value.device)}, [_raw_bytes(state)])
+
+    def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
+        if len(sizes) != 1 or not 0 <= sizes[0] <= 1 << 24:
+            raise ValueError(f"bad generator state sizes {list(sizes)}")
+        return [_bytes_of(torch.empty(sizes[0], dtype=torch.uint8))]
+
+    def decode(
+        self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
+    ) -> Any:
+        state = torch.frombuffer(bytearray(buffers[0]), dtype=torch.uint8)
+        if isinstance(existing, torch.Generator):
+            gen = existing
+        else:
+            saved = meta.get("device", "cpu")
+            dev = resolve_device(saved if isinstance(saved, str) else "cpu")
+            gen = torch.Generator(device=dev)
+        try:
+            gen.set_state(state)
+        except RuntimeError as e:
+            raise BlobMismatchError(f"generator state does not fit the generator: {e}") from e
+        return gen
+
+
+for _codec in (TorchDtypeCodec(), TorchDeviceCodec(), GeneratorCodec(), TensorCodec()):
+    register_codec(_codec)
