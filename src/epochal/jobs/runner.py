@@ -34,7 +34,7 @@ def _auto_progress(force: bool = False) -> RunListener | None:
         from ..progress import TerminalProgress
     except ImportError:
         return None
-    return TerminalProgress()
+    return TerminalProgress(force=force)
 
 
 class JobRunner:

@@ -1,0 +1,455 @@
+"""The click commands of ``epochal``; tables and colours through rich.
+
+Every read-only command takes ``--json`` (one JSON document on stdout, for scripts). Exit
+codes: 0 ok, 1 a problem was found (damaged file, not a checkpoint, unknown blob, ...),
+2 a usage error. Errors are one line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from . import data
+from .data import Problem
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+# ------------------------------------------------------------------ output helpers
+class Out:
+    """Where a command writes: a rich console on stdout (and one on stderr for notes)."""
+
+    def __init__(self, color: bool | None) -> None:
+        width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+        no_color = color is False or bool(os.environ.get("NO_COLOR"))
+        self.console = Console(width=width, no_color=no_color, highlight=False, soft_wrap=False)
+        self.err = Console(stderr=True, no_color=no_color, highlight=False, width=width)
+
+    def json(self, obj: Any) -> None:
+        click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+    def note(self, text: str) -> None:
+        self.err.print(Text(text))
+
+
+def _out(ctx: click.Context) -> Out:
+    obj = ctx.find_root().obj
+    if not isinstance(obj, Out):
+        obj = Out(None)
+        ctx.find_root().obj = obj
+    return obj
+
+
+def human_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None -> ``"-"``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} PiB"  # pragma: no cover
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_num(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    return str(x)
+
+
+def json_option(f: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")(f)
+
+
+def db_type_option(f: F) -> F:
+    return click.option(
+        "--db-type", default=None, metavar="NAME",
+        help="The db_type of the file(s) (default: detected from the file's first bytes).",
+    )(f)
+
+
+PathArg = click.Path(exists=True, dir_okay=True, file_okay=True)
+FileArg = click.Path(exists=True, dir_okay=True, file_okay=True)  # directories refused with a clear line
+
+
+# ------------------------------------------------------------------ the group
+@click.group(context_settings=CONTEXT)
+@click.version_option(package_name="epochal", prog_name="epochal", message="%(prog)s %(version)s")
+@click.option("-q", "--quiet", is_flag=True, help="No progress display (same as EPOCHAL_QUIET=1).")
+@click.option("-v", "--verbose", count=True, help="Log to stderr (-v info, -vv debug).")
+@click.option("--color/--no-color", default=None, help="Force colours on or off (default: on a terminal; NO_COLOR is honoured).")
+@click.pass_context
+def cli(ctx: click.Context, quiet: bool, verbose: int, color: bool | None) -> None:
+    """epochal: epoch-by-epoch training jobs with crash-safe, checksummed checkpoints.
+
+    Look at a directory of checkpoints (a job's db_prefix, one file per node and epoch named
+    NODE.EPOCH) without writing code. Exit codes: 0 ok, 1 problem found, 2 usage error.
+    """
+    ctx.obj = Out(color)
+    if quiet:
+        os.environ["EPOCHAL_QUIET"] = "1"
+    if verbose:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("epochal").setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+# ------------------------------------------------------------------ ls
+STATE_STYLE = {"final": "bold green", "committed": "green", "uncommitted": "yellow",
+               "missing files": "bold red", "unknown": "dim"}
+
+
+@cli.command("ls", context_settings=CONTEXT)
+@click.argument("prefix", type=click.Path(exists=True, file_okay=False))
+@json_option
+@click.pass_context
+def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
+    """Epochs x nodes under PREFIX: committed or not, sizes, timestamps, retention pins.
+
+    An epoch is committed once every node's db was saved and the metadata handler recorded it;
+    other db files (a save that was cut short, or written without records) are listed too.
+    """
+    out = _out(ctx)
+    listing = data.list_prefix(prefix)
+    if as_json:
+        out.json(listing)
+        return 0
+    if not listing["epochs"]:
+        out.console.print(f"no checkpoints under {prefix}")
+        return 0
+    nodes: list[str] = listing["nodes"]
+    table = Table(title=f"checkpoints in {prefix}", title_justify="left")
+    table.add_column("epoch", justify="right")
+    table.add_column("state")
+    table.add_column("created")
+    table.add_column("size", justify="right")
+    table.add_column("pin")
+    wide = len(nodes) <= 6
+    if wide:
+        for n in nodes:
+            table.add_column(n, justify="right", overflow="fold")
+    else:
+        table.add_column("nodes", justify="right")
+    for e in listing["epochs"]:
+        row: list[Any] = [str(e["epoch"]), Text(e["state"], style=STATE_STYLE.get(e["state"], "")),
+                          (e["created"] or "-").replace("T", " "), human_bytes(e["size"]),
+                          "pinned" if e["pinned"] else ""]
+        if wide:
+            for n in nodes:
+                f = e["files"].get(n)
+                if f is None:
+                    row.append(Text("-", style="dim"))
+                elif not f["present"]:
+                    row.append(Text("missing", style="bold red"))
+                else:
+                    row.append(human_bytes(f["size"]))
+        else:
+            have = sum(1 for f in e["files"].values() if f["present"])
+            row.append(f"{have}/{len(nodes)}")
+        table.add_row(*row)
+    out.console.print(table)
+    if not listing["records"]:
+        out.note(f"note: {prefix} has no {data.RECORDS_DIR}/ records (written without "
+                 "DirectoryMetadataHandler): commit state unknown")
+    return 0
+
+
+# ------------------------------------------------------------------ inspect
+@cli.command("inspect", context_settings=CONTEXT)
+@click.argument("db", type=FileArg)
+@click.option("--blob", "blob", default=None, metavar="NAME", help="Summary statistics of this blob's values.")
+@db_type_option
+@json_option
+@click.pass_context
+def inspect_cmd(ctx: click.Context, db: str, blob: str | None, db_type: str | None, as_json: bool) -> int:
+    """The blobs of one checkpoint file DB: name, kind, dtype, shape, bytes, checksum.
+
+    Only the file's index is read. With --blob NAME, that blob is read (its checksum
+    verified) and summarised: min, max, mean, std, NaN/inf/zero counts (per leaf for state
+    dicts and other containers).
+    """
+    out = _out(ctx)
+    if blob is not None:
+        info = data.inspect_blob(db, blob, db_type)
+        if as_json:
+            out.json(info)
+            return 0
+        _print_blob(out, info)
+        return 0
+    info = data.inspect_db(db, db_type)
+    if as_json:
+        out.json(info)
+        return 0
+    head = f"{db}  [{info['db_type']}"
+    if info.get("format_version"):
+        head += f" {info['format_version']}, {info['checksum_algorithm']}"
+    head += f"]  {info['blob_count']} blobs, {human_bytes(info['data_bytes'])} of data, " \
+            f"{human_bytes(info['file_bytes'])} on disk"
+    out.console.print(Text(head, style="bold"))
+    table = Table()
+    for col, kw in (("name", {"overflow": "fold"}), ("kind", {}), ("dtype", {"overflow": "fold"}),
+                    ("shape", {}), ("bytes", {"justify": "right"}), ("checksum", {"overflow": "fold"})):
+        table.add_column(col, **kw)  # type: ignore[arg-type]
+    for b in info["blobs"]:
+        shape = "x".join(str(d) for d in b["shape"]) if b["shape"] is not None else "-"
+        if b["shape"] == []:
+            shape = "()"
+        table.add_row(b["name"], b["kind"], b["dtype"] or "-", shape, human_bytes(b["nbytes"]),
+                      Text(b["checksum"] or "-", style="dim"))
+    out.console.print(table)
+    return 0
+
+
+def _stats_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for k, v in stats.items():
+        if k in ("leaves", "key"):
+            continue
+        rows.append((k, fmt_num(v) if not isinstance(v, (list, dict)) else json.dumps(v)))
+    return rows
+
+
+def _print_blob(out: Out, info: dict[str, Any]) -> None:
+    b = info["blob"]
+    out.console.print(Text(f"{info['path']}  blob {b['name']!r}  ({b['kind']}, {human_bytes(b['nbytes'])})", style="bold"))
+    stats = b["stats"]
+    table = Table(show_header=False)
+    table.add_column("stat")
+    table.add_column("value", overflow="fold")
+    for k, v in _stats_rows(stats):
+        table.add_row(k, v)
+    out.console.print(table)
+    leaves = stats.get("leaves")
+    if leaves:
+        lt = Table(title=f"{stats['leaf_count']} leaves", title_justify="left")
+        for col in ("key", "type", "dtype", "shape", "min", "max", "mean", "std", "nan/inf", "value"):
+            lt.add_column(col, overflow="fold")
+        for leaf in leaves:
+            shape = leaf.get("shape")
+            bad = f"{leaf['nan']}/{leaf['inf']}" if "nan" in leaf else ""
+            value = leaf.get("value", leaf.get("sample", ""))
+            lt.add_row(leaf["key"], leaf.get("type", ""), leaf.get("dtype", "") or "",
+                       "x".join(map(str, shape)) if shape else ("()" if shape == [] else ""),
+                       *[fmt_num(leaf[k]) if k in leaf else "" for k in ("min", "max", "mean", "std")],
+                       bad, "" if value == "" else json.dumps(value))
+        out.console.print(lt)
+
+
+# ------------------------------------------------------------------ verify
+@cli.command("verify", context_settings=CONTEXT)
+@click.argument("target", metavar="PREFIX|DB", type=PathArg)
+@db_type_option
+@json_option
+@click.pass_context
+def verify_cmd(ctx: click.Context, target: str, db_type: str | None, as_json: bool) -> int:
+    """Re-check every checksum of a checkpoint file, or of every db file under PREFIX.
+
+    Names each damaged file and blob, and (with directory records) every committed epoch whose
+    files are missing or differ from what was recorded. Exit code 1 when anything is damaged.
+    """
+    out = _out(ctx)
+    result = data.verify_target(target, db_type)
+    if as_json:
+        out.json(result)
+        return 0 if result["ok"] else 1
+    for f in result["files"]:
+        label = f["path"]
+        if f["ok"]:
+            out.console.print(Text.assemble(("ok      ", "green"), label, (f"  ({f.get('blobs', '?')} blobs)", "dim")))
+            continue
+        for p in f["problems"]:
+            where = f", blob {p['blob']!r}" if p.get("blob") is not None else ""
+            out.console.print(Text.assemble(("DAMAGED ", "bold red"), f"{label}{where}: {p['message']}"))
+    for e in result["epochs"]:
+        for p in e["problems"]:
+            out.console.print(Text.assemble(("PROBLEM ", "bold red"), f"epoch {e['epoch']}: {p}"))
+    nbad = sum(1 for f in result["files"] if not f["ok"])
+    nepoch_bad = sum(1 for e in result["epochs"] if not e["ok"])
+    if not result["files"] and not result["epochs"]:
+        out.console.print(f"no checkpoints under {target}")
+    elif result["ok"]:
+        out.console.print(Text(f"all {len(result['files'])} db file(s) intact", style="bold green"))
+    else:
+        msg = f"{nbad} damaged db file(s)" + (f", {nepoch_bad} epoch(s) with record problems" if nepoch_bad else "")
+        out.console.print(Text(msg, style="bold red"))
+    return 0 if result["ok"] else 1
+
+
+# ------------------------------------------------------------------ diff
+@cli.command("diff", context_settings=CONTEXT)
+@click.argument("db1", type=FileArg)
+@click.argument("db2", type=FileArg)
+@click.option("--exit-code", is_flag=True, help="Exit with 1 when the checkpoints differ (like git diff --exit-code).")
+@db_type_option
+@json_option
+@click.pass_context
+def diff_cmd(ctx: click.Context, db1: str, db2: str, exit_code: bool, db_type: str | None, as_json: bool) -> int:
+    """Blobs added, removed and changed from DB1 to DB2, with the max abs difference.
+
+    Blobs with equal checksums are not read. Exit code 0 whether they differ or not, unless
+    --exit-code.
+    """
+    out = _out(ctx)
+    result = data.diff_dbs(db1, db2, db_type)
+    code = 1 if exit_code and not result["identical"] else 0
+    if as_json:
+        out.json(result)
+        return code
+    out.console.print(Text(f"--- {db1}\n+++ {db2}", style="bold"))
+    if result["identical"]:
+        out.console.print(f"identical ({result['unchanged']} blobs)")
+        return code
+    table = Table()
+    table.add_column("", width=1)
+    table.add_column("blob", overflow="fold")
+    table.add_column("change", overflow="fold")
+    table.add_column("max abs diff", justify="right")
+    for b in result["added"]:
+        table.add_row(Text("+", style="green"), b["name"], f"added ({b['kind']} {b['dtype'] or ''} {b['shape']})", "")
+    for b in result["removed"]:
+        table.add_row(Text("-", style="red"), b["name"], f"removed ({b['kind']} {b['dtype'] or ''} {b['shape']})", "")
+    for c in result["changed"]:
+        what = []
+        for field in ("kind", "dtype", "shape"):
+            if c[field][0] != c[field][1]:
+                what.append(f"{field} {c[field][0]} -> {c[field][1]}")
+        if not what:
+            what = [", ".join(c["changes"])]
+        leaves = c.get("leaves") or []
+        if leaves:
+            what.append(f"{len(leaves)} leaf/leaves: " + ", ".join(
+                f"{leaf['key']}" + (f" ({leaf['reason']})" if leaf.get("reason") else "") for leaf in leaves[:8]
+            ) + (", ..." if len(leaves) > 8 else ""))
+        table.add_row(Text("~", style="yellow"), c["name"], "; ".join(what), fmt_num(c.get("max_abs_diff")))
+    out.console.print(table)
+    out.console.print(f"{len(result['added'])} added, {len(result['removed'])} removed, "
+                      f"{len(result['changed'])} changed, {result['unchanged']} unchanged")
+    return code
+
+
+# ------------------------------------------------------------------ stats
+@cli.command("stats", context_settings=CONTEXT)
+@click.argument("prefix", type=click.Path(exists=True, file_okay=False))
+@click.option("--plot", "plot", type=click.Path(dir_okay=False, writable=True), default=None, metavar="FILE.png",
+              help="Also draw durations and throughput per node and epoch into FILE.png (needs matplotlib).")
+@click.option("--all", "show_all", is_flag=True, help="One row per record (default: a summary plus the last 20 records).")
+@json_option
+@click.pass_context
+def stats_cmd(ctx: click.Context, prefix: str, plot: str | None, show_all: bool, as_json: bool) -> int:
+    """Save/load durations and throughput per node and epoch, from PREFIX's stats log.
+
+    The log is written by DirectoryMetadataHandler (PREFIX/.epochal/). Exit code 1 when there
+    is none.
+    """
+    out = _out(ctx)
+    result = data.stats_prefix(prefix)
+    if not result["records"]:
+        raise Problem(f"{prefix}: no save/load stats recorded (the log in {data.RECORDS_DIR}/ is written by DirectoryMetadataHandler)")
+    if plot:
+        from .plot import plot_stats
+
+        plot_stats(result, plot)
+        result["plot"] = plot
+    if as_json:
+        out.json(result)
+        return 0
+    summary = Table(title=f"checkpoint I/O in {prefix}", title_justify="left")
+    for col in ("action", "node", "count", "mean", "max", "total", "throughput"):
+        summary.add_column(col, justify="left" if col in ("action", "node") else "right")
+    for s in result["summary"]:
+        summary.add_row(s["action"], s["node"], str(s["count"]), human_seconds(s["mean_seconds"]),
+                        human_seconds(s["max_seconds"]), human_bytes(s["total_bytes"]),
+                        f"{s['mb_per_s']:.1f} MB/s" if s["mb_per_s"] else "-")
+    out.console.print(summary)
+    rows = result["records"] if show_all else result["records"][-20:]
+    table = Table(title=("all records" if show_all or len(rows) == len(result["records"])
+                         else f"last {len(rows)} of {len(result['records'])} records"), title_justify="left")
+    for col in ("time", "action", "epoch", "node", "seconds", "size", "throughput"):
+        table.add_column(col, justify="right" if col in ("epoch", "seconds", "size", "throughput") else "left")
+    for r in rows:
+        table.add_row(str(r["time"] or "-").replace("T", " "), r["action"], str(r["epoch"]), str(r["node"]),
+                      human_seconds(r["seconds"]), human_bytes(r["bytes"]),
+                      f"{r['mb_per_s']:.1f} MB/s" if r["mb_per_s"] else "-")
+    out.console.print(table)
+    if plot:
+        out.console.print(f"plot written to {plot}")
+    return 0
+
+
+# ------------------------------------------------------------------ export
+@cli.command("export", context_settings=CONTEXT)
+@click.argument("db", type=FileArg)
+@click.option("--to", "fmt", type=click.Choice(["safetensors", "npz"]), required=True, help="The output format.")
+@click.argument("out_path", metavar="OUT", type=click.Path(dir_okay=False, writable=True))
+@db_type_option
+@json_option
+@click.pass_context
+def export_cmd(ctx: click.Context, db: str, fmt: str, out_path: str, db_type: str | None, as_json: bool) -> int:
+    """Write the arrays of checkpoint DB to OUT as safetensors or npz, for other tools.
+
+    Every checksum is verified first. Python and numpy scalars become 0-d arrays; the leaves
+    of state dicts and other containers become BLOB/KEY entries; values the format cannot
+    hold (strings for safetensors, None, ...) are skipped and listed.
+    """
+    out = _out(ctx)
+    result = data.export_db(db, fmt, out_path, db_type)
+    if as_json:
+        out.json(result)
+        return 0
+    out.console.print(f"wrote {len(result['written'])} array(s) to {result['out']} "
+                      f"({fmt}, {human_bytes(result['bytes'])})")
+    for note in result["notes"]:
+        out.note(f"note: {note}")
+    for s in result["skipped"]:
+        out.note(f"skipped {s['name']}: {s['reason']}")
+    return 0
+
+
+# ------------------------------------------------------------------ demo
+@cli.command("demo", context_settings=CONTEXT)
+@click.option("--dir", "directory", default="./checkpoints", show_default=True,
+              type=click.Path(file_okay=False), help="Where the demo job keeps its checkpoints.")
+@click.option("--epochs", type=click.IntRange(min=1), default=None, help="Epochs to train (default: the demo's own).")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+@click.pass_context
+def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, quiet: bool) -> int:
+    """Train a small numpy MLP as an epochal Job, checkpointing every epoch into --dir.
+
+    Run it again (or interrupt it with Ctrl-C and rerun) and it resumes from the last
+    committed epoch. Then try: epochal ls DIR, epochal verify DIR, epochal stats DIR.
+    """
+    try:
+        from ..demo import run_demo
+    except ImportError as e:
+        raise Problem(f"the demo is not available in this installation: {e}") from None
+    kwargs: dict[str, Any] = {"quiet": quiet or bool(os.environ.get("EPOCHAL_QUIET"))}
+    if epochs is not None:
+        kwargs["epochs"] = epochs
+    run_demo(directory, **kwargs)  # returns the last epoch run, not an exit code
+    return 0
