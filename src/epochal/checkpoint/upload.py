@@ -48,3 +48,45 @@ class CopyUploadBuilder(UploadTaskGroupBuilder):
                 with Node(node):
                     Task(step=_CopyFile(src, os.path.join(self.upload_dir, node)), name="upload")
         return group
+
+
+class _UploadFile:
+    """Step: upload ``src`` to ``url`` with fsspec (temp key, size check, move into place)."""
+
+    def __init__(self, src: str, url: str, storage_options: dict[str, Any]) -> None:
+        self.src, self.url, self.storage_options = src, url, storage_options
+
+    def __call__(self, ws: Any) -> None:
+        from ..storage.remote import upload_file
+
+        upload_file(self.src, self.url, **self.storage_options)
+
+
+class FsspecUploadBuilder(UploadTaskGroupBuilder):
+    """Uploads each node's checkpoint of the final epoch to ``<url>/<node>.<epoch>`` (any fsspec
+    URL: ``s3://bucket/run1``, ``gs://...``, ``memory://...``), each from its own node, and the
+    epoch's manifest (when a DirectoryMetadataHandler wrote one) to ``<url>/.epochal/``.
+
+    Needs the ``s3`` extra (fsspec; s3fs for S3). ``storage_options`` go to fsspec (e.g.
+    ``{"endpoint_url": ...}``)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+
+    def build(self, epoch: int, checkpoint_manager: Any) -> TaskGroup:
+        from .naming import get_ckpt_filename
+
+        with TaskGroup(WorkspaceType.GLOBAL) as group:
+            nodes = checkpoint_manager.node_names()
+            for node in nodes:
+                src = checkpoint_manager.get_ckpt_db_name(node, epoch)
+                with Node(node):
+                    Task(step=_UploadFile(src, f"{self.url}/{get_ckpt_filename(node, epoch)}",
+                                          self.storage_options), name="upload")
+            manifest = os.path.join(checkpoint_manager.db_prefix, ".epochal", f"manifest.{epoch}.json")
+            if nodes and os.path.exists(manifest):
+                with Node(nodes[0]):
+                    Task(step=_UploadFile(manifest, f"{self.url}/.epochal/manifest.{epoch}.json",
+                                          self.storage_options), name="upload_manifest")
+        return group
