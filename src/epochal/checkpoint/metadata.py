@@ -42,6 +42,9 @@ class MetadataHandlerExtensions(Protocol):
 
     - ``report_bytes(action_name, sizes: dict[str, int])``: bytes per db, called just before
       ``report`` with the same keys.
+    - ``expect_final(epoch)``: the stop condition was reached at ``epoch``, which is about to
+      be saved (called before its save, so ``write`` can commit it as final in one step and a
+      crash between the commit and ``mark_final`` cannot make a rerun run an extra epoch).
     - ``mark_final(epoch)``: the job's stop condition was reached at ``epoch`` (called after
       its ``write``).
     - ``is_final(epoch) -> bool``: ``epoch`` was a finished job's last one; a rerun with no
@@ -49,6 +52,8 @@ class MetadataHandlerExtensions(Protocol):
     """
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
+
+    def expect_final(self, epoch: int) -> None: ...
 
     def mark_final(self, epoch: int) -> None: ...
 

@@ -42,8 +42,11 @@ class JobRunner:
 
     Extra keyword arguments: ``listeners`` (RunListener objects), ``progress`` (True/False;
     None = automatic: on when attached to a terminal), ``handle_signals`` (preemption on
-    SIGTERM/SIGINT, default True) and ``raise_on_preempt`` (raise :class:`Preempted` instead
-    of returning the last epoch).
+    SIGTERM/SIGINT, default True), ``raise_on_preempt`` (raise :class:`Preempted` instead
+    of returning the last epoch) and ``async_save`` (write each epoch's checkpoint in the
+    background while the next epoch runs; it is committed once durable, at the next save. The
+    cost: a snapshot copy of the blobs in memory, and a crash during epoch N+1 may lose
+    epoch N too, since N is not committed yet. The final epoch is always saved synchronously).
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class JobRunner:
         progress: bool | None = None,
         handle_signals: bool = True,
         raise_on_preempt: bool = False,
+        async_save: bool = False,
     ) -> None:
         self.job = job
         self.checkpoint_manager = checkpoint_manager
@@ -67,6 +71,8 @@ class JobRunner:
         self.handle_signals = handle_signals
         self.raise_on_preempt = raise_on_preempt
         self.preempted_by: int | None = None
+        self.async_save = async_save
+        self._pending: tuple[int, float] | None = None
 
     # -- events
     def _emit(self, name: str, *args: Any) -> None:
@@ -91,6 +97,7 @@ class JobRunner:
     def train(self, session: Any) -> int:
         """Run the job; return the absolute index of the last epoch run."""
         self._active = list(self.listeners)
+        self.preempted_by = None
         if self.progress is not False:
             display = _auto_progress(force=bool(self.progress))
             if display is not None:
@@ -127,7 +134,7 @@ class JobRunner:
             logger.info("Preparing checkpoints ...")
             session.run(manager.init(job.nodes_to_checkpoint(), retrieve_from_epoch=resume))
             if resume is None:
-                self.save_checkpoints(0, session)
+                self.save_checkpoints(0, session, wait=not self.async_save)
             else:
                 logger.info("Loading checkpoints for epoch %d ...", resume)
                 start = time.perf_counter()
@@ -142,6 +149,31 @@ class JobRunner:
         if finished:
             epoch -= 1
             logger.info("Epoch %d was the last epoch of a finished job: no further epoch runs", epoch)
+        try:
+            epoch = self._epochs(session, guard, epoch, finished, handler)
+        except Exception:
+            self._finish_pending(session)  # commit what is already durable, then fail
+            raise
+        self._finish_pending(session)
+        if self.preempted_by is not None:
+            logger.warning("Preempted after epoch %d: skipping the rest of the job", epoch)
+            self._emit("on_train_end", epoch, True)
+            return epoch
+        logger.info("Finished training")
+        if self.upload_task_group_builder:
+            session.run(self.upload_task_group_builder.build(epoch, self.checkpoint_manager))
+            logger.info("Finished uploading the checkpoints")
+        session.run(job.download_group)
+        logger.info("Finished downloading the parameters")
+        session.run(job.exit_group)
+        logger.info("Finished running the exit group")
+        self._emit("on_train_end", epoch, False)
+        return epoch
+
+    def _epochs(self, session: Any, guard: SignalGuard, epoch: int, finished: bool, handler: Any) -> int:
+        """The epoch loop; returns the last epoch run (``preempted_by`` set if a signal
+        stopped it)."""
+        job, manager = self.job, self.checkpoint_manager
         while not finished:
             if guard.signum is not None:  # a signal arrived during init or the load
                 self.preempted_by = guard.signum
@@ -153,9 +185,13 @@ class JobRunner:
             logger.info("Finished epoch %d", epoch)
             self._emit("on_epoch_end", epoch, time.perf_counter() - start)
             stop = [o.fetch() for o in job.stop_conditions]
-            if any(stop):  # lets a handler commit "final" in the same write as the epoch
-                call_optional(handler, "expect_final", epoch)
-            saved = self.save_checkpoints(epoch, session) if manager else False
+            saved = False
+            if manager:
+                self._finish_pending(session)
+                if any(stop):  # lets a handler commit "final" in the same write as the epoch
+                    call_optional(handler, "expect_final", epoch)
+                wait = not self.async_save or any(stop) or guard.signum is not None
+                saved = self.save_checkpoints(epoch, session, wait=wait)
             if any(stop):
                 logger.info("Stopping")
                 if saved:
@@ -163,19 +199,8 @@ class JobRunner:
                 break
             if guard.signum is not None:
                 self.preempted_by = guard.signum
-                logger.warning("Preempted after epoch %d: skipping the rest of the job", epoch)
-                self._emit("on_train_end", epoch, True)
-                return epoch
+                break
             epoch += 1
-        logger.info("Finished training")
-        if self.upload_task_group_builder:
-            session.run(self.upload_task_group_builder.build(epoch, self.checkpoint_manager))
-            logger.info("Finished uploading the checkpoints")
-        session.run(job.download_group)
-        logger.info("Finished downloading the parameters")
-        session.run(job.exit_group)
-        logger.info("Finished running the exit group")
-        self._emit("on_train_end", epoch, False)
         return epoch
 
     def load_blobs_from_checkpoints(self, blob_names: Sequence[str], epoch: int, session: Any) -> bool:
@@ -189,23 +214,30 @@ class JobRunner:
         self.checkpoint_manager.report_checkpoint_stats("checkpoint_partial_load")
         return result
 
-    def save_checkpoints(self, epoch: int, session: Any) -> bool:
+    def save_checkpoints(self, epoch: int, session: Any, *, wait: bool = True) -> bool:
         """Save and commit every node's checkpoint of ``epoch``. Never raises for a failed
-        save: it logs a warning and returns False (True when committed)."""
+        save: it logs a warning and returns False (True when committed).
+
+        With ``async_save`` and ``wait=False`` the save only snapshots the blobs; the write
+        goes on in the background and is committed at the next save or at the end (False is
+        returned: nothing is committed yet)."""
         if not self.checkpoint_manager:
             raise ValueError("Checkpoint manager is None")
         if not hasattr(self, "_active"):
             self._active = list(self.listeners)
+        self._finish_pending(session)
+        background = self.async_save and not wait
         start = time.perf_counter()
         try:
             if self.checkpoint_manager.cp_accessible(epoch=None):
                 logger.info("Saving checkpoints for epoch %d", epoch)
                 self._emit("on_checkpoint_start", "checkpoint_save", epoch)
+                if background:
+                    session.run(self.checkpoint_manager.save(epoch, background=True))
+                    self._pending = (epoch, start)
+                    return False
                 session.run(self.checkpoint_manager.save(epoch))
-                self.checkpoint_manager.write_checkpoint_metadata(epoch)
-                logger.info("Checkpoints saved")
-                self.checkpoint_manager.report_checkpoint_stats("checkpoint_save")
-                self._checkpoint_event("checkpoint_save", epoch, start, True, None)
+                self._commit(epoch, start)
                 return True
             logger.warning("Checkpoint files cannot be accessed!")
             self._checkpoint_event("checkpoint_save", epoch, start, False, "checkpoint files cannot be accessed")
@@ -213,5 +245,27 @@ class JobRunner:
             logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, ex)
             self._checkpoint_event("checkpoint_save", epoch, start, False, str(ex))
         return False
+
+    def _commit(self, epoch: int, start: float) -> None:
+        assert self.checkpoint_manager is not None
+        self.checkpoint_manager.write_checkpoint_metadata(epoch)
+        logger.info("Checkpoints saved")
+        self.checkpoint_manager.report_checkpoint_stats("checkpoint_save")
+        self._checkpoint_event("checkpoint_save", epoch, start, True, None)
+
+    def _finish_pending(self, session: Any) -> bool:
+        """Wait for the background save in flight (if any) and commit it; True if committed."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is None:
+            return False
+        epoch, start = pending
+        try:
+            session.run(self.checkpoint_manager.join_save(epoch))
+            self._commit(epoch, start)
+            return True
+        except Exception as ex:
+            logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, ex)
+            self._checkpoint_event("checkpoint_save", epoch, start, False, str(ex))
+            return False
 
     __call__ = train

@@ -19,9 +19,10 @@ from __future__ import annotations
 import importlib
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -32,7 +33,7 @@ Buffer = memoryview
 
 #: Options for codecs while loading, set by the checkpoint manager around a load, e.g.
 #: ``{"map_location": "cpu"}`` for torch tensors. Codecs read it with ``LOAD_OPTIONS.get()``.
-LOAD_OPTIONS: ContextVar[dict[str, Any]] = ContextVar("epochal_load_options", default={})
+LOAD_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("epochal_load_options", default=MappingProxyType({}))
 
 
 @dataclass

@@ -1,0 +1,726 @@
+"""A metadata handler that keeps its records in the checkpoint directory itself.
+
+Layout, for ``db_prefix=D`` (the dbs are the seed's, ``D/<node>.<epoch>``)::
+
+    D/trainer_0.0  D/trainer_0.1 ...          one db per node per epoch
+    D/.epochal/manifest.<epoch>.json          the commit record of an epoch
+    D/.epochal/stats.jsonl                    one JSON line per db saved / loaded
+    D/.epochal/pins.json                      epochs that retention never deletes
+
+An epoch exists (is *committed*) only when its manifest exists and is valid: the manifest
+is written atomically (temp file, fsync, rename, directory fsync) after every node's db is
+durable, and lists each db with its size and digest. Resuming picks the newest committed
+epoch whose dbs all verify; a damaged one is skipped with a warning naming the file.
+
+:class:`CheckpointDirectory` reads such a directory (for tools: ``epochal ls/stats/verify``);
+:class:`DirectoryMetadataHandler` is the handler that JobRunner drives. See
+docs/reliability.md for the guarantees and how they are tested.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from typing import Any
+
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
+from ..storage import atomic
+from ..storage.base import get_db_type
+from .naming import db_name
+from .retention import RetentionPolicy, epochs_to_delete
+
+logger = logging.getLogger("epochal")
+
+MANIFEST_FORMAT = "epochal-manifest"
+MANIFEST_VERSION = 1
+PINS_FORMAT = "epochal-pins"
+#: the directory, beside the dbs, that holds the handler's records
+RECORDS_DIR = ".epochal"
+STATS_FILE = "stats.jsonl"
+PINS_FILE = "pins.json"
+VERIFY_LEVELS = ("full", "quick", "none")
+STATS_ACTIONS = ("checkpoint_save", "checkpoint_load", "checkpoint_partial_load")
+
+_MANIFEST_RE = re.compile(r"^manifest\.(0|[1-9][0-9]*)\.json$")
+
+
+def _utcnow() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _manifest_name(epoch: int) -> str:
+    return f"manifest.{int(epoch)}.json"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists on this machine (zombies count as alive)."""
+    if pid <= 0:
+        return True  # never treat a nonsense pid as dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+class CheckpointDirectory:
+    """Read-only view of a checkpoint directory and its ``.epochal`` records.
+
+    ``path_prefix`` (the seed's, plain concatenation) names the dbs instead of ``db_prefix``
+    when given; the records then live beside those dbs.
+    """
+
+    def __init__(self, db_prefix: str | os.PathLike[str], path_prefix: str | None = None) -> None:
+        self.db_prefix = os.fspath(db_prefix)
+        self.path_prefix = path_prefix or None
+        if self.path_prefix:
+            self.db_dir = os.path.dirname(self.path_prefix) or "."
+            self._file_prefix = os.path.basename(self.path_prefix)
+        else:
+            self.db_dir = self.db_prefix or "."
+            self._file_prefix = ""
+        self.records_dir = os.path.join(self.db_dir, RECORDS_DIR)
+
+    def __repr__(self) -> str:
+        return f"CheckpointDirectory({self.db_dir!r})"
+
+    # -- names
+    def db_path(self, node_name: str, epoch: int) -> str:
+        """Where the db of ``node_name`` at ``epoch`` lives (the seed's ``db_name``)."""
+        return db_name(epoch, node_name, self.db_prefix, self.path_prefix)
+
+    def manifest_path(self, epoch: int) -> str:
+        return os.path.join(self.records_dir, _manifest_name(epoch))
+
+    @property
+    def stats_path(self) -> str:
+        return os.path.join(self.records_dir, STATS_FILE)
+
+    @property
+    def pins_path(self) -> str:
+        return os.path.join(self.records_dir, PINS_FILE)
+
+    # -- listing
+    def manifest_epochs(self) -> list[int]:
+        """Epochs that have a manifest file, valid or not, oldest first."""
+        try:
+            names = os.listdir(self.records_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        epochs = []
+        for name in names:
+            m = _MANIFEST_RE.match(name)
+            if m is not None:
+                epochs.append(int(m.group(1)))
+        return sorted(epochs)
+
+    def committed_epochs(self) -> list[int]:
+        """Epochs with a valid manifest (the dbs are not read), oldest first."""
+        out = []
+        for epoch in self.manifest_epochs():
+            try:
+                self.manifest(epoch)
+            except CheckpointError:
+                continue
+            out.append(epoch)
+        return out
+
+    def manifest(self, epoch: int) -> dict[str, Any]:
+        """The parsed manifest of ``epoch``.
+
+        CheckpointNotFoundError when the epoch has none (it is not committed);
+        CheckpointCorruptError naming the file when it is not a valid manifest of that epoch.
+        """
+        path = self.manifest_path(epoch)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"epoch {epoch} is not committed: manifest {path} does not exist"
+            ) from None
+        except OSError as ex:
+            raise CheckpointCorruptError(path, f"cannot read manifest: {ex}") from ex
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as ex:
+            raise CheckpointCorruptError(path, f"manifest is not valid JSON ({ex})") from None
+        _validate_manifest(path, data, epoch)
+        return data  # type: ignore[no-any-return]
+
+    def pins(self) -> set[int]:
+        """Pinned epochs (empty when there is no pins file); CheckpointCorruptError if unreadable."""
+        path = self.pins_path
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return set()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as ex:
+            raise CheckpointCorruptError(path, f"pins file is not valid JSON ({ex})") from None
+        epochs = data.get("epochs") if isinstance(data, dict) else data
+        if not isinstance(epochs, list) or not all(_is_int(e) and e >= 0 for e in epochs):
+            raise CheckpointCorruptError(path, "pins file does not hold a list of epochs")
+        return set(epochs)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every stats line, parsed, in order; a torn (incomplete) line is skipped."""
+        try:
+            with open(self.stats_path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in raw.split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                logger.debug("skipping a torn line of %s", self.stats_path)
+                continue
+            if isinstance(entry, dict):
+                out.append(entry)
+        return out
+
+    def scan(self) -> dict[int, dict[str, str]]:
+        """``{epoch: {node: db path}}`` of every db file present, committed or not (temp files
+        of interrupted saves and the records directory are ignored)."""
+        try:
+            entries = list(os.scandir(self.db_dir))
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        found: dict[int, dict[str, str]] = {}
+        for entry in entries:
+            name = entry.name
+            if name == RECORDS_DIR or not name.startswith(self._file_prefix):
+                continue
+            if atomic.parse_temp_path(name) is not None:
+                continue
+            try:
+                if not entry.is_file():
+                    continue
+            except OSError:
+                continue
+            node, dot, ep = name[len(self._file_prefix):].rpartition(".")
+            if not dot or not node or not ep.isascii() or not ep.isdigit():
+                continue
+            found.setdefault(int(ep), {})[node] = entry.path
+        return {e: dict(sorted(found[e].items())) for e in sorted(found)}
+
+    # -- checking
+    def verify_epoch(self, epoch: int, full: bool = True, *, nodes: Iterable[str] | None = None) -> list[str]:
+        """Problems with committed ``epoch`` (empty: it is intact), each naming the file (and
+        blob). Checks the manifest, that every db it lists (or every one of ``nodes``) exists
+        with the recorded size and digest, and with ``full`` re-checks every checksum."""
+        return self.check_epoch(epoch, "full" if full else "quick", nodes=nodes)
+
+    def check_epoch(self, epoch: int, level: str = "full", *, nodes: Iterable[str] | None = None) -> list[str]:
+        """:meth:`verify_epoch` with a level: ``"full"`` (checksums), ``"quick"`` (size and
+        digest) or ``"none"`` (the manifest is valid and lists files that exist)."""
+        if level not in VERIFY_LEVELS:
+            raise ValueError(f"verify level must be one of {VERIFY_LEVELS}, got {level!r}")
+        try:
+            manifest = self.manifest(epoch)
+        except CheckpointError as ex:
+            return [str(ex)]
+        mpath = self.manifest_path(epoch)
+        listed: dict[str, Any] = manifest["nodes"]
+        wanted = list(listed) if nodes is None else [str(n) for n in nodes]
+        problems = []
+        try:
+            backend = get_db_type(manifest["db_type"])
+        except CheckpointError as ex:
+            return [f"{mpath}: {ex}"]
+        for node in wanted:
+            entry = listed.get(node)
+            if entry is None:
+                problems.append(f"{mpath}: lists no db for node {node!r}")
+                continue
+            path = os.path.join(self.db_dir, entry["file"])
+            expected = self.db_path(node, epoch)
+            if os.path.normpath(path) != os.path.normpath(expected):
+                problems.append(f"{mpath}: node {node!r} names {entry['file']!r}, expected {expected}")
+                continue
+            problems.extend(_check_db(backend, path, entry, level))
+        return problems
+
+
+def _validate_manifest(path: str, data: Any, epoch: int) -> None:
+    def bad(message: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(path, f"invalid manifest: {message}")
+
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        raise bad(f"format is not {MANIFEST_FORMAT!r}")
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise bad("no version")
+    if version > MANIFEST_VERSION:
+        raise CheckpointVersionError(
+            path, f"manifest version {version} is newer than this epochal reads ({MANIFEST_VERSION})"
+        )
+    if data.get("epoch") != epoch or not _is_int(data.get("epoch")):
+        raise bad(f"epoch is {data.get('epoch')!r}, the file name says {epoch}")
+    if not isinstance(data.get("db_type"), str) or not data["db_type"]:
+        raise bad("db_type is missing")
+    if not isinstance(data.get("final", False), bool):
+        raise bad("final is not a boolean")
+    nodes = data.get("nodes")
+    if not isinstance(nodes, dict) or not nodes:
+        raise bad("nodes is missing or empty")
+    for node, entry in nodes.items():
+        if not isinstance(entry, dict):
+            raise bad(f"node {node!r} has no entry")
+        file = entry.get("file")
+        if not isinstance(file, str) or not file or "/" in file or os.sep in file or file in (".", ".."):
+            raise bad(f"node {node!r}: file {file!r} is not a file name")
+        size = entry.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad(f"node {node!r}: size {size!r}")
+        digest = entry.get("digest")
+        if digest is not None and not isinstance(digest, str):
+            raise bad(f"node {node!r}: digest {digest!r}")
+
+
+def _check_db(backend: Any, path: str, entry: dict[str, Any], level: str) -> list[str]:
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return [f"{path}: missing (listed in the manifest)"]
+    except OSError as ex:
+        return [f"{path}: cannot stat ({ex})"]
+    if level == "none":
+        return []
+    if size != entry["size"]:
+        return [f"{path}: size is {size} bytes, the manifest says {entry['size']} (truncated or replaced)"]
+    if entry["digest"] is not None:
+        try:
+            digest = backend.digest(path)
+        except CheckpointError as ex:
+            return [str(ex)]
+        except OSError as ex:
+            return [f"{path}: cannot read ({ex})"]
+        if digest != entry["digest"]:
+            return [f"{path}: digest is {digest}, the manifest says {entry['digest']} (replaced or damaged)"]
+    if level == "full":
+        try:
+            backend.verify(path)
+        except CheckpointError as ex:
+            return [str(ex)]
+        except OSError as ex:
+            return [f"{path}: cannot read ({ex})"]
+    return []
+
+
+class DirectoryMetadataHandler:
+    """The seed's metadata handler protocol, with its records in the checkpoint directory.
+
+    ``keep_last``/``keep_every``: retention (see :mod:`epochal.checkpoint.retention`; the
+    defaults keep every epoch), applied after each commit. ``verify``: how a candidate resume
+    epoch is checked: ``"full"`` (every checksum, the default), ``"quick"`` (size and digest)
+    or ``"none"`` (trust the manifest). ``clean_temp``: remove temp files of dead processes of
+    this host on start (in ``set_params``). ``space_margin``: the fraction added to the previous
+    checkpoint's size when ``cp_accessible`` checks for room.
+    """
+
+    def __init__(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        verify: str = "full",
+        clean_temp: bool = True,
+        space_margin: float = 0.05,
+    ) -> None:
+        if verify not in VERIFY_LEVELS:
+            raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
+        self.policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        self.verify = verify
+        self.clean_temp = clean_temp
+        self.space_margin = float(space_margin)
+        self.directory: CheckpointDirectory | None = None
+        self.db_type = "native"
+        self.node_names: list[str] = []
+        self._pending_bytes: dict[str, int] = {}
+        self._pending_pins: set[int] = set()
+        self._pending_unpins: set[int] = set()
+        self._expect_final: int | None = None
+
+    def __repr__(self) -> str:
+        where = self.directory.db_dir if self.directory is not None else None
+        return f"DirectoryMetadataHandler({where!r}, {self.policy}, verify={self.verify!r})"
+
+    def _dir(self) -> CheckpointDirectory:
+        if self.directory is None:
+            raise CheckpointError("DirectoryMetadataHandler: set_params was not called (no checkpoint directory)")
+        return self.directory
+
+    # -- the seed's protocol
+    def set_params(
+        self,
+        db_prefix: str,
+        db_type: str,
+        node_names: list[str],
+        path_prefix: str | None = None,
+        path_type: str | None = None,
+    ) -> None:
+        """Where the checkpoints live. Creates the records directory and, with ``clean_temp``,
+        removes temp files left by killed saves of this host."""
+        self.directory = CheckpointDirectory(db_prefix, path_prefix)
+        self.db_type = db_type or "native"
+        self.node_names = [str(n) for n in node_names]
+        self._expect_final = None  # a new run: nothing is known to be final yet
+        try:
+            os.makedirs(self.directory.records_dir, exist_ok=True)
+        except OSError as ex:
+            logger.warning("Cannot create the checkpoint records directory %s: %s", self.directory.records_dir, ex)
+            return
+        if self._pending_pins or self._pending_unpins:
+            try:
+                self._update_pins(self._pending_pins, self._pending_unpins)
+                self._pending_pins, self._pending_unpins = set(), set()
+            except (OSError, CheckpointError) as ex:
+                logger.warning("Cannot record pinned epochs in %s: %s", self.directory.pins_path, ex)
+        if self.clean_temp:
+            self.clean_temp_files()
+
+    def last_epoch(self, user_epoch: int | None = None) -> int | None:
+        """``user_epoch`` when given (it must be committed and intact, else CheckpointError);
+        otherwise the newest committed epoch whose dbs all verify, None when there is none."""
+        d = self._dir()
+        if user_epoch is not None:
+            problems = self._problems(int(user_epoch))
+            if problems:
+                if not os.path.exists(d.manifest_path(user_epoch)):
+                    raise CheckpointNotFoundError(problems[0])
+                raise CheckpointCorruptError(
+                    d.manifest_path(user_epoch), f"epoch {user_epoch} cannot be resumed: " + "; ".join(problems)
+                )
+            return int(user_epoch)
+        skipped: list[int] = []
+        for epoch in reversed(d.manifest_epochs()):
+            problems = self._problems(epoch)
+            if not problems:
+                if skipped:
+                    logger.warning(
+                        "Resuming from epoch %d, the newest intact checkpoint (skipped damaged epochs %s)",
+                        epoch, ", ".join(map(str, skipped)),
+                    )
+                return epoch
+            skipped.append(epoch)
+            logger.warning("Checkpoint of epoch %d is damaged, not resuming from it: %s", epoch, "; ".join(problems))
+        if skipped:
+            logger.warning("No intact checkpoint in %s: starting from scratch", d.db_dir)
+        return None
+
+    def write(self, epoch: int) -> None:
+        """Commit ``epoch``: make every node's db durable, then write its manifest atomically;
+        then apply retention. Raises (so the runner logs a failed save) when a db is missing."""
+        d = self._dir()
+        epoch = int(epoch)
+        backend = get_db_type(self.db_type)
+        nodes: dict[str, dict[str, Any]] = {}
+        for node in self.node_names:
+            path = d.db_path(node, epoch)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"cannot commit epoch {epoch}: the db of node {node!r} ({path}) does not exist"
+                ) from None
+            try:
+                atomic.fsync(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            nodes[node] = {"file": os.path.basename(path), "size": size, "digest": backend.digest(path)}
+        atomic.fsync_dir(d.db_dir)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "epoch": epoch,
+            "db_type": self.db_type,
+            "created": _utcnow(),
+            "final": self._expect_final == epoch,  # see expect_final
+            "nodes": nodes,
+        }
+        os.makedirs(d.records_dir, exist_ok=True)
+        self._write_json(d.manifest_path(epoch), manifest)
+        logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
+        try:
+            self.apply_retention(epoch)
+        except Exception as ex:  # retention must never undo a commit
+            logger.warning("Retention after epoch %d failed: %s", epoch, ex)
+
+    def report(self, action_name: str, stats: dict[str, int]) -> None:
+        """Append one stats line per db (duration, and bytes from ``report_bytes``) to
+        ``.epochal/stats.jsonl``. Never raises: a stats failure is a warning."""
+        sizes, self._pending_bytes = self._pending_bytes, {}
+        if self.directory is None or not stats:
+            return
+        now = _utcnow()
+        lines = []
+        for db, ns in stats.items():
+            node, epoch = self._parse_db(db)
+            nbytes = sizes.get(db)
+            lines.append(json.dumps({
+                "time": now, "action": action_name, "epoch": epoch, "node": node, "db": db,
+                "ns": int(ns), "bytes": int(nbytes) if nbytes is not None else None,
+            }, separators=(",", ":")))
+        try:
+            self._append_stats(("\n".join(lines) + "\n").encode("utf-8"))
+        except OSError as ex:
+            logger.warning("Cannot append checkpoint stats to %s: %s", self.directory.stats_path, ex)
+
+    def cp_accessible(self, epoch: int | None = None) -> bool:
+        """Whether the next checkpoint can be written: the directory exists (it is created) and
+        is writable, and its filesystem has room for a checkpoint the size of the newest one.
+        A no is logged as a warning with the reason."""
+        d = self._dir()
+        try:
+            os.makedirs(d.records_dir, exist_ok=True)
+        except OSError as ex:
+            logger.warning("Checkpoint directory %s cannot be created: %s", d.records_dir, ex)
+            return False
+        for path in (d.db_dir, d.records_dir):
+            if not os.access(path, os.W_OK | os.X_OK):
+                logger.warning("Checkpoint directory %s is not writable", path)
+                return False
+        need, basis = self._space_needed()
+        if need:
+            try:
+                st = os.statvfs(d.db_dir)
+            except (OSError, AttributeError):
+                return True
+            free = st.f_bavail * st.f_frsize
+            if free < need:
+                logger.warning(
+                    "Not enough free space in %s for the next checkpoint: %d bytes free, about %d "
+                    "needed (the size of epoch %d)", d.db_dir, free, need, basis,
+                )
+                return False
+        return True
+
+    # -- epochal's optional extensions
+    def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None:
+        """Bytes per db of the save/load that ``report`` is about to describe."""
+        self._pending_bytes = dict(sizes)
+
+    def expect_final(self, epoch: int) -> None:
+        """The job's stop condition was reached at ``epoch``, which is about to be saved: its
+        manifest is written with ``final: true`` in the same atomic write that commits it."""
+        self._expect_final = int(epoch)
+
+    def mark_final(self, epoch: int) -> None:
+        """Record that committed ``epoch`` is the job's last (no-op when its manifest already
+        says so). Never raises: a failure is a warning."""
+        try:
+            d = self._dir()
+            manifest = d.manifest(int(epoch))
+            if manifest.get("final") is not True:
+                manifest["final"] = True
+                self._write_json(d.manifest_path(int(epoch)), manifest)
+        except Exception as ex:
+            logger.warning("Cannot mark epoch %s as the final one: %s", epoch, ex)
+
+    def is_final(self, epoch: int) -> bool:
+        """Whether committed ``epoch`` is a finished job's last epoch."""
+        try:
+            return bool(self._dir().manifest(int(epoch)).get("final", False))
+        except CheckpointError:
+            return False
+
+    def committed_epochs(self) -> list[int]:
+        """Epochs with a valid manifest, oldest first ([] before ``set_params``)."""
+        return self.directory.committed_epochs() if self.directory is not None else []
+
+    def pin(self, epoch: int) -> None:
+        """Keep ``epoch`` whatever the retention policy (recorded in ``.epochal/pins.json``).
+        Before ``set_params`` the pin is remembered and written then."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ValueError(f"cannot pin epoch {epoch}")
+        if self.directory is None:
+            self._pending_pins.add(epoch)
+            self._pending_unpins.discard(epoch)
+            return
+        self._update_pins({epoch}, set())
+
+    def unpin(self, epoch: int) -> None:
+        """Undo :meth:`pin` (the epoch becomes subject to retention at the next commit)."""
+        epoch = int(epoch)
+        if self.directory is None:
+            self._pending_unpins.add(epoch)
+            self._pending_pins.discard(epoch)
+            return
+        self._update_pins(set(), {epoch})
+
+    def pins(self) -> set[int]:
+        """Pinned epochs."""
+        if self.directory is None:
+            return set(self._pending_pins)
+        return self.directory.pins()
+
+    def apply_retention(self, newest: int) -> list[int]:
+        """Delete what the policy drops now that ``newest`` is committed; return the epochs
+        deleted. Each goes manifest first (then it no longer exists), then its dbs. Epochs newer
+        than ``newest`` (about to be overwritten) and pinned ones are kept; dbs of older epochs
+        that were never committed (killed or failed saves) are removed too."""
+        if self.policy.keeps_everything or self.directory is None:
+            return []
+        d = self.directory
+        try:
+            pins = d.pins()
+        except CheckpointError as ex:
+            logger.warning("Retention skipped: %s", ex)
+            return []
+        manifests = d.manifest_epochs()
+        committed = d.committed_epochs()
+        newer = {e for e in manifests if e > newest}
+        doomed = epochs_to_delete(committed, newest, pins, self.policy, protect=newer)
+        on_disk = d.scan()
+        for epoch in doomed:
+            try:
+                files = [os.path.join(d.db_dir, n["file"]) for n in d.manifest(epoch)["nodes"].values()]
+            except CheckpointError:
+                files = []
+            _unlink(d.manifest_path(epoch))
+            atomic.fsync_dir(d.records_dir)
+            for path in {*files, *on_disk.get(epoch, {}).values()}:
+                _unlink(path)
+            logger.info("Retention: deleted the checkpoint of epoch %d", epoch)
+        # leftovers of saves that never committed (or of a delete that was interrupted)
+        valid = set(committed)
+        for epoch, dbs in on_disk.items():
+            if epoch < newest and epoch not in valid and epoch not in pins:
+                if epoch in manifests:
+                    _unlink(d.manifest_path(epoch))
+                for path in dbs.values():
+                    _unlink(path)
+                logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs.values()))
+        atomic.fsync_dir(d.db_dir)
+        return doomed
+
+    def clean_temp_files(self) -> list[str]:
+        """Remove temp files (``*.tmp.<host>.<pid>.<token>``) in the checkpoint and records
+        directories whose host is this one and whose process is gone; return their paths.
+        Another host's temp files are never touched (its process may still be writing)."""
+        d = self._dir()
+        me, removed = atomic.hostname(), []
+        for folder in (d.db_dir, d.records_dir):
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                parsed = atomic.parse_temp_path(name)
+                if parsed is None:
+                    continue
+                _, host, pid = parsed
+                if host != me or pid == os.getpid() or _pid_alive(pid):
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    if _unlink(path):
+                        removed.append(path)
+                except OSError as ex:
+                    logger.warning("Cannot remove the leftover temp file %s: %s", path, ex)
+        if removed:
+            logger.info("Removed %d leftover temp file(s) of killed saves: %s", len(removed), removed)
+        return removed
+
+    # -- internals
+    def _problems(self, epoch: int) -> list[str]:
+        d = self._dir()
+        problems = d.check_epoch(epoch, self.verify, nodes=self.node_names or None)
+        if problems:
+            return problems
+        if self.node_names:
+            db_type = d.manifest(epoch)["db_type"]
+            if db_type != self.db_type:
+                return [f"{d.manifest_path(epoch)}: written with db_type {db_type!r}, this job uses {self.db_type!r}"]
+        return []
+
+    def _space_needed(self) -> tuple[int, int]:
+        """(bytes needed for the next checkpoint, epoch the estimate is based on); (0, -1) when
+        there is no committed checkpoint to go by."""
+        d = self._dir()
+        for epoch in reversed(d.manifest_epochs()):
+            try:
+                nodes = d.manifest(epoch)["nodes"]
+            except CheckpointError:
+                continue
+            size = sum(int(nodes[n]["size"]) for n in nodes if not self.node_names or n in self.node_names)
+            return int(size * (1 + self.space_margin)) + 64 * 1024, epoch
+        return 0, -1
+
+    def _parse_db(self, db: str) -> tuple[str | None, int | None]:
+        base = os.path.basename(db)
+        prefix = self.directory._file_prefix if self.directory is not None else ""
+        for node in sorted(self.node_names, key=len, reverse=True):
+            head = f"{prefix}{node}."
+            rest = base[len(head):]
+            if base.startswith(head) and rest.isascii() and rest.isdigit():
+                return node, int(rest)
+        node, dot, ep = base[len(prefix):].rpartition(".")
+        if dot and ep.isascii() and ep.isdigit():
+            return node, int(ep)
+        return None, None
+
+    def _append_stats(self, data: bytes) -> None:
+        d = self._dir()
+        os.makedirs(d.records_dir, exist_ok=True)
+        fd = os.open(d.stats_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a torn last line stays alone on its line
+            atomic.write_all(fd, data)
+        finally:
+            os.close(fd)
+
+    def _update_pins(self, add: set[int], remove: set[int]) -> None:
+        d = self._dir()
+        pins = (d.pins() | add) - remove
+        os.makedirs(d.records_dir, exist_ok=True)
+        self._write_json(d.pins_path, {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)})
+
+    @staticmethod
+    def _write_json(path: str, data: dict[str, Any]) -> None:
+        raw = (json.dumps(data, indent=1) + "\n").encode("utf-8")
+        try:
+            atomic.atomic_write_bytes(path, raw)
+        except OSError as ex:
+            if ex.filename is None:  # name the file that could not be written
+                raise OSError(ex.errno, f"{ex.strerror or ex} (writing {path})") from ex
+            raise
+
+
+__all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy"]
