@@ -78,3 +78,45 @@ def test_step_errors_propagate_from_the_node(ray_cluster):
     s.run(t)
     assert int(t.outputs()[0].fetch()) == s.node_info("n0")["pid"]
     s.close()
+
+
+def test_ray_job_with_directory_handler_resumes_after_a_crash(ray_cluster, tmp_path):
+    """Each node saves in its own process; the driver commits; a rerun resumes by itself."""
+    from epochal import DirectoryMetadataHandler
+    from epochal.sessions.ray import RaySession
+
+    class CrashAt:
+        def __init__(self, node, epoch):
+            self.node, self.epoch = node, epoch
+
+        def __call__(self, ws):
+            if int(ws[f"{self.node}/cursor"]) >= 3 * self.epoch:
+                raise RuntimeError(f"node {self.node} crashed")
+
+    def job_with(crash):
+        with Job() as job:
+            for n in range(2):
+                build_pipeline(n)
+            if crash:
+                Task(step=CrashAt("trainer_1", 2), node="trainer_1", name="crash")
+        return job
+
+    with Cluster():
+        s = RaySession()
+        mgr = MultiNodeCheckpointManager(str(tmp_path), metadata_handler=DirectoryMetadataHandler())
+        with pytest.raises(RuntimeError, match="node trainer_1 crashed"):
+            JobRunner(job_with(crash=True), mgr).train(s)
+        s.close()
+        handler = DirectoryMetadataHandler()
+        s = RaySession()
+        mgr = MultiNodeCheckpointManager(str(tmp_path), metadata_handler=handler)
+        assert JobRunner(job_with(crash=False), mgr).train(s) == 4
+        assert handler.committed_epochs() == [0, 1, 2, 3, 4]
+        from epochal.checkpoint.directory import CheckpointDirectory
+
+        loads = [(r["epoch"], r["node"]) for r in CheckpointDirectory(str(tmp_path)).stats()
+                 if r["action"] == "checkpoint_load"]
+        assert loads == [(1, "trainer_0"), (1, "trainer_1")]  # resumed after the last commit
+        for n in range(2):
+            assert s.fetch_blob(f"trainer_{n}", f"trainer_{n}/total").tolist() == [EXPECTED_TOTALS[-1]]
+        s.close()
