@@ -93,7 +93,8 @@ class SaveBlobs:
         self.db, self.db_type, self.names = db, db_type, list(names)
         self.node, self.epoch = node, epoch
 
-    def __call__(self, ws: Any) -> int:
+    def _gather(self, ws: Any) -> dict[str, Any]:
+        """The listed blobs, in list order; an error naming the first one missing."""
         if not self.names:
             raise CheckpointError(f"checkpoint {self.db}: nothing to save (empty blob list)")
         blobs: dict[str, Any] = {}
@@ -104,7 +105,10 @@ class SaveBlobs:
                     f"(saving {self.db}, epoch {self.epoch})"
                 )
             blobs[name] = ws[name]
-        return int(get_db_type(self.db_type).write(self.db, blobs))
+        return blobs
+
+    def __call__(self, ws: Any) -> int:
+        return int(get_db_type(self.db_type).write(self.db, self._gather(ws)))
 
 
 class DbExists:
@@ -166,16 +170,7 @@ class SnapshotAndSave(SaveBlobs):
         started = time.perf_counter_ns()
         if self.db in _pending:
             raise CheckpointError(f"checkpoint {self.db}: a background save of it is still running")
-        if not self.names:
-            raise CheckpointError(f"checkpoint {self.db}: nothing to save (empty blob list)")
-        frozen: dict[str, Any] = {}
-        for name in self.names:
-            if name not in ws:
-                raise MissingBlobError(
-                    f"blob {name!r} of the blob list of node {self.node!r} is not in its workspace "
-                    f"(saving {self.db}, epoch {self.epoch})"
-                )
-            frozen[name] = Frozen(ws[name], name)
+        frozen = {name: Frozen(value, name) for name, value in self._gather(ws).items()}
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochal-save")
         _pending[self.db] = _Pending(_executor.submit(_write_in_background, self.db_type, self.db, frozen), started)
