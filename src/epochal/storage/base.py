@@ -15,7 +15,6 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-
 #: A callback ``fn(nbytes_done_increment)`` that backends call as data moves (per segment or
 #: chunk) during a write or read; set by progress displays. None: no progress reporting.
 IO_PROGRESS: ContextVar[Callable[[int], None] | None] = ContextVar("epochal_io_progress", default=None)

@@ -1,0 +1,217 @@
+"""Measurement helpers for the format benchmarks: timing, peak RSS, fsync, cache eviction.
+
+Peak memory uses Linux's resettable high-water mark: writing ``5`` to
+``/proc/self/clear_refs`` resets ``VmHWM`` in ``/proc/self/status``, so the peak RSS of one
+operation is exact (not sampled). Elsewhere a 1 ms sampling thread is used instead.
+
+Cold-cache reads: a file is fsynced and then dropped from the page cache with
+``posix_fadvise(POSIX_FADV_DONTNEED)`` (only that file, so other users of the machine keep
+their caches); ``drop_caches=True`` also writes ``1`` to ``/proc/sys/vm/drop_caches`` when
+permitted (root).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file by name (for libraries that write and close it themselves)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def evict(path: str, drop_caches: bool = False) -> None:
+    """Drop ``path`` from the page cache (after flushing it) so the next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if drop_caches:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+        except OSError:
+            pass
+
+
+def warm(path: str) -> None:
+    """Read ``path`` twice so it is in the page cache *and* on the active LRU list.
+
+    A page read once sits on the inactive list and is the first to be reclaimed when the timed
+    load allocates memory; a file read by two variants (native with and without verification)
+    would otherwise be "warmer" than a file read by one."""
+    buf = bytearray(8 * MiB)
+    for _ in range(2):
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def rss() -> int:
+    """Current resident set size in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """``with PeakMemory() as m: ...`` then ``m.extra`` = peak RSS minus RSS at entry."""
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.peak = 0
+        self._hwm_ok = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        self.base = rss()
+        self._hwm_ok = _reset_hwm() and _hwm() is not None
+        if not self._hwm_ok:
+            self.peak = self.base
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hwm_ok:
+            self.peak = max(_hwm() or 0, rss())
+        else:
+            self._stop.set()
+            assert self._thread is not None
+            self._thread.join()
+            self.peak = max(self.peak, rss())
+
+    @property
+    def extra(self) -> int:
+        return max(0, self.peak - self.base)
+
+
+@dataclass
+class Sample:
+    seconds: float
+    extra_bytes: int
+
+
+@dataclass
+class Series:
+    """All samples of one measured operation across rounds."""
+
+    name: str
+    nbytes: int
+    samples: list[Sample] = field(default_factory=list)
+
+    def median_seconds(self) -> float:
+        return statistics.median(s.seconds for s in self.samples)
+
+    def gbps(self) -> float:
+        return self.nbytes / self.median_seconds() / 1e9
+
+    def peak_extra(self) -> int:
+        return max(s.extra_bytes for s in self.samples)
+
+
+def measure(fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> tuple[Sample, Any]:
+    """Run ``before()`` untimed, then time ``fn()`` and its peak extra memory."""
+    if before is not None:
+        before()
+    gc.collect()
+    with PeakMemory() as mem:
+        t0 = time.perf_counter()
+        result = fn()
+        dt = time.perf_counter() - t0
+    return Sample(dt, mem.extra), result
+
+
+def paired_ratio(a: Series, b: Series, higher_is_better: bool = True) -> float:
+    """Median over rounds of throughput(a)/throughput(b) (i.e. time(b)/time(a)) — pairing the
+    samples of the same round cancels most of a noisy machine's drift."""
+    ratios = [sb.seconds / sa.seconds for sa, sb in zip(a.samples, b.samples)]
+    return statistics.median(ratios)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def touch_memory(nbytes: int) -> None:
+    """Fault in and free ``nbytes`` of memory, so a VM has backed it before timing starts."""
+    import numpy as np
+
+    chunk = 256 * MiB
+    bufs = []
+    for _ in range(max(1, nbytes // chunk)):
+        a = np.empty(chunk, dtype=np.uint8)
+        a.fill(1)
+        bufs.append(a)
+    del bufs
+    gc.collect()
+
+
+def recycle_memory() -> bool:
+    """Make glibc keep freed memory and serve big allocations from it (``M_MMAP_MAX=0``,
+    ``M_TRIM_THRESHOLD`` huge), so a timed load reuses memory the process already touched.
+
+    On a VM, first-touch page faults of fresh memory vary by 5x from one run to the next and
+    would drown the I/O being measured; with recycling every variant reads "into new arrays"
+    whose pages are already resident (as with torch's caching allocator). Returns False where
+    mallopt is unavailable."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        ok1 = libc.mallopt(M_MMAP_MAX, 0)
+        ok2 = libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+        return bool(ok1 and ok2)
+    except (OSError, AttributeError):
+        return False

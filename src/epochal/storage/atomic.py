@@ -1,0 +1,185 @@
+"""Durable, atomic file writing, shared by every db backend and by manifests.
+
+A file is written under a temporary name in the same directory
+(``f"{final_path}.tmp.{hostname}.{pid}.{token}"``), fsynced, renamed over the final name and
+the directory is fsynced. A crash therefore leaves either the old file or the new one under
+the final name, never a partial one; at worst a temp file is left behind, and
+:func:`parse_temp_path` tells a cleaner whose it is (host and pid) so it can be removed once
+that process is gone.
+
+All data goes through the module-level :func:`write_all` and :func:`fsync`, looked up at call
+time (``atomic.write_all(...)``), so tests can monkeypatch them to inject ENOSPC or EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import socket
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+#: the most buffers handed to one ``writev`` (Linux IOV_MAX is 1024)
+IOV_MAX = 1024
+
+_TEMP_RE = re.compile(r"^(?P<final>.+)\.tmp\.(?P<host>[^/]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})$")
+
+
+def hostname() -> str:
+    """This machine's host name as it appears in temp file names ("/" cannot appear)."""
+    return socket.gethostname().replace("/", "_") or "localhost"
+
+
+def temp_path_for(path: str | os.PathLike[str]) -> str:
+    """A fresh temp name next to ``path``: ``{path}.tmp.{hostname}.{pid}.{8 hex digits}``."""
+    return f"{os.fspath(path)}.tmp.{hostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def parse_temp_path(path: str | os.PathLike[str]) -> tuple[str, str, int] | None:
+    """``(final_path, host, pid)`` of a name made by :func:`temp_path_for`, else None."""
+    m = _TEMP_RE.match(os.fspath(path))
+    if m is None:
+        return None
+    return m.group("final"), m.group("host"), int(m.group("pid"))
+
+
+def write_all(fd: int, buffer: Any) -> int:
+    """Write all of ``buffer`` to ``fd`` at its current position; return the bytes written.
+
+    ``buffer`` is one bytes-like object, or a sequence of them written in order with
+    ``writev`` (at most :data:`IOV_MAX` per call) so that many small segments need few system
+    calls and no copy. Short writes are continued; errors (ENOSPC, EIO...) propagate."""
+    if isinstance(buffer, (list, tuple)):
+        return _writev_all(fd, buffer)
+    view = memoryview(buffer).cast("B")
+    total = view.nbytes
+    done = 0
+    while done < total:
+        n = os.write(fd, view[done:])
+        if n <= 0:  # pragma: no cover - regular files do not return 0
+            raise OSError(errno.EIO, "write returned 0")
+        done += n
+    return total
+
+
+def _writev_all(fd: int, buffers: Sequence[Any]) -> int:
+    total = 0
+    for start in range(0, len(buffers), IOV_MAX):
+        batch = list(buffers[start : start + IOV_MAX])
+        want = sum(memoryview(b).nbytes for b in batch)
+        n = os.writev(fd, batch)
+        total += want
+        if n != want:  # short write: continue the rest byte-exactly (rare)
+            rest = b"".join(bytes(memoryview(b).cast("B")) for b in batch)
+            write_all(fd, memoryview(rest)[n:])
+    return total
+
+
+def fsync(fd: int) -> None:
+    """Flush ``fd``'s data and metadata to stable storage (``os.fsync``)."""
+    os.fsync(fd)
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename or create in it is durable (no-op where unsupported)."""
+    try:
+        fd = os.open(os.fspath(directory) or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # e.g. Windows cannot open directories
+    try:
+        fsync(fd)
+    except OSError as e:  # some filesystems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def check_free_space(path: str | os.PathLike[str], nbytes: int) -> None:
+    """Raise OSError(ENOSPC) naming ``path`` when its filesystem has less than ``nbytes`` free
+    for unprivileged users (``statvfs``); silently passes where statvfs is unavailable."""
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough free space to write {nbytes} bytes ({free} free)",
+            os.fspath(path),
+        )
+
+
+class AtomicFile:
+    """An open temp file that becomes ``path`` on a clean exit, durably.
+
+    ``with AtomicFile(path, size=n) as f: atomic.write_all(f.fd, data)``. On entry the
+    directory must exist (else FileNotFoundError) and have room for ``size`` bytes (else
+    OSError(ENOSPC) naming the file). On a clean exit the temp file is fsynced, renamed to
+    ``path`` and the directory fsynced; on any exception the temp file is removed and the
+    exception propagates."""
+
+    def __init__(self, path: str | os.PathLike[str], size: int | None = None, mode: int = 0o644) -> None:
+        self.path = os.fspath(path)
+        self.size = size
+        self.mode = mode
+        self.temp_path = temp_path_for(self.path)
+        self.fd = -1
+
+    def __enter__(self) -> AtomicFile:
+        if self.size is not None:
+            directory = os.path.dirname(os.path.abspath(self.path))
+            if not os.path.isdir(directory):
+                raise FileNotFoundError(errno.ENOENT, "directory does not exist", directory)
+            check_free_space(self.path, self.size)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+        self.fd = os.open(self.temp_path, flags, self.mode)
+        return self
+
+    def commit(self) -> None:
+        """fsync, close, rename into place, fsync the directory."""
+        fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.temp_path, self.path)
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+
+    def abort(self) -> None:
+        """Close and remove the temp file, ignoring errors (the original error matters)."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+        try:
+            os.unlink(self.temp_path)
+        except OSError:
+            pass
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            self.commit()
+        except BaseException:
+            self.abort()
+            raise
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview) -> int:
+    """Write ``data`` to ``path`` atomically and durably (for small files such as manifests);
+    return the bytes written."""
+    with AtomicFile(path, size=memoryview(data).nbytes) as f:
+        return write_all(f.fd, data)

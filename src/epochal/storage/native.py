@@ -1,0 +1,1206 @@
+"""The ``native`` db_type: epochal's own checkpoint file format (see docs/format.md).
+
+One file per (node, epoch)::
+
+    [superblock: 64 bytes] [segment 0][pad] [segment 1][pad] ... [index]
+
+* Blob data is written raw, straight from the arrays' memory, each segment starting at a
+  multiple of 64 bytes, so a reader can ``readinto`` a fresh array or memory-map it.
+* The index at the end holds fixed-size binary tables (blobs, segments, a name-sorted
+  permutation for bisection) plus a names heap and one compact JSON array of the distinct
+  ``[kind, meta]`` pairs. Nothing is ever pickled or evaluated.
+* Every byte of the file is covered by a checksum (CRC-32C, or zlib CRC-32 when the crc32c
+  package is missing; the algorithm is recorded): the superblock's own, the index's, and one
+  per segment (covering its padding too). Data checksums are computed on a background thread
+  overlapped with the disk I/O.
+* Files are written under a temp name, fsynced and renamed into place (:mod:`.atomic`).
+
+Public entry points: :class:`NativeBackend` (registered as ``db_type="native"``),
+:func:`open_native` (a lazy, optionally memory-mapped reader for inspection and partial
+loads) and :func:`stat_native` (a header-only summary).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap as _mmap
+import os
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    MissingBlobError,
+    UnsupportedBlobError,
+)
+from . import atomic
+from . import codecs as _codecs
+from .base import BlobInfo, DbBackend, ReadStats, register_db_type, report_progress
+from .checksum import (
+    ALGORITHM_IDS,
+    ALGORITHM_NAMES,
+    Checksummer,
+    checksum_function,
+    default_algorithm,
+    format_checksum,
+)
+
+__all__ = [
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "MAGIC",
+    "NativeBackend",
+    "NativeFile",
+    "NativeStat",
+    "open_native",
+    "stat_native",
+]
+
+MAGIC = b"\x89EPCK\r\n\x1a"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+ALIGN = 64
+INDEX_MAGIC = b"EPIX"
+
+# magic, major, minor, checksum algorithm id, log2(alignment), index offset, index length,
+# file size, blob count, segment count, data bytes, index checksum, superblock checksum
+_SUPER = struct.Struct("<8sHHHHQQQIIQII")
+SUPERBLOCK_SIZE = _SUPER.size  # 64
+# magic, flags, names heap length, metas text length, meta count, reserved
+_INDEX_HEAD = struct.Struct("<4sIQQII")
+
+REC_DTYPE = np.dtype(
+    [
+        ("name_off", "<u4"),
+        ("name_len", "<u4"),
+        ("meta_id", "<u4"),
+        ("seg_first", "<u4"),
+        ("seg_count", "<u4"),
+        ("flags", "<u4"),
+    ]
+)
+SEG_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u8"), ("crc", "<u4"), ("pad", "<u4")])
+MOFF_DTYPE = np.dtype([("off", "<u4"), ("len", "<u4")])
+
+#: segments at least this big are read/written on their own, in CHUNK-sized pieces
+BIG_SEGMENT = 1 << 20
+#: piece size for big segments (checksum of piece i, on a thread, overlaps the I/O of
+#: piece i+1; small enough that the piece is still in cache when it is checksummed)
+CHUNK = 2 << 20
+#: a load of at least this many bytes asks the kernel to read PREFETCH_WINDOW bytes ahead
+PREFETCH_MIN = 4 << 20
+PREFETCH_WINDOW = 64 << 20
+PREFETCH_STEP = 16 << 20
+#: small segments are coalesced into one writev/preadv of about this many bytes (small
+#: enough to stay in the CPU cache between the copy and the inline checksum)
+BATCH_BYTES = 1 << 20
+_MAX_U32 = 0xFFFFFFFF
+_ZEROS = memoryview(bytes(ALIGN))
+# where padding goes when it is read without being checked (contents never used)
+_SCRATCH = memoryview(bytearray(ALIGN))
+_ZERO_AREA = bytes(ALIGN * 1024)
+
+
+def _flat(seg: Any) -> memoryview:
+    """A flat unsigned-byte view of a segment (copied only if it is not contiguous)."""
+    mv = memoryview(seg)
+    if mv.ndim == 1 and mv.format == "B":
+        return mv
+    if not mv.c_contiguous:
+        return memoryview(mv.tobytes())
+    return mv.cast("B")
+
+
+def _pad_for(end: int) -> int:
+    return (-end) % ALIGN
+
+
+# ====================================================================== writing
+@dataclass
+class _Plan:
+    """Everything about a file except the data checksums, computed before any write."""
+
+    views: list[memoryview]
+    recs: np.ndarray
+    segs: np.ndarray
+    moffs: np.ndarray
+    order: np.ndarray
+    names_heap: bytes
+    metas_text: bytes
+    index_offset: int
+    index_length: int
+    data_bytes: int
+
+
+def _plan(blobs: Mapping[str, Any]) -> _Plan:
+    """Encode every blob and lay the file out; UnsupportedBlobError before anything is written."""
+    names_b: list[bytes] = []
+    meta_ids: dict[tuple[str, str], int] = {}
+    meta_texts: list[str] = []
+    rec_meta: list[int] = []
+    rec_nseg: list[int] = []
+    views: list[memoryview] = []
+    dumps = json.JSONEncoder(separators=(",", ":"), sort_keys=True, allow_nan=False).encode
+    encode = _codecs.encode
+    for name, value in blobs.items():
+        if not isinstance(name, str):
+            raise UnsupportedBlobError(f"blob name {name!r} is not a str")
+        enc = encode(value, name)
+        # dedupe metas by repr (cheap) and JSON-encode only the distinct ones
+        key = (enc.kind, repr(enc.meta))
+        mid = meta_ids.get(key)
+        if mid is None:
+            try:
+                text = dumps([enc.kind, enc.meta])
+            except (TypeError, ValueError) as e:
+                raise UnsupportedBlobError(f"blob {name!r}: codec meta is not JSON: {e}") from None
+            mid = meta_ids[key] = len(meta_texts)
+            meta_texts.append(text)
+        names_b.append(name.encode("utf-8", "surrogatepass"))
+        rec_meta.append(mid)
+        segments = enc.segments
+        rec_nseg.append(len(segments))
+        for seg in segments:
+            if type(seg) is memoryview and seg.ndim == 1 and seg.format == "B":
+                views.append(seg)
+            else:
+                views.append(_flat(seg))
+
+    n, nseg = len(names_b), len(views)
+    lengths = np.fromiter((v.nbytes for v in views), dtype=np.uint64, count=nseg)
+    # every segment starts at a multiple of ALIGN and owns the zero padding up to the next
+    padded = (lengths + np.uint64(ALIGN - 1)) // np.uint64(ALIGN) * np.uint64(ALIGN)
+    offsets = np.empty(nseg, dtype=np.uint64)
+    if nseg:
+        offsets[0] = SUPERBLOCK_SIZE
+        np.cumsum(padded[:-1], out=offsets[1:])
+        offsets[1:] += np.uint64(SUPERBLOCK_SIZE)
+    index_offset = SUPERBLOCK_SIZE + int(padded.sum())
+
+    segs = np.zeros(nseg, dtype=SEG_DTYPE)
+    segs["offset"] = offsets
+    segs["length"] = lengths
+    segs["pad"] = padded - lengths
+
+    name_lens = np.fromiter((len(b) for b in names_b), dtype=np.int64, count=n)
+    names_heap = b"".join(names_b)
+    nseg_arr = np.asarray(rec_nseg, dtype=np.int64)
+    recs = np.zeros(n, dtype=REC_DTYPE)
+    if n:
+        recs["name_off"][1:] = np.cumsum(name_lens)[:-1]
+        recs["seg_first"][1:] = np.cumsum(nseg_arr)[:-1]
+    recs["name_len"] = name_lens
+    recs["meta_id"] = np.asarray(rec_meta, dtype=np.int64)
+    recs["seg_count"] = nseg_arr
+
+    metas_text = ("[" + ",".join(meta_texts) + "]").encode("ascii")
+    mlens = np.fromiter((len(t) for t in meta_texts), dtype=np.int64, count=len(meta_texts))
+    moffs = np.zeros(len(meta_texts), dtype=MOFF_DTYPE)
+    if len(meta_texts):
+        moffs["off"][0] = 1
+        moffs["off"][1:] = 1 + np.cumsum(mlens + 1)[:-1]
+    moffs["len"] = mlens
+    if max(len(names_heap), len(metas_text), n, nseg) > _MAX_U32:
+        raise UnsupportedBlobError("too many blobs or names for one native db file")
+
+    order = np.asarray(sorted(range(n), key=names_b.__getitem__), dtype="<u4")
+    index_length = (
+        _INDEX_HEAD.size
+        + recs.nbytes
+        + segs.nbytes
+        + moffs.nbytes
+        + order.nbytes
+        + len(names_heap)
+        + len(metas_text)
+    )
+    return _Plan(
+        views, recs, segs, moffs, order, names_heap, metas_text, index_offset, index_length,
+        int(lengths.sum()),
+    )
+
+
+def _write_data(fd: int, plan: _Plan, algorithm: str) -> list[int]:
+    """Stream the superblock placeholder and every segment (with its padding) to ``fd``;
+    return the segment checksums.
+
+    Small segments are checksummed inline just before the ``writev`` that writes them (the
+    batch stays in cache for the kernel's copy); big segments go out in CHUNK pieces whose
+    checksums a background thread computes while the next piece is being written."""
+    fn_inline = checksum_function(algorithm, inline=True)
+    views, pads = plan.views, plan.segs["pad"].tolist()
+    crcs = [0] * len(views)
+    big = [i for i, v in enumerate(views) if v.nbytes >= BIG_SEGMENT]
+    ck = Checksummer(checksum_function(algorithm), len(views)) if big else None
+    try:
+        bufs: list[Any] = [_ZEROS]  # superblock placeholder, rewritten at the end
+        nbytes = SUPERBLOCK_SIZE
+        for i, mv in enumerate(views):
+            pad = pads[i]
+            size = mv.nbytes
+            if size >= BIG_SEGMENT:
+                assert ck is not None
+                if bufs:
+                    atomic.write_all(fd, bufs)
+                    report_progress(nbytes)
+                    bufs, nbytes = [], 0
+                for start in range(0, size, CHUNK):
+                    piece = mv[start : start + CHUNK]
+                    ck.submit([(i, piece)])
+                    atomic.write_all(fd, piece)
+                    report_progress(piece.nbytes)
+                if pad:
+                    bufs.append(_ZEROS[:pad])
+                    nbytes += pad
+                continue
+            if size:
+                crcs[i] = fn_inline(mv, 0)
+                bufs.append(mv)
+            if pad:
+                bufs.append(_ZEROS[:pad])
+            nbytes += size + pad
+            if nbytes >= BATCH_BYTES or len(bufs) >= atomic.IOV_MAX - 2:
+                atomic.write_all(fd, bufs)
+                report_progress(nbytes)
+                bufs, nbytes = [], 0
+        if bufs:
+            atomic.write_all(fd, bufs)
+            report_progress(nbytes)
+        if ck is not None:
+            got = ck.results()
+            for i in big:
+                crcs[i] = got[i]
+    finally:
+        if ck is not None:
+            ck.close()
+    return crcs
+
+
+def _index_bytes(plan: _Plan) -> bytes:
+    head = _INDEX_HEAD.pack(
+        INDEX_MAGIC, 0, len(plan.names_heap), len(plan.metas_text), len(plan.moffs), 0
+    )
+    return b"".join(
+        [
+            head,
+            plan.recs.tobytes(),
+            plan.segs.tobytes(),
+            plan.moffs.tobytes(),
+            plan.order.tobytes(),
+            plan.names_heap,
+            plan.metas_text,
+        ]
+    )
+
+
+def _superblock(
+    algo_id: int, index_offset: int, index_length: int, file_size: int, nblobs: int,
+    nsegs: int, data_bytes: int, index_crc: int, fn: Any,
+) -> bytes:
+    fields = (
+        MAGIC, FORMAT_MAJOR, FORMAT_MINOR, algo_id, ALIGN.bit_length() - 1, index_offset,
+        index_length, file_size, nblobs, nsegs, data_bytes, index_crc,
+    )
+    body = _SUPER.pack(*fields, 0)[:-4]
+    return body + struct.pack("<I", fn(body, 0))
+
+
+def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algorithm: str | None = None) -> int:
+    """Write ``blobs`` to a native db file at ``path`` atomically and durably; return its size.
+
+    Every value is encoded first (UnsupportedBlobError naming the blob before anything touches
+    the disk); then the data is streamed from the values' own memory in large sequential
+    writes, checksummed on a background thread, followed by the index; the file is fsynced,
+    renamed into place and the directory fsynced. A missing directory raises
+    FileNotFoundError; too little free space raises OSError(ENOSPC) naming the file."""
+    path = os.fspath(path)
+    algorithm = algorithm or default_algorithm()
+    fn = checksum_function(algorithm)
+    plan = _plan(blobs)
+    file_size = plan.index_offset + plan.index_length
+    with atomic.AtomicFile(path, size=file_size) as out:
+        crcs = _write_data(out.fd, plan, algorithm)
+        plan.segs["crc"] = np.asarray(crcs, dtype=np.uint64) if crcs else 0
+        index = _index_bytes(plan)
+        assert len(index) == plan.index_length
+        index_crc = fn(index, 0)
+        atomic.write_all(out.fd, index)
+        sb = _superblock(
+            ALGORITHM_IDS[algorithm], plan.index_offset, plan.index_length, file_size,
+            len(plan.recs), len(plan.segs), plan.data_bytes, index_crc, fn,
+        )
+        os.lseek(out.fd, 0, os.SEEK_SET)
+        atomic.write_all(out.fd, sb)
+    return file_size
+
+
+# ====================================================================== reading
+@dataclass(frozen=True)
+class NativeStat:
+    """A header-only summary of a native db file (what ``epochal inspect`` shows first)."""
+
+    path: str
+    format_version: str
+    major: int
+    minor: int
+    checksum_algorithm: str
+    blob_count: int
+    segment_count: int
+    data_bytes: int
+    index_bytes: int
+    file_bytes: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class _Header:
+    major: int
+    minor: int
+    algorithm: str
+    index_offset: int
+    index_length: int
+    file_size: int
+    blob_count: int
+    seg_count: int
+    data_bytes: int
+    index_crc: int
+
+    def digest(self) -> str:
+        return (
+            f"native{self.major}:{self.algorithm}:{self.index_crc:08x}:{self.file_size}"
+        )
+
+
+def _corrupt(path: str, message: str, blob: str | None = None) -> CheckpointCorruptError:
+    return CheckpointCorruptError(path, message, blob)
+
+
+def _open_fd(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(errno.ENOENT, "no such native db file", path) from None
+
+
+def _pread_exact(path: str, fd: int, n: int, offset: int, what: str, blob: str | None = None) -> bytes:
+    data = os.pread(fd, n, offset)
+    while len(data) < n:
+        more = os.pread(fd, n - len(data), offset + len(data))
+        if not more:
+            raise _corrupt(path, f"file is truncated: {what} needs bytes {offset}..{offset + n}", blob)
+        data += more
+    return data
+
+
+def _parse_superblock(path: str, raw: bytes, actual_size: int) -> _Header:
+    """Check and decode the 64-byte superblock against the file's real size."""
+    if len(raw) < SUPERBLOCK_SIZE:
+        raise _corrupt(path, f"file is truncated ({actual_size} bytes): not a complete native db")
+    if raw[:8] != MAGIC:
+        raise _corrupt(path, "not an epochal native db file (bad magic number)")
+    (_, major, minor, algo_id, align_log2, ioff, ilen, fsize, nblobs, nsegs, dbytes, icrc,
+     scrc) = _SUPER.unpack(raw[:SUPERBLOCK_SIZE])
+    if major > FORMAT_MAJOR:
+        raise CheckpointVersionError(
+            path,
+            f"written by native format version {major}.{minor}, but this epochal reads only "
+            f"major version {FORMAT_MAJOR}; upgrade epochal to read it",
+        )
+    if major < 1:
+        raise _corrupt(path, f"unknown native format version {major}.{minor}")
+    algorithm = ALGORITHM_NAMES.get(algo_id)
+    if algorithm is None:
+        raise _corrupt(path, f"unknown checksum algorithm id {algo_id}")
+    try:
+        fn = checksum_function(algorithm)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    if fn(raw[:60], 0) != scrc:
+        raise _corrupt(path, "superblock checksum mismatch (header damaged)")
+    if align_log2 != ALIGN.bit_length() - 1:
+        raise _corrupt(path, f"unsupported alignment 2**{align_log2}")
+    if fsize != actual_size:
+        kind = "truncated" if actual_size < fsize else "longer than recorded"
+        raise _corrupt(path, f"file is {kind}: {actual_size} bytes, header says {fsize}")
+    if ioff < SUPERBLOCK_SIZE or ioff % ALIGN or ioff + ilen != fsize or ilen < _INDEX_HEAD.size:
+        raise _corrupt(path, f"absurd index position {ioff}+{ilen} in a {fsize}-byte file")
+    if dbytes > ioff:
+        raise _corrupt(path, f"absurd data size {dbytes}")
+    return _Header(major, minor, algorithm, ioff, ilen, fsize, nblobs, nsegs, dbytes, icrc)
+
+
+def _read_header(path: str, fd: int) -> _Header:
+    size = os.fstat(fd).st_size
+    raw = os.pread(fd, SUPERBLOCK_SIZE, 0)
+    return _parse_superblock(path, raw, size)
+
+
+@dataclass
+class _Columns:
+    seg_first: list[int]
+    seg_count: list[int]
+    offsets: list[int]
+    lengths: list[int]
+    pads: list[int]
+    crcs: list[int]
+
+
+class _Index:
+    """The parsed, verified index of one file. Tables are numpy views of the index bytes."""
+
+    def __init__(self, path: str, header: _Header, raw: bytes) -> None:
+        self.path = path
+        self.header = header
+        self.fn = checksum_function(header.algorithm)
+        if len(raw) != header.index_length:
+            raise _corrupt(path, "file is truncated inside the index")
+        if self.fn(raw, 0) != header.index_crc:
+            raise _corrupt(path, "index checksum mismatch (header damaged)")
+        magic, _flags, names_len, metas_len, nmetas, _ = _INDEX_HEAD.unpack_from(raw, 0)
+        n, nseg = header.blob_count, header.seg_count
+        if magic != INDEX_MAGIC:
+            raise _corrupt(path, "bad index magic")
+        expect = (
+            _INDEX_HEAD.size + n * REC_DTYPE.itemsize + nseg * SEG_DTYPE.itemsize
+            + nmetas * MOFF_DTYPE.itemsize + n * 4 + names_len + metas_len
+        )
+        if expect != len(raw):
+            raise _corrupt(path, f"absurd index counts ({n} blobs, {nseg} segments, {nmetas} metas)")
+        pos = _INDEX_HEAD.size
+
+        def table(dtype: np.dtype, count: int) -> np.ndarray:
+            nonlocal pos
+            arr = np.frombuffer(raw, dtype=dtype, count=count, offset=pos)
+            pos += arr.nbytes
+            return arr
+
+        self.recs = table(REC_DTYPE, n)
+        self.segs = table(SEG_DTYPE, nseg)
+        self.moffs = table(MOFF_DTYPE, nmetas)
+        self.order = table(np.dtype("<u4"), n)
+        self.names_heap = raw[pos : pos + names_len]
+        self.metas_text = raw[pos + names_len :]
+        self._validate()
+        self._names: list[str] | None = None
+        self._ids: dict[str, int] | None = None
+        self._metas: list[Any] | None = None
+        self._meta_cache: dict[int, tuple[str, dict[str, Any]]] = {}
+        self._cols: _Columns | None = None
+        self._entries: list[tuple[str, dict[str, Any]]] | None = None
+
+    def _validate(self) -> None:
+        """Structural checks (the checksum catches damage; these catch a writer bug or a
+        crafted file, so that no length can point outside the file or overlap)."""
+        path, recs, segs = self.path, self.recs, self.segs
+        n, nseg = len(recs), len(segs)
+        off = segs["offset"].astype(np.int64)
+        length = segs["length"].astype(np.int64)
+        pad = segs["pad"].astype(np.int64)
+        if nseg:
+            ends = off + length + pad
+            if (
+                off[0] != SUPERBLOCK_SIZE
+                or np.any(off % ALIGN)
+                or np.any(pad >= ALIGN)
+                or np.any(length < 0)
+                or np.any(ends[:-1] != off[1:])
+                or ends[-1] != self.header.index_offset
+            ):
+                raise _corrupt(path, "segment table does not tile the data area")
+        elif self.header.index_offset != SUPERBLOCK_SIZE:
+            raise _corrupt(path, "data area without segments")
+        if int(length.sum()) != self.header.data_bytes:
+            raise _corrupt(path, "segment lengths do not add up to the data size")
+        if n:
+            cnt = recs["seg_count"].astype(np.int64)
+            first = recs["seg_first"].astype(np.int64)
+            noff = recs["name_off"].astype(np.int64)
+            nlen = recs["name_len"].astype(np.int64)
+            if (
+                first[0] != 0
+                or np.any(first[1:] != (first + cnt)[:-1])
+                or first[-1] + cnt[-1] != nseg
+                or np.any(noff + nlen > len(self.names_heap))
+                or np.any(recs["meta_id"] >= len(self.moffs))
+                or np.any(self.order >= n)
+            ):
+                raise _corrupt(path, "blob table is inconsistent")
+        elif nseg:
+            raise _corrupt(path, "segments without blobs")
+        mo = self.moffs["off"].astype(np.int64) + self.moffs["len"].astype(np.int64)
+        if len(mo) and np.any(mo > len(self.metas_text)):
+            raise _corrupt(path, "meta table points outside the index")
+
+    # ---- names
+    def name(self, i: int) -> str:
+        if self._names is not None:
+            return self._names[i]
+        r = self.recs[i]
+        return self._decode_name(int(r["name_off"]), int(r["name_len"]))
+
+    def _decode_name(self, off: int, ln: int) -> str:
+        try:
+            return self.names_heap[off : off + ln].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            raise _corrupt(self.path, "blob name is not UTF-8") from None
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            heap = self.names_heap
+            try:
+                self._names = [
+                    heap[o : o + ln].decode("utf-8", "surrogatepass")
+                    for o, ln in zip(self.recs["name_off"].tolist(), self.recs["name_len"].tolist())
+                ]
+            except UnicodeDecodeError:
+                raise _corrupt(self.path, "blob name is not UTF-8") from None
+        return self._names
+
+    def find(self, name: str) -> int | None:
+        """The blob index of ``name``: a dict once all names are decoded, else a bisection of
+        the name-sorted table that touches only ~log2(n) names."""
+        if self._ids is not None:
+            return self._ids.get(name)
+        key = name.encode("utf-8", "surrogatepass")
+        heap, order = self.names_heap, self.order
+        offs, lens = self.recs["name_off"], self.recs["name_len"]
+        lo, hi = 0, len(order)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            i = int(order[mid])
+            o = int(offs[i])
+            cand = heap[o : o + int(lens[i])]
+            if cand < key:
+                lo = mid + 1
+            elif cand > key:
+                hi = mid
+            else:
+                return i
+        return None
+
+    def build_ids(self) -> dict[str, int]:
+        if self._ids is None:
+            self._ids = {nm: i for i, nm in enumerate(self.names())}
+        return self._ids
+
+    # ---- metas
+    def entry(self, i: int) -> tuple[str, dict[str, Any]]:
+        """``(kind, meta)`` of blob ``i``, parsed from only that blob's JSON when few are used."""
+        mid = int(self.recs["meta_id"][i])
+        got = self._meta_cache.get(mid)
+        if got is not None:
+            return got
+        try:
+            if self._metas is not None:
+                item = self._metas[mid]
+            else:
+                o, ln = int(self.moffs["off"][mid]), int(self.moffs["len"][mid])
+                item = json.loads(self.metas_text[o : o + ln])
+        except (ValueError, RecursionError, IndexError):
+            raise _corrupt(self.path, "blob meta is not valid JSON", self.name(i)) from None
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], dict)
+        ):
+            raise _corrupt(self.path, "blob meta is not a [kind, meta] pair", self.name(i))
+        got = (item[0], item[1])
+        self._meta_cache[mid] = got
+        return got
+
+    def all_entries(self) -> list[tuple[str, dict[str, Any]]]:
+        """``(kind, meta)`` of every distinct meta entry, by meta id (validated once each)."""
+        if self._entries is None:
+            self.parse_all_metas()
+            assert self._metas is not None
+            out = []
+            for item in self._metas:
+                if (
+                    not isinstance(item, list)
+                    or len(item) != 2
+                    or not isinstance(item[0], str)
+                    or not isinstance(item[1], dict)
+                ):
+                    raise _corrupt(self.path, "blob meta is not a [kind, meta] pair")
+                out.append((item[0], item[1]))
+            self._entries = out
+        return self._entries
+
+    def parse_all_metas(self) -> None:
+        """Parse the whole metas array at once (faster than one by one for full loads)."""
+        if self._metas is None:
+            try:
+                metas = json.loads(self.metas_text)
+            except (ValueError, RecursionError):
+                raise _corrupt(self.path, "index metas are not valid JSON") from None
+            if not isinstance(metas, list) or len(metas) != len(self.moffs):
+                raise _corrupt(self.path, "index metas do not match the meta table")
+            self._metas = metas
+
+    def columns(self) -> _Columns:
+        """The tables as Python lists (fast per-blob access when many blobs are loaded)."""
+        if self._cols is None:
+            r, g = self.recs, self.segs
+            self._cols = _Columns(
+                r["seg_first"].tolist(), r["seg_count"].tolist(), g["offset"].tolist(),
+                g["length"].tolist(), g["pad"].tolist(), g["crc"].tolist(),
+            )
+        return self._cols
+
+    def seg_range(self, i: int) -> range:
+        r = self.recs[i]
+        first = int(r["seg_first"])
+        return range(first, first + int(r["seg_count"]))
+
+    def info(self, i: int) -> BlobInfo:
+        kind, meta = self.entry(i)
+        segs = self.seg_range(i)
+        lengths = self.segs["length"][segs.start : segs.stop]
+        crcs = self.segs["crc"][segs.start : segs.stop].tolist()
+        dtype = meta.get("dtype")
+        if dtype is not None and not isinstance(dtype, str):
+            dtype = json.dumps(dtype, separators=(",", ":"))
+        shape = meta.get("shape")
+        try:
+            shape_t = _codecs.check_shape(shape) if shape is not None else None
+        except ValueError:
+            shape_t = None
+        checksum = (
+            format_checksum(self.header.algorithm, crcs[0]) + "".join(f"+{c:08x}" for c in crcs[1:])
+            if crcs
+            else None
+        )
+        return BlobInfo(self.name(i), kind, dtype, shape_t, int(lengths.sum()), checksum, meta)
+
+
+def _preadv_exact(path: str, fd: int, views: list[memoryview], offset: int, blob: str) -> int:
+    """Fill ``views`` from ``offset`` on; a file ending early is reported as corrupt."""
+    want = sum(v.nbytes for v in views)
+    got = os.preadv(fd, views, offset)
+    report_progress(want)
+    if got == want:
+        return want
+    # short read: continue buffer by buffer (rare: EOF, or a signal)
+    pos = 0
+    for v in views:
+        end = pos + v.nbytes
+        if got < end:
+            done = max(0, got - pos)
+            while done < v.nbytes:
+                n = os.preadv(fd, [v[done:]], offset + pos + done)
+                if n <= 0:
+                    raise _corrupt(path, f"file is truncated (read stopped at byte {offset + pos + done})", blob)
+                done += n
+            got = end
+        pos = end
+    return want
+
+
+class _Prefetcher:
+    """Keeps the kernel reading ahead of us: ``posix_fadvise(WILLNEED)`` on the next
+    PREFETCH_WINDOW bytes of the ranges being loaded (only those), so a cold read is served
+    by big asynchronous disk requests while we copy and checksum, instead of one modest
+    synchronous request per ``preadv``."""
+
+    def __init__(self, fd: int, ranges: list[tuple[int, int]]) -> None:
+        self.fd = fd
+        self.ranges = ranges
+        self.ri = 0
+        self.done_to = ranges[0][0] if ranges else 0
+        self.enabled = hasattr(os, "posix_fadvise") and bool(ranges)
+
+    def advance(self, pos: int) -> None:
+        if not self.enabled or pos + PREFETCH_STEP < self.done_to:
+            return
+        target = pos + PREFETCH_WINDOW
+        ranges = self.ranges
+        while self.done_to < target and self.ri < len(ranges):
+            a, b = ranges[self.ri]
+            start = max(a, self.done_to)
+            if start >= b:
+                self.ri += 1
+                continue
+            end = min(b, max(target, start + PREFETCH_STEP))
+            try:
+                os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                self.enabled = False
+                return
+            self.done_to = end
+            if end >= b:
+                self.ri += 1
+
+
+def _merged_ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+_DECODE_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError, UnicodeError, struct.error, RecursionError)
+
+
+class NativeFile:
+    """An open native db: verified index in memory, data read on demand.
+
+    ``open_native(path)`` returns one. It reads only the 64-byte superblock and the index at
+    open (and verifies both checksums), so inspecting a huge checkpoint or loading a few blobs
+    of it is cheap. With ``mmap=True`` values are decoded from read-only views of a memory map
+    (arrays are then read-only and share the page cache, nothing is copied up front); with
+    ``mmap=False`` they are read with ``preadv`` into fresh buffers. Either way the checksums
+    of the requested blobs are verified before any value is decoded, unless ``verify=False``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False) -> None:
+        self.path = os.fspath(path)
+        self._fd = _open_fd(self.path)
+        self._mm: _mmap.mmap | None = None
+        try:
+            self.header = _read_header(self.path, self._fd)
+            h = self.header
+            raw = _pread_exact(self.path, self._fd, h.index_length, h.index_offset, "the index")
+            self._index = _Index(self.path, h, raw)
+            if mmap:
+                self._mm = _mmap.mmap(self._fd, 0, access=_mmap.ACCESS_READ)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+
+    # ---- lifecycle
+    def close(self) -> None:
+        """Close the file. Arrays already returned from a memory map keep it alive."""
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # values still reference the map; it closes when they are freed
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> NativeFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if self._fd >= 0:
+                os.close(self._fd)
+        except (AttributeError, OSError):
+            pass
+
+    # ---- inspection
+    @property
+    def mmap(self) -> bool:
+        return self._mm is not None
+
+    def stat(self) -> NativeStat:
+        """Header summary: version, algorithm, counts and sizes, digest."""
+        return _stat_from_header(self.path, self.header)
+
+    def names(self) -> list[str]:
+        """Blob names in file order."""
+        return list(self._index.names())
+
+    def __len__(self) -> int:
+        return self.header.blob_count
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index.names())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._index.find(name) is not None
+
+    def info(self, name: str) -> BlobInfo:
+        """What the index says about ``name`` (MissingBlobError if absent)."""
+        return self._index.info(self._lookup(name))
+
+    def describe(self) -> list[BlobInfo]:
+        """Every blob's :class:`BlobInfo`, in file order."""
+        self._index.parse_all_metas()
+        return [self._index.info(i) for i in range(self.header.blob_count)]
+
+    def digest(self) -> str:
+        return self.header.digest()
+
+    def _lookup(self, name: str) -> int:
+        i = self._index.find(name)
+        if i is None:
+            raise MissingBlobError(f"{self.path}: no blob {name!r} in this db")
+        return i
+
+    # ---- loading
+    def __getitem__(self, name: str) -> Any:
+        return self.read([name])[name]
+
+    def read(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        allow_incomplete: bool = False,
+        existing: Mapping[str, Any] | None = None,
+        verify: bool = True,
+        stats: ReadStats | None = None,
+    ) -> dict[str, Any]:
+        """Load ``names`` (all when None); see :meth:`DbBackend.read`. Only the requested
+        blobs' bytes are read; all of their checksums are verified before anything is decoded."""
+        if self._fd < 0:
+            raise ValueError(f"{self.path}: native db is closed")
+        ids = self._resolve(names, allow_incomplete)
+        plan = self._allocate(ids)
+        if self._mm is not None:
+            self._map(plan, verify)
+        else:
+            self._fill(plan, verify)
+        out: dict[str, Any] = {}
+        total = 0
+        path = self.path
+        for _i, name, kind, meta, codec, bufs in plan:
+            live = existing.get(name) if existing is not None else None
+            try:
+                out[name] = codec.decode(meta, bufs, live)
+            except CheckpointError:
+                raise
+            except _DECODE_ERRORS as e:
+                raise _corrupt(path, f"cannot decode {kind} blob: {e}", name) from None
+            for b in bufs:
+                total += b.nbytes
+        if stats is not None:
+            stats.nbytes += total
+            stats.blobs += len(plan)
+        return out
+
+    def _resolve(self, names: Sequence[str] | None, allow_incomplete: bool) -> list[int]:
+        """Blob indices to load, in file order (so reads go forward through the file)."""
+        idx = self._index
+        n = self.header.blob_count
+        if names is None:
+            idx.parse_all_metas()
+            return list(range(n))
+        if isinstance(names, str):
+            names = [names]
+        if len(names) > 64 and len(names) * 8 > n:
+            idx.build_ids()
+            idx.parse_all_metas()
+        found: dict[int, None] = {}
+        for nm in names:
+            i = idx.find(nm) if isinstance(nm, str) else None
+            if i is None:
+                if allow_incomplete:
+                    continue
+                raise MissingBlobError(f"{self.path}: no blob {nm!r} in this db")
+            found[i] = None
+        return sorted(found)
+
+    def _allocate(self, ids: list[int]) -> list[tuple[int, str, str, dict[str, Any], Any, list[memoryview]]]:
+        """Phase 1: the codec of each blob allocates its buffers (nothing is read yet)."""
+        idx = self._index
+        cols = idx.columns() if len(ids) > 64 else None
+        codec_cache: dict[str, Any] = {}
+        plan = []
+        mapped = self._mm is not None
+        path = self.path
+        all_names = idx.names() if cols is not None else None
+        entries = idx.all_entries() if cols is not None else None
+        meta_ids = idx.recs["meta_id"].tolist() if cols is not None else None
+        for i in ids:
+            if all_names is not None and entries is not None and meta_ids is not None:
+                name = all_names[i]
+                kind, meta = entries[meta_ids[i]]
+            else:
+                name = idx.name(i)
+                kind, meta = idx.entry(i)
+            if cols is not None:
+                first, cnt = cols.seg_first[i], cols.seg_count[i]
+                sizes = cols.lengths[first : first + cnt]
+            else:
+                first, cnt = int(idx.recs["seg_first"][i]), int(idx.recs["seg_count"][i])
+                sizes = idx.segs["length"][first : first + cnt].tolist()
+            codec = codec_cache.get(kind)
+            if codec is None:
+                try:
+                    codec = codec_cache[kind] = _codecs.codec_for_kind(kind)
+                except ValueError as e:
+                    raise _corrupt(path, str(e), name) from None
+            if mapped:
+                bufs: list[memoryview] = []
+            else:
+                try:
+                    bufs = codec.allocate(meta, sizes)
+                except CheckpointError:
+                    raise
+                except (*_DECODE_ERRORS, MemoryError) as e:
+                    raise _corrupt(path, f"bad {kind} meta: {e}", name) from None
+                if len(bufs) != cnt:
+                    raise _corrupt(path, f"codec wants {len(bufs)} segments, file has {cnt}", name)
+                for j, b in enumerate(bufs):
+                    if type(b) is not memoryview or b.ndim != 1 or b.format != "B":
+                        b = bufs[j] = _flat_writable(b)
+                    if b.nbytes != sizes[j] or b.readonly:
+                        raise _corrupt(path, f"codec buffer of {b.nbytes} bytes for a {sizes[j]}-byte segment", name)
+            plan.append((i, name, kind, meta, codec, bufs))
+        return plan
+
+    def _fill(self, plan: list[Any], verify: bool) -> None:
+        """Phase 2 (pread): read every segment straight into its buffer.
+
+        Adjacent small segments (and their padding) are coalesced into one ``preadv`` of
+        about BATCH_BYTES and checksummed inline right after, while still in cache; big
+        segments are read in CHUNK pieces whose checksums a background thread computes
+        while the next piece is read."""
+        idx, path, fd = self._index, self.path, self._fd
+        cols = idx.columns() if len(plan) > 64 else None
+        fn_inline = checksum_function(idx.header.algorithm, inline=True)
+        nslots = sum(len(p[5]) for p in plan)
+        has_big = any(b.nbytes >= BIG_SEGMENT for p in plan for b in p[5])
+        ck = Checksummer(idx.fn, nslots) if verify and has_big else None
+        got = [0] * nslots
+        expected: list[tuple[int, str]] = []  # per slot: (crc, blob name)
+        total = sum(b.nbytes for p in plan for b in p[5])
+        spans: list[tuple[int, int]] = []
+        if total >= PREFETCH_MIN:
+            for p in plan:
+                for k in idx.seg_range(p[0]) if cols is None else range(
+                    cols.seg_first[p[0]], cols.seg_first[p[0]] + cols.seg_count[p[0]]
+                ):
+                    o = cols.offsets[k] if cols is not None else int(idx.segs["offset"][k])
+                    ln = (cols.lengths[k] + cols.pads[k]) if cols is not None else int(
+                        idx.segs["length"][k] + idx.segs["pad"][k]
+                    )
+                    spans.append((o, o + ln))
+        ahead = _Prefetcher(fd, _merged_ranges(spans))
+        try:
+            views: list[memoryview] = []
+            todo: list[tuple[int, Any]] = []
+            run_start = run_end = -1  # file range of the current coalesced run
+            run_blob = ""
+            slot = 0
+            # padding of a run is read into one zeroed scratch area and checked to be zero
+            pad_area = bytearray(ALIGN * atomic.IOV_MAX) if verify else bytearray(0)
+            pad_view = memoryview(pad_area)
+            pad_used = 0
+            pad_names: list[str] = []
+
+            def flush() -> None:
+                nonlocal pad_area, pad_view, pad_used
+                ahead.advance(run_start)
+                _preadv_exact(path, fd, views, run_start, run_blob)
+                for s_, b_ in todo:
+                    got[s_] = fn_inline(b_, got[s_])
+                if pad_used:
+                    if pad_area != _ZERO_AREA:
+                        for k, nm in enumerate(pad_names):
+                            if any(pad_area[k * ALIGN : (k + 1) * ALIGN]):
+                                raise _corrupt(path, "nonzero padding after the data (blob damaged)", nm)
+                    pad_area = bytearray(ALIGN * atomic.IOV_MAX)
+                    pad_view = memoryview(pad_area)
+                    pad_used = 0
+                    pad_names.clear()
+
+            for i, name, _kind, _meta, _codec, bufs in plan:
+                nb = len(bufs)
+                if cols is not None:
+                    first = cols.seg_first[i]
+                    offs = cols.offsets[first : first + nb]
+                    pads = cols.pads[first : first + nb]
+                    crcs = cols.crcs[first : first + nb]
+                else:
+                    first = int(idx.recs["seg_first"][i])
+                    sl = idx.segs[first : first + nb]
+                    offs, pads, crcs = sl["offset"].tolist(), sl["pad"].tolist(), sl["crc"].tolist()
+                for buf, off, pad, crc in zip(bufs, offs, pads, crcs):
+                    if verify:
+                        expected.append((crc, name))
+                    size = buf.nbytes
+                    if size >= BIG_SEGMENT:
+                        if views:
+                            flush()
+                            views, todo, run_end = [], [], -1
+                        for start in range(0, size, CHUNK):
+                            piece = buf[start : start + CHUNK]
+                            ahead.advance(off + start)
+                            _preadv_exact(path, fd, [piece], off + start, name)
+                            if ck is not None:
+                                ck.submit([(slot, piece)])
+                        if pad and verify:
+                            tail = _pread_exact(path, fd, pad, off + size, "padding", name)
+                            if any(tail):
+                                raise _corrupt(path, "nonzero padding after the data (blob damaged)", name)
+                        slot += 1
+                        continue
+                    if run_end != off or len(views) >= atomic.IOV_MAX - 2 or off - run_start >= BATCH_BYTES:
+                        if views:
+                            flush()
+                            views, todo = [], []
+                        run_start = off
+                        run_blob = name
+                    if size:
+                        views.append(buf)
+                        if verify:
+                            todo.append((slot, buf))
+                    if pad:
+                        if verify:
+                            views.append(pad_view[pad_used * ALIGN : pad_used * ALIGN + pad])
+                            pad_used += 1
+                            pad_names.append(name)
+                        else:
+                            views.append(_SCRATCH[:pad])
+                    run_end = off + size + pad
+                    slot += 1
+            if views:
+                flush()
+            if verify:
+                if ck is not None:
+                    bg = ck.results()
+                    got = [a or b for a, b in zip(got, bg)]
+                for s_, (want, name) in enumerate(expected):
+                    if got[s_] != want:
+                        raise _corrupt(path, "data checksum mismatch (blob damaged)", name)
+        finally:
+            if ck is not None:
+                ck.close()
+
+    def _map(self, plan: list[Any], verify: bool) -> None:
+        """Phase 2 (mmap): hand read-only views of the map to the codecs, after verifying."""
+        assert self._mm is not None
+        idx = self._index
+        whole = memoryview(self._mm)
+        segs = idx.segs
+        for entry in plan:
+            i, name = entry[0], entry[1]
+            bufs: list[memoryview] = entry[5]
+            for k in idx.seg_range(i):
+                off, ln, pad = int(segs["offset"][k]), int(segs["length"][k]), int(segs["pad"][k])
+                view = whole[off : off + ln]
+                report_progress(ln)
+                if verify:
+                    if idx.fn(view, 0) != int(segs["crc"][k]):
+                        raise _corrupt(self.path, "data checksum mismatch (blob damaged)", name)
+                    if pad and any(whole[off + ln : off + ln + pad]):
+                        raise _corrupt(self.path, "nonzero padding after the data (blob damaged)", name)
+                bufs.append(view)
+
+    def verify(self, names: Sequence[str] | None = None) -> None:
+        """Re-check the data checksums of ``names`` (all when None) without decoding or
+        allocating the values: data streams through a small reusable buffer."""
+        idx = self._index
+        ids = range(self.header.blob_count) if names is None else [self._lookup(n) for n in names]
+        segs = idx.segs
+        scratch = memoryview(bytearray(CHUNK))
+        for i in ids:
+            for k in idx.seg_range(i):
+                off = int(segs["offset"][k])
+                left = int(segs["length"][k])
+                pad = int(segs["pad"][k])
+                crc = 0
+                while left:
+                    n = min(left, CHUNK)
+                    piece = scratch[:n]
+                    _preadv_exact(self.path, self._fd, [piece], off, idx.name(i))
+                    crc = idx.fn(piece, crc)
+                    off += n
+                    left -= n
+                if crc != int(segs["crc"][k]):
+                    raise _corrupt(self.path, "data checksum mismatch (blob damaged)", idx.name(i))
+                if pad and any(_pread_exact(self.path, self._fd, pad, off, "padding", idx.name(i))):
+                    raise _corrupt(self.path, "nonzero padding after the data (blob damaged)", idx.name(i))
+
+
+def _flat_writable(b: Any) -> memoryview:
+    mv = memoryview(b)
+    if mv.ndim == 1 and mv.format == "B":
+        return mv
+    return mv.cast("B")
+
+
+def _stat_from_header(path: str, h: _Header) -> NativeStat:
+    return NativeStat(
+        path=path,
+        format_version=f"{h.major}.{h.minor}",
+        major=h.major,
+        minor=h.minor,
+        checksum_algorithm=h.algorithm,
+        blob_count=h.blob_count,
+        segment_count=h.seg_count,
+        data_bytes=h.data_bytes,
+        index_bytes=h.index_length,
+        file_bytes=h.file_size,
+        digest=h.digest(),
+    )
+
+
+def open_native(path: str | os.PathLike[str], *, mmap: bool = True) -> NativeFile:
+    """Open a native db lazily for inspection or partial loading (memory-mapped by default).
+
+    Only the superblock and the index are read (both checksums verified); blob data is read
+    and verified on ``read``/``[]``. Use as a context manager."""
+    return NativeFile(path, mmap=mmap)
+
+
+def stat_native(path: str | os.PathLike[str]) -> NativeStat:
+    """Header-only summary of a native db (one 64-byte read): format version, checksum
+    algorithm, blob and segment counts, data/index/file sizes and the digest. Raises
+    CheckpointCorruptError on a damaged superblock or a size mismatch (truncation)."""
+    p = os.fspath(path)
+    fd = _open_fd(p)
+    try:
+        return _stat_from_header(p, _read_header(p, fd))
+    finally:
+        os.close(fd)
+
+
+class NativeBackend(DbBackend):
+    """``db_type="native"``: the format of this module (docs/format.md)."""
+
+    name = "native"
+
+    def write(self, path: str, blobs: Mapping[str, Any]) -> int:
+        return write_native(path, blobs)
+
+    def read(
+        self,
+        path: str,
+        names: Sequence[str] | None = None,
+        *,
+        allow_incomplete: bool = False,
+        existing: Mapping[str, Any] | None = None,
+        verify: bool = True,
+        stats: ReadStats | None = None,
+    ) -> dict[str, Any]:
+        with NativeFile(path, mmap=False) as f:
+            return f.read(
+                names, allow_incomplete=allow_incomplete, existing=existing, verify=verify,
+                stats=stats,
+            )
+
+    def describe(self, path: str) -> list[BlobInfo]:
+        with NativeFile(path, mmap=False) as f:
+            return f.describe()
+
+    def digest(self, path: str) -> str | None:
+        """``native1:<algorithm>:<index checksum>:<file size>``: read from the superblock only;
+        the index checksum covers every data checksum, so it identifies the content."""
+        return stat_native(path).digest
+
+    def verify(self, path: str) -> None:
+        with NativeFile(path, mmap=False) as f:
+            f.verify()
+
+
+register_db_type("native", NativeBackend)

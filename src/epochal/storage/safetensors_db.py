@@ -1,0 +1,410 @@
+"""The ``safetensors`` db_type: files the safetensors library (and so the Hugging Face
+ecosystem) opens as they are, holding every epochal blob.
+
+Layout (the safetensors format: an 8-byte little-endian header length, a JSON header, then
+the tensor bytes back to back):
+
+* numpy arrays whose dtype safetensors knows (bool, (u)int8-64, float16/32/64), little-endian,
+  become real tensors under the blob's own name;
+* everything else (Python and numpy scalars, strings, bytes, big-endian or structured arrays,
+  other codecs' kinds such as state-dict trees) is described in ``__metadata__``: the codec's
+  kind and meta as JSON, with each raw segment either inline (base64, when small) or in a
+  hidden ``U8`` tensor named ``__epochal__/<blob index>/<segment>``;
+* ``__metadata__["epochal.blobs"]`` lists every blob in order (JSON), with a CRC-32C of every
+  segment; ``__metadata__["epochal.blobs.crc"]`` is the checksum of that JSON string, so
+  damage to data or to the blob list is detected on load (safetensors itself has no checksums).
+  ``"format": "pt"`` is set so transformers accepts the file.
+
+The file is written by epochal itself, streaming from the arrays' memory through
+:mod:`.atomic` (temp name, fsync, rename, directory fsync), so the safetensors package is not
+needed to write or read; files written by other tools (no ``epochal.blobs``) are read too, one
+ndarray blob per tensor. Nothing is pickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    MissingBlobError,
+    UnsupportedBlobError,
+)
+from . import atomic
+from . import codecs as _codecs
+from .base import BlobInfo, DbBackend, ReadStats, register_db_type, report_progress
+from .checksum import Checksummer, checksum_function, default_algorithm, format_checksum
+
+__all__ = ["SafetensorsBackend", "SAFETENSORS_DTYPES"]
+
+#: numpy dtype (little-endian str) -> safetensors dtype name
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "|b1": "BOOL", "|u1": "U8", "|i1": "I8", "<i2": "I16", "<u2": "U16", "<f2": "F16",
+    "<i4": "I32", "<u4": "U32", "<f4": "F32", "<f8": "F64", "<i8": "I64", "<u8": "U64",
+}
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4,
+                "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8, "C64": 8, "F8_E4M3": 1,
+                "F8_E5M2": 1}
+_ST_TO_NUMPY = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+HIDDEN = "__epochal__/"
+INLINE_MAX = 4096
+MAX_HEADER = 100 << 20  # the safetensors library's own limit
+_CRC_PLACEHOLDER = "00000000"
+
+
+def _corrupt(path: str, msg: str, blob: str | None = None) -> CheckpointCorruptError:
+    return CheckpointCorruptError(path, msg, blob)
+
+
+class SafetensorsBackend(DbBackend):
+    """``db_type="safetensors"``: see the module docstring."""
+
+    name = "safetensors"
+
+    # ------------------------------------------------------------------ write
+    def write(self, path: str, blobs: Mapping[str, Any]) -> int:
+        path = os.fspath(path)
+        algorithm = default_algorithm()
+        fn = checksum_function(algorithm)
+        tensors: list[tuple[str, str, list[int], memoryview]] = []  # name, dtype, shape, data
+        records: list[dict[str, Any]] = []
+        crc_slots: list[tuple[dict[str, Any], int]] = []  # (record, segment index) per tensor
+        inline_crcs: list[tuple[dict[str, Any], int, memoryview]] = []
+        for bi, (name, value) in enumerate(blobs.items()):
+            if not isinstance(name, str):
+                raise UnsupportedBlobError(f"blob name {name!r} is not a str")
+            enc = _codecs.encode(value, name)
+            segs = [_flat(s) for s in enc.segments]
+            rec: dict[str, Any] = {"name": name, "kind": enc.kind, "meta": enc.meta, "segs": []}
+            st_dtype = (
+                SAFETENSORS_DTYPES.get(enc.meta.get("dtype", ""))
+                if enc.kind == "ndarray" and isinstance(enc.meta.get("dtype"), str)
+                else None
+            )
+            direct = (
+                st_dtype is not None
+                and len(segs) == 1
+                and name != "__metadata__"
+                and not name.startswith(HIDDEN)
+            )
+            for j, seg in enumerate(segs):
+                if direct:
+                    tensors.append((name, st_dtype or "", list(enc.meta["shape"]), seg))
+                    rec["segs"].append({"tensor": name, "crc": _CRC_PLACEHOLDER})
+                    crc_slots.append((rec, j))
+                elif seg.nbytes <= INLINE_MAX:
+                    rec["segs"].append({"b64": base64.b64encode(seg).decode("ascii"),
+                                        "crc": _CRC_PLACEHOLDER})
+                    inline_crcs.append((rec, j, seg))
+                else:
+                    tname = f"{HIDDEN}{bi}/{j}"
+                    tensors.append((tname, "U8", [seg.nbytes], seg))
+                    rec["segs"].append({"tensor": tname, "crc": _CRC_PLACEHOLDER})
+                    crc_slots.append((rec, j))
+            records.append(rec)
+        for rec, j, seg in inline_crcs:
+            rec["segs"][j]["crc"] = f"{fn(seg, 0):08x}"
+
+        def header_bytes() -> bytes:
+            try:
+                blobs_json = json.dumps(records, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise UnsupportedBlobError(f"codec meta is not JSON: {e}") from None
+            meta = {
+                "format": "pt",
+                "epochal.version": "1",
+                "epochal.checksum": algorithm,
+                "epochal.blobs": blobs_json,
+                "epochal.blobs.crc": f"{fn(blobs_json.encode(), 0):08x}",
+            }
+            header: dict[str, Any] = {"__metadata__": meta}
+            off = 0
+            for tname, dt, shape, seg in tensors:
+                header[tname] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + seg.nbytes]}
+                off += seg.nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+            return raw + b" " * ((-len(raw)) % 8)  # data starts 8-aligned, as safetensors pads
+
+        head = header_bytes()
+        data_len = sum(t[3].nbytes for t in tensors)
+        total = 8 + len(head) + data_len
+        with atomic.AtomicFile(path, size=total) as out:
+            os.lseek(out.fd, 8 + len(head), os.SEEK_SET)
+            with Checksummer(fn, len(tensors)) as ck:
+                batch: list[Any] = []
+                todo: list[tuple[int, Any]] = []
+                nbytes = 0
+                for k, (_, _, _, seg) in enumerate(tensors):
+                    batch.append(seg)
+                    todo.append((k, seg))
+                    nbytes += seg.nbytes
+                    if nbytes >= 8 << 20 or len(batch) >= atomic.IOV_MAX:
+                        ck.submit(todo)
+                        atomic.write_all(out.fd, batch)
+                        report_progress(nbytes)
+                        batch, todo, nbytes = [], [], 0
+                if batch:
+                    ck.submit(todo)
+                    atomic.write_all(out.fd, batch)
+                    report_progress(nbytes)
+                crcs = ck.results()
+            for (rec, j), crc in zip(crc_slots, crcs):
+                rec["segs"][j]["crc"] = f"{crc:08x}"
+            final = header_bytes()
+            if len(final) != len(head):  # pragma: no cover - crcs are fixed width
+                raise AssertionError("safetensors header changed size")
+            os.lseek(out.fd, 0, os.SEEK_SET)
+            atomic.write_all(out.fd, struct.pack("<Q", len(final)) + final)
+        return total
+
+    # ------------------------------------------------------------------ read
+    def _open(self, path: str) -> tuple[int, _Header]:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(2, "no such safetensors db file", path) from None
+        try:
+            return fd, _Header(path, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def describe(self, path: str) -> list[BlobInfo]:
+        fd, h = self._open(path)
+        os.close(fd)
+        out = []
+        for rec in h.records:
+            sizes = [h.seg_size(rec, s) for s in rec["segs"]]
+            crcs = [s.get("crc") for s in rec["segs"]]
+            meta = rec["meta"]
+            dtype = meta.get("dtype")
+            if dtype is not None and not isinstance(dtype, str):
+                dtype = json.dumps(dtype, separators=(",", ":"))
+            try:
+                shape = _codecs.check_shape(meta["shape"]) if "shape" in meta else None
+            except ValueError:
+                shape = None
+            checksum = None
+            if crcs and all(isinstance(c, str) for c in crcs):
+                checksum = format_checksum(h.algorithm, int(crcs[0], 16)) + "".join(f"+{c}" for c in crcs[1:])
+            out.append(BlobInfo(rec["name"], rec["kind"], dtype, shape, sum(sizes), checksum, meta))
+        return out
+
+    def digest(self, path: str) -> str | None:
+        """CRC of the header (which holds every segment's CRC) plus the file size."""
+        fd, h = self._open(path)
+        os.close(fd)
+        return f"safetensors:{h.header_crc:08x}:{h.file_size}"
+
+    def read(
+        self,
+        path: str,
+        names: Sequence[str] | None = None,
+        *,
+        allow_incomplete: bool = False,
+        existing: Mapping[str, Any] | None = None,
+        verify: bool = True,
+        stats: ReadStats | None = None,
+    ) -> dict[str, Any]:
+        path = os.fspath(path)
+        fd, h = self._open(path)
+        try:
+            if names is None:
+                recs = list(h.records)
+            else:
+                if isinstance(names, str):
+                    names = [names]
+                by_name = {r["name"]: r for r in h.records}
+                recs = []
+                for nm in dict.fromkeys(names):
+                    r = by_name.get(nm)
+                    if r is None:
+                        if allow_incomplete:
+                            continue
+                        raise MissingBlobError(f"{path}: no blob {nm!r} in this db")
+                    recs.append(r)
+            # phase 1: allocate
+            plan = []
+            for rec in recs:
+                name, kind, meta = rec["name"], rec["kind"], rec["meta"]
+                if "unsupported" in rec:
+                    raise UnsupportedBlobError(
+                        f"{path}: blob {name!r}: safetensors dtype {rec['unsupported']} has no numpy "
+                        "equivalent (load it with the torch integration)"
+                    )
+                sizes = [h.seg_size(rec, s) for s in rec["segs"]]
+                try:
+                    codec = _codecs.codec_for_kind(kind)
+                    bufs = [_flat(b) for b in codec.allocate(meta, sizes)]
+                except CheckpointError:
+                    raise
+                except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError) as e:
+                    raise _corrupt(path, f"bad {kind} meta: {e}", name) from None
+                if len(bufs) != len(sizes) or any(b.nbytes != s or b.readonly for b, s in zip(bufs, sizes)):
+                    raise _corrupt(path, "codec buffers do not fit the stored segments", name)
+                plan.append((rec, codec, bufs))
+            # phase 2: fill and verify
+            fn = h.fn
+            for rec, _codec, bufs in plan:
+                for seg, buf in zip(rec["segs"], bufs):
+                    if "b64" in seg:
+                        try:
+                            raw = base64.b64decode(seg["b64"], validate=True)
+                        except (ValueError, TypeError):
+                            raise _corrupt(path, "bad inline segment", rec["name"]) from None
+                        buf[:] = raw
+                    else:
+                        begin, _end = h.tensor_range(seg["tensor"], rec["name"])
+                        _pread_into(path, fd, buf, h.data_start + begin, rec["name"])
+                        report_progress(buf.nbytes)
+                    if verify and h.has_crcs:
+                        if fn is None or fn(buf, 0) != int(seg.get("crc", "0"), 16):
+                            raise _corrupt(path, "data checksum mismatch (blob damaged)", rec["name"])
+            # phase 3: decode
+            out: dict[str, Any] = {}
+            for rec, codec, bufs in plan:
+                name = rec["name"]
+                live = existing.get(name) if existing is not None else None
+                try:
+                    out[name] = codec.decode(rec["meta"], bufs, live)
+                except CheckpointError:
+                    raise
+                except (ValueError, TypeError, KeyError, IndexError, OverflowError, UnicodeError) as e:
+                    raise _corrupt(path, f"cannot decode {rec['kind']} blob: {e}", name) from None
+                if stats is not None:
+                    stats.blobs += 1
+                    stats.nbytes += sum(b.nbytes for b in bufs)
+            return out
+        finally:
+            os.close(fd)
+
+
+def _flat(seg: Any) -> memoryview:
+    mv = memoryview(seg)
+    if mv.ndim == 1 and mv.format == "B":
+        return mv
+    if not mv.c_contiguous:
+        return memoryview(mv.tobytes())
+    return mv.cast("B")
+
+
+def _pread_into(path: str, fd: int, buf: memoryview, offset: int, blob: str) -> None:
+    done = 0
+    while done < buf.nbytes:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise _corrupt(path, "file is truncated", blob)
+        done += n
+
+
+class _Header:
+    """The parsed, validated header of a safetensors file."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.file_size = os.fstat(fd).st_size
+        raw = os.pread(fd, 8, 0)
+        if len(raw) < 8:
+            raise _corrupt(path, "file is truncated: no safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER or 8 + n > self.file_size:
+            raise _corrupt(path, f"absurd safetensors header length {n}")
+        text = os.pread(fd, n, 8)
+        if len(text) != n:
+            raise _corrupt(path, "file is truncated inside the header")
+        self.header_crc = checksum_function("crc32")(text, 0)
+        try:
+            header = json.loads(text)
+        except (ValueError, RecursionError):
+            raise _corrupt(path, "safetensors header is not valid JSON") from None
+        if not isinstance(header, dict):
+            raise _corrupt(path, "safetensors header is not a JSON object")
+        self.data_start = 8 + n
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise _corrupt(path, "bad __metadata__")
+        self.tensors: dict[str, tuple[int, int]] = {}
+        self._dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
+        spans = []
+        for tname, t in header.items():
+            try:
+                dt, shape, (b, e) = t["dtype"], t["shape"], t["data_offsets"]
+                shape = _codecs.check_shape(shape)
+                if not (isinstance(b, int) and isinstance(e, int)) or not 0 <= b <= e:
+                    raise ValueError
+                if dt not in _ST_ITEMSIZE or _ST_ITEMSIZE[dt] * int(np.prod(shape, dtype=object)) != e - b:
+                    raise ValueError
+            except (KeyError, TypeError, ValueError):
+                raise _corrupt(path, f"bad tensor entry {tname!r}") from None
+            self.tensors[tname] = (b, e)
+            self._dtypes[tname] = (dt, shape)
+            spans.append((b, e))
+        spans.sort()
+        pos = 0
+        for b, e in spans:
+            if b != pos:
+                raise _corrupt(path, "tensor data does not tile the data area")
+            pos = e
+        if self.data_start + pos != self.file_size:
+            raise _corrupt(path, f"file is truncated or too long: {self.file_size} bytes, header needs "
+                                 f"{self.data_start + pos}")
+        blobs_json = meta.get("epochal.blobs")
+        self.algorithm = str(meta.get("epochal.checksum", "crc32c"))
+        self.has_crcs = blobs_json is not None
+        self.fn = None
+        if blobs_json is not None:
+            try:
+                self.fn = checksum_function(self.algorithm)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+            if not isinstance(blobs_json, str) or f"{self.fn(blobs_json.encode(), 0):08x}" != meta.get("epochal.blobs.crc"):
+                raise _corrupt(path, "epochal blob list checksum mismatch (header damaged)")
+            try:
+                records = json.loads(blobs_json)
+            except (ValueError, RecursionError):
+                raise _corrupt(path, "epochal blob list is not valid JSON") from None
+            if not isinstance(records, list) or not all(
+                isinstance(r, dict) and isinstance(r.get("name"), str) and isinstance(r.get("kind"), str)
+                and isinstance(r.get("meta"), dict) and isinstance(r.get("segs"), list)
+                and all(isinstance(s, dict) and ("b64" in s or "tensor" in s) for s in r["segs"])
+                for r in records
+            ):
+                raise _corrupt(path, "bad epochal blob list")
+            self.records: list[dict[str, Any]] = records
+        else:  # a foreign file: every tensor is an ndarray blob (known numpy dtypes only)
+            self.records = []
+            for tname, (dt, shape) in self._dtypes.items():
+                np_dt = _ST_TO_NUMPY.get(dt)
+                rec: dict[str, Any] = {"name": tname, "kind": "ndarray",
+                                       "meta": {"dtype": np_dt or dt, "shape": list(shape)},
+                                       "segs": [{"tensor": tname}]}
+                if np_dt is None:
+                    rec["unsupported"] = dt
+                self.records.append(rec)
+
+    def tensor_range(self, tname: Any, blob: str) -> tuple[int, int]:
+        r = self.tensors.get(tname) if isinstance(tname, str) else None
+        if r is None:
+            raise _corrupt(self.path, f"segment tensor {tname!r} is missing", blob)
+        return r
+
+    def seg_size(self, rec: dict[str, Any], seg: dict[str, Any]) -> int:
+        if "b64" in seg:
+            b64 = seg["b64"]
+            if not isinstance(b64, str):
+                raise _corrupt(self.path, "bad inline segment", rec["name"])
+            return len(b64) // 4 * 3 - b64[-2:].count("=") if b64 else 0
+        b, e = self.tensor_range(seg["tensor"], rec["name"])
+        return e - b
+
+
+register_db_type("safetensors", SafetensorsBackend)
