@@ -11,7 +11,8 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q torch==2.13.0
+	# torch only as this exact CPU wheel (on local disk here); any other spec downloads GBs
+	$(BIN)/pip install -q $(if $(wildcard /opt/wheels),--find-links /opt/wheels) torch==2.13.0
 	touch $(STAMP)
 
 demo: $(STAMP)
