@@ -22,7 +22,7 @@ from .jobs.runner import JobRunner
 from .sessions.local import LocalSession
 
 SIZES = (2, 128, 128, 3)
-N_POINTS, BATCH, LR, MOMENTUM = 100_000, 256, 0.02, 0.9
+N_POINTS, BATCH, LR, MOMENTUM = 250_000, 256, 0.005, 0.9
 
 
 def make_spirals(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -38,11 +38,11 @@ def make_spirals(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 class InitModel:
     """init_group: the data set, the weights, their momentum buffers and the epoch counter."""
 
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+    def __init__(self, seed: int = 0, points: int = N_POINTS) -> None:
+        self.seed, self.points = seed, points
 
     def __call__(self, ws: Workspace) -> None:
-        ws["data/x"], ws["data/y"] = make_spirals(N_POINTS, self.seed)
+        ws["data/x"], ws["data/y"] = make_spirals(self.points, self.seed)
         rng = np.random.default_rng(self.seed + 1)
         for i, (fan_in, fan_out) in enumerate(zip(SIZES[:-1], SIZES[1:])):
             ws[f"model/w{i}"] = (rng.normal(0, 1, (fan_in, fan_out)) * np.sqrt(2 / fan_in)).astype(np.float32)
@@ -107,12 +107,12 @@ class TrainEpoch:
 class DemoPrinter(RunListener):
     """Prints one line per epoch: loss, accuracy, epoch time, checkpoint time and size."""
 
-    def __init__(self, session: LocalSession, out: TextIO = sys.stdout) -> None:
+    def __init__(self, session: LocalSession, out: TextIO | None = None) -> None:
         self.session, self.out = session, out
         self.epoch_seconds = 0.0
 
     def _say(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        print(text, file=self.out or sys.stdout, flush=True)
 
     def on_train_start(self, resume_epoch: int | None, nodes: list[str]) -> None:
         if resume_epoch is None:
@@ -138,36 +138,53 @@ class DemoPrinter(RunListener):
                 f"  epoch {self.epoch_seconds:5.2f} s  checkpoint {event.seconds * 1e3:6.1f} ms {size}"
             )
 
+    def on_epoch_start(self, epoch: int) -> None:
+        self.trained = True
+
     def on_train_end(self, epoch: int, preempted: bool) -> None:
         if preempted:
             self._say(f"stopped after epoch {epoch}, which is committed: run again to resume")
+        elif not getattr(self, "trained", False):
+            self._say(f"the job already finished at epoch {epoch}: nothing left to train "
+                      "(pass a larger --epochs to train on)")
 
 
-def build_job(epochs: int, seed: int = 0) -> tuple[Job, Any]:
+def build_job(epochs: int, seed: int = 0, points: int = N_POINTS) -> tuple[Job, Any]:
     """The demo Job: init (GLOBAL), one training task per epoch, stop after ``epochs``."""
     with Node("trainer"):
         with Job() as job:
             with job.init_group:
-                Task(step=InitModel(seed), name="init_model")
+                Task(step=InitModel(seed, points), name="init_model")
             task = Task(step=TrainEpoch(epochs), outputs=["demo/done"], name="train")
         job.add_stop_condition(task.outputs()[0])
     return job, task
 
 
-def run_demo(directory: str = "checkpoints", epochs: int = 10, quiet: bool = False, keep_last: int | None = 3) -> int:
+def run_demo(
+    directory: str = "checkpoints",
+    epochs: int = 10,
+    quiet: bool = False,
+    keep_last: int | None = 3,
+    points: int = N_POINTS,
+) -> int:
     """Train (or resume) the demo job with checkpoints under ``directory``; return the last epoch."""
     import os
 
-    from .checkpoint.directory import DirectoryMetadataHandler
+    from .checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler
 
     os.makedirs(directory, exist_ok=True)
     session = LocalSession()
     handler = DirectoryMetadataHandler(keep_last=keep_last)
     manager = CheckpointManager(directory, "trainer", metadata_handler=handler)
-    job, _ = build_job(epochs)
+    job, _ = build_job(epochs, points=points)
     listeners = [] if quiet else [DemoPrinter(session)]
+    # A finished job reruns nothing; asked for more epochs, continue from its last one.
+    resume = None
+    committed = CheckpointDirectory(directory).committed_epochs()
+    if committed and committed[-1] < epochs:
+        resume = committed[-1]
     start = time.perf_counter()
-    last = JobRunner(job, manager, listeners=listeners, progress=False).train(session)
+    last = JobRunner(job, manager, resume_from_epoch=resume, listeners=listeners, progress=False).train(session)
     if not quiet:
         ws = session.ws
         print(
