@@ -88,3 +88,45 @@ def test_runner_with_async_saves_matches_sync(tmp_path):
         for epoch in range(1, 5):
             saved = get_db_type("native").read(str(tmp_path / f"trainer_0.{epoch}"))
             assert saved["trainer_0/total"].tolist() == [EXPECTED_TOTALS[epoch - 1]]
+
+
+def test_async_saves_with_directory_handler_commit_every_epoch(tmp_path):
+    from epochal import DirectoryMetadataHandler
+    from epochal.checkpoint.directory import CheckpointDirectory
+
+    with Cluster():
+        with Job() as job:
+            out = build_pipeline(0)
+        h = DirectoryMetadataHandler(keep_last=2)
+        mgr = MultiNodeCheckpointManager(str(tmp_path), metadata_handler=h)
+        assert JobRunner(job, mgr, async_save=True).train(LocalSession()) == 4
+        d = CheckpointDirectory(str(tmp_path))
+        assert d.committed_epochs() == [3, 4] and d.manifest(4)["final"] is True
+        assert sorted(r["epoch"] for r in d.stats() if r["action"] == "checkpoint_save") == [0, 1, 2, 3, 4]
+        assert all(r["bytes"] and r["ns"] > 0 for r in d.stats())
+        assert d.verify_epoch(3) == [] and d.verify_epoch(4) == []
+        # a rerun finds the finished job
+        ws = Workspace()
+        mgr = MultiNodeCheckpointManager(str(tmp_path), metadata_handler=DirectoryMetadataHandler())
+        assert JobRunner(job, mgr, async_save=True).train(LocalSession(ws)) == 4
+        assert ws[out[0]].tolist() == [EXPECTED_TOTALS[-1]]
+
+
+def test_epoch_error_commits_the_pending_save_then_raises(tmp_path):
+    from epochal import DirectoryMetadataHandler, Task
+
+    class FailAt:
+        def __call__(self, ws):
+            if int(ws["trainer_0/cursor"]) >= 6:
+                raise RuntimeError("epoch 2 blew up")
+
+    with Cluster():
+        with Job() as job:
+            build_pipeline(0)
+            Task(step=FailAt(), node="trainer_0")
+        h = DirectoryMetadataHandler()
+        mgr = MultiNodeCheckpointManager(str(tmp_path), metadata_handler=h)
+        with pytest.raises(RuntimeError, match="epoch 2 blew up"):
+            JobRunner(job, mgr, async_save=True).train(LocalSession())
+        # epoch 1's background save was committed before the error propagated
+        assert h.committed_epochs() == [0, 1]
