@@ -16,7 +16,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/epochal demo --dir ./checkpoints
+	$(BIN)/epochal demo --dir ./checkpoints --more 5
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=10 tests

@@ -27,3 +27,11 @@ def test_demo_resumes_and_extends(tmp_path, capsys):
     assert CheckpointDirectory(d).committed_epochs() == [2, 3, 4]
     final = get_db_type("native").read(f"{d}/trainer.4", ["epoch", "model/w0"])
     assert final["epoch"] == 4 and np.isfinite(final["model/w0"]).all()
+
+
+def test_demo_more_continues_each_run(tmp_path, capsys):
+    d = str(tmp_path / "ck")
+    assert run_demo(d, more=2, points=2000) == 2
+    assert run_demo(d, more=2, points=2000) == 4
+    out = capsys.readouterr().out
+    assert "resuming after epoch 2" in out and "epoch   4  loss" in out

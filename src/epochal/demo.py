@@ -22,7 +22,7 @@ from .jobs.runner import JobRunner
 from .sessions.local import LocalSession
 
 SIZES = (2, 128, 128, 3)
-N_POINTS, BATCH, LR, MOMENTUM = 250_000, 256, 0.005, 0.9
+N_POINTS, BATCH, LR, MOMENTUM = 500_000, 256, 0.005, 0.9
 
 
 def make_spirals(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -166,8 +166,13 @@ def run_demo(
     quiet: bool = False,
     keep_last: int | None = 3,
     points: int = N_POINTS,
+    more: int | None = None,
 ) -> int:
-    """Train (or resume) the demo job with checkpoints under ``directory``; return the last epoch."""
+    """Train (or resume) the demo job with checkpoints under ``directory``; return the last epoch.
+
+    ``epochs`` is the job's total; with ``more``, the total is the newest committed epoch plus
+    ``more``, so every run resumes the job and trains that many epochs further.
+    """
     import os
 
     from .checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler
@@ -176,12 +181,15 @@ def run_demo(
     session = LocalSession()
     handler = DirectoryMetadataHandler(keep_last=keep_last)
     manager = CheckpointManager(directory, "trainer", metadata_handler=handler)
+    records = CheckpointDirectory(directory)
+    committed = records.committed_epochs()
+    if more is not None:
+        epochs = (committed[-1] if committed else 0) + more
     job, _ = build_job(epochs, points=points)
     listeners = [] if quiet else [DemoPrinter(session)]
     # A finished job reruns nothing; asked for more epochs, continue from its last one.
     resume = None
-    committed = CheckpointDirectory(directory).committed_epochs()
-    if committed and committed[-1] < epochs:
+    if committed and committed[-1] < epochs and records.manifest(committed[-1]).get("final"):
         resume = committed[-1]
     start = time.perf_counter()
     last = JobRunner(job, manager, resume_from_epoch=resume, listeners=listeners, progress=False).train(session)

@@ -436,9 +436,11 @@ def export_cmd(ctx: click.Context, db: str, fmt: str, out_path: str, db_type: st
 @click.option("--dir", "directory", default="./checkpoints", show_default=True,
               type=click.Path(file_okay=False), help="Where the demo job keeps its checkpoints.")
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Epochs to train (default: the demo's own).")
+@click.option("--more", type=click.IntRange(min=1), default=None,
+              help="Train this many epochs past the newest committed one (each run continues the job).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.pass_context
-def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, quiet: bool) -> int:
+def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, more: int | None, quiet: bool) -> int:
     """Train a small numpy MLP as an epochal Job, checkpointing every epoch into --dir.
 
     Run it again (or interrupt it with Ctrl-C and rerun) and it resumes from the last
@@ -451,5 +453,7 @@ def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, quiet: bool
     kwargs: dict[str, Any] = {"quiet": quiet or bool(os.environ.get("EPOCHAL_QUIET"))}
     if epochs is not None:
         kwargs["epochs"] = epochs
+    if more is not None:
+        kwargs["more"] = more
     run_demo(directory, **kwargs)  # returns the last epoch run, not an exit code
     return 0
