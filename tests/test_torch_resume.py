@@ -170,11 +170,6 @@ def test_state_dict_shape_mismatch_names_entry_and_both_shapes(tmp_path: Path) -
     assert "(3, 4)" in msg and "(5, 4)" in msg and "weight" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="storage/native.py re-raises a codec's BlobMismatchError without the blob name; "
-    "remove this marker once it prefixes it",
-)
 def test_state_dict_shape_mismatch_names_blob(tmp_path: Path) -> None:
     msg = _mismatch_message(tmp_path)
     assert "'model'" in msg, f"the error does not name the blob: {msg}"

@@ -115,6 +115,33 @@ def check_free_space(path: str | os.PathLike[str], nbytes: int) -> None:
         )
 
 
+#: files at least this big first drop the cached pages of the file they will replace
+RECYCLE_MIN = 64 << 20
+
+
+def drop_cached(path: str) -> None:
+    """Drop the page-cache pages of the (clean, already durable) file at ``path``, if any.
+
+    Called before a big file is rewritten under the same name: the old file's cache would be
+    freed at the rename anyway, and freeing it first lets the kernel hand those pages
+    straight to the new file's writes instead of taking never-touched ones (on a VM with
+    free-page reporting, each first touch is a host page fault: writes ran up to 10x slower).
+    The old file itself is untouched (it is still there, intact, until the rename). A hint:
+    every error is ignored."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 class AtomicFile:
     """An open temp file that becomes ``path`` on a clean exit, durably.
 
@@ -137,6 +164,8 @@ class AtomicFile:
             if not os.path.isdir(directory):
                 raise FileNotFoundError(errno.ENOENT, "directory does not exist", directory)
             check_free_space(self.path, self.size)
+        if self.size is not None and self.size >= RECYCLE_MIN:
+            drop_cached(self.path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
         self.fd = os.open(self.temp_path, flags, self.mode)
         return self

@@ -107,13 +107,24 @@ def _descr_from_json(descr: Any) -> Any:
     return out
 
 
+#: parsed plain (string) dtypes: ``np.dtype(str)`` costs ~1 µs, and a load of many small
+#: arrays asks for the same few dtypes over and over (dtypes are immutable, so sharing is safe)
+_DTYPE_CACHE: dict[str, np.dtype] = {}
+
+
 def dtype_from_json(obj: Any) -> np.dtype:
     """Inverse of :func:`dtype_to_json`; raises ValueError on anything that is not a plain dtype."""
+    if type(obj) is str:
+        cached = _DTYPE_CACHE.get(obj)
+        if cached is not None:
+            return cached
     try:
         if isinstance(obj, str) and len(obj) < 64:
             if "O" == obj.lstrip("<>|=")[:1]:
                 raise ValueError(f"object dtype {obj!r} is not allowed")
             dt = np.dtype(obj)
+            if not dt.hasobject and type(obj) is str and len(_DTYPE_CACHE) < 1024:
+                _DTYPE_CACHE[obj] = dt
         elif isinstance(obj, dict) and isinstance(obj.get("descr"), list):
             dt = np.dtype(_descr_from_json(obj["descr"]))
         else:

@@ -26,7 +26,9 @@ import errno
 import json
 import mmap as _mmap
 import os
+import queue
 import struct
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import (
+    BlobMismatchError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -102,6 +105,9 @@ PREFETCH_STEP = 16 << 20
 #: small segments are coalesced into one writev/preadv of about this many bytes (small
 #: enough to stay in the CPU cache between the copy and the inline checksum)
 BATCH_BYTES = 1 << 20
+#: loads of many small plain arrays read adjacent segments in groups of about this many
+#: bytes, one ``preadv`` into one buffer per group (the arrays are views of it)
+GROUP_BYTES = 16 << 20
 _MAX_U32 = 0xFFFFFFFF
 _ZEROS = memoryview(bytes(ALIGN))
 # where padding goes when it is read without being checked (contents never used)
@@ -117,6 +123,26 @@ def _flat(seg: Any) -> memoryview:
     if not mv.c_contiguous:
         return memoryview(mv.tobytes())
     return mv.cast("B")
+
+
+_EMPTY = memoryview(b"")
+
+
+def _builtin_ndarray_codec() -> _codecs.NdarrayCodec | None:
+    """The built-in NdarrayCodec when it is the codec for plain arrays (both ways), else None
+    (someone registered their own; the fast paths then step aside)."""
+    codec = _codecs._by_kind.get("ndarray")
+    if type(codec) is not _codecs.NdarrayCodec:
+        return None
+    for c in _codecs._codecs:
+        if c is codec:
+            return codec
+        if c.accepts(_PROBE):  # a codec ahead of it claims plain arrays
+            return None
+    return None
+
+
+_PROBE = np.zeros(1, dtype=np.float32)
 
 
 def _pad_for(end: int) -> int:
@@ -150,9 +176,39 @@ def _plan(blobs: Mapping[str, Any]) -> _Plan:
     views: list[memoryview] = []
     dumps = json.JSONEncoder(separators=(",", ":"), sort_keys=True, allow_nan=False).encode
     encode = _codecs.encode
+    # Fast path for plain numpy arrays (the common case of many small blobs): the same kind,
+    # meta and bytes NdarrayCodec.encode gives, without the codec lookup and the per-blob
+    # meta dict / repr; metas are deduplicated by (dtype, shape).
+    fast_nd = _builtin_ndarray_codec() is not None
+    nd_mids: dict[tuple[np.dtype, tuple[int, ...]], int] = {}
+    ndarray = np.ndarray
     for name, value in blobs.items():
         if not isinstance(name, str):
             raise UnsupportedBlobError(f"blob name {name!r} is not a str")
+        if (
+            fast_nd
+            and type(value) is ndarray
+            and value.dtype.fields is None
+            and value.dtype.subdtype is None
+            and not value.dtype.hasobject
+        ):
+            dkey = (value.dtype, value.shape)
+            mid = nd_mids.get(dkey)
+            if mid is None:
+                enc = encode(value, name)  # first of its kind: the codec makes the meta
+                key = (enc.kind, repr(enc.meta))
+                mid = meta_ids.get(key)
+                if mid is None:
+                    mid = meta_ids[key] = len(meta_texts)
+                    meta_texts.append(dumps([enc.kind, enc.meta]))
+                nd_mids[dkey] = mid
+            names_b.append(name.encode("utf-8", "surrogatepass"))
+            rec_meta.append(mid)
+            rec_nseg.append(1)
+            if not value.flags.c_contiguous:
+                value = np.ascontiguousarray(value)
+            views.append(memoryview(value.reshape(-1).view(np.uint8)) if value.size else _EMPTY)  # type: ignore[arg-type]
+            continue
         enc = encode(value, name)
         # dedupe metas by repr (cheap) and JSON-encode only the distinct ones
         key = (enc.kind, repr(enc.meta))
@@ -494,6 +550,7 @@ class _Index:
         self._meta_cache: dict[int, tuple[str, dict[str, Any]]] = {}
         self._cols: _Columns | None = None
         self._entries: list[tuple[str, dict[str, Any]]] | None = None
+        self._meta_id_list: list[int] | None = None
 
     def _validate(self) -> None:
         """Structural checks (the checksum catches damage; these catch a writer bug or a
@@ -645,6 +702,12 @@ class _Index:
                 raise _corrupt(self.path, "index metas do not match the meta table")
             self._metas = metas
 
+    def meta_ids(self) -> list[int]:
+        """Every blob's meta id, as a list (cached)."""
+        if self._meta_id_list is None:
+            self._meta_id_list = self.recs["meta_id"].tolist()
+        return self._meta_id_list
+
     def columns(self) -> _Columns:
         """The tables as Python lists (fast per-blob access when many blobs are loaded)."""
         if self._cols is None:
@@ -737,6 +800,44 @@ class _Prefetcher:
             self.done_to = end
             if end >= b:
                 self.ri += 1
+
+
+class _Worker:
+    """One background thread running submitted calls in order (checksums of the batch
+    path, overlapped with the next ``preadv``); ``wait`` re-raises a call's exception."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[Any, tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="epochal-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                self._done.set()
+                return
+            if self._error is None:
+                try:
+                    item[0](*item[1])
+                except BaseException as e:  # noqa: BLE001 - re-raised in wait()
+                    self._error = e
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        self._q.put((fn, args))
+
+    def wait(self) -> None:
+        self.close()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        if not self._done.is_set():
+            self._q.put(None)
+            self._thread.join()
+            self._done.set()
 
 
 def _merged_ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -863,28 +964,164 @@ class NativeFile:
         if self._fd < 0:
             raise ValueError(f"{self.path}: native db is closed")
         ids = self._resolve(names, allow_incomplete)
-        plan = self._allocate(ids)
+        small: dict[int, tuple[str, np.ndarray]] = {}
+        total = 0
+        if self._mm is None and len(ids) > 64:
+            small, rest, total = self._read_small_arrays(ids, verify)
+        else:
+            rest = ids
+        plan = self._allocate(rest)
         if self._mm is not None:
             self._map(plan, verify)
         else:
             self._fill(plan, verify)
-        out: dict[str, Any] = {}
-        total = 0
+        # everything is read and verified: decode (in file order)
+        slow: dict[int, Any] = {}
         path = self.path
-        for _i, name, kind, meta, codec, bufs in plan:
+        for i, name, kind, meta, codec, bufs in plan:
             live = existing.get(name) if existing is not None else None
             try:
-                out[name] = codec.decode(meta, bufs, live)
+                slow[i] = codec.decode(meta, bufs, live)
+            except BlobMismatchError as e:
+                raise BlobMismatchError(f"{path}, blob {name!r}: {e}") from e
             except CheckpointError:
                 raise
             except _DECODE_ERRORS as e:
                 raise _corrupt(path, f"cannot decode {kind} blob: {e}", name) from None
             for b in bufs:
                 total += b.nbytes
+        out: dict[str, Any] = {}
+        if small:
+            names_ = self._index.names()
+            for i in ids:
+                got = small.get(i)
+                if got is not None:
+                    out[got[0]] = got[1]
+                else:
+                    out[names_[i]] = slow[i]
+        else:
+            for entry in plan:
+                out[entry[1]] = slow[entry[0]]
         if stats is not None:
             stats.nbytes += total
-            stats.blobs += len(plan)
+            stats.blobs += len(plan) + len(small)
         return out
+
+    def _read_small_arrays(
+        self, ids: list[int], verify: bool
+    ) -> tuple[dict[int, tuple[str, np.ndarray]], list[int], int]:
+        """The batch path for many small plain numpy arrays (pread only).
+
+        Blobs whose codec is the built-in NdarrayCodec and whose one segment is small are
+        read in groups of adjacent segments (about GROUP_BYTES each) with one ``preadv``
+        into one fresh buffer per group; each segment's checksum and padding are checked;
+        the arrays are writable, non-overlapping views of that buffer, exactly the dtype,
+        shape and bytes NdarrayCodec would give. Returns ``{blob index: (name, array)}``,
+        the blob indices left to the general path (other kinds, big or empty segments,
+        metas that do not fit: the general path reports those) and the data bytes read."""
+        if _builtin_ndarray_codec() is None:
+            return {}, ids, 0
+        idx, path, fd = self._index, self.path, self._fd
+        entries = idx.all_entries()
+        names = idx.names()
+        # per distinct meta: (dtype, shape, nbytes) when it is a well-formed ndarray meta
+        layouts: list[tuple[np.dtype, tuple[int, ...], int] | None] = []
+        nbytes_of = np.full(len(entries), -1, dtype=np.int64)
+        for mid, (kind, meta) in enumerate(entries):
+            lay = None
+            if kind == "ndarray":
+                try:
+                    dt = _codecs.dtype_from_json(meta.get("dtype"))
+                    shape = _codecs.check_shape(meta.get("shape"))
+                    lay = (dt, shape, _codecs.expected_nbytes(dt, shape))
+                    nbytes_of[mid] = lay[2]
+                except ValueError:
+                    lay = None  # the general path raises the error, naming the blob
+            layouts.append(lay)
+        ids_arr = np.asarray(ids, dtype=np.int64)
+        recs, segs = idx.recs, idx.segs
+        first = recs["seg_first"][ids_arr].astype(np.int64)
+        mids = recs["meta_id"][ids_arr].astype(np.int64)
+        seg_len = segs["length"][first].astype(np.int64)
+        ok = (
+            (recs["seg_count"][ids_arr] == 1)
+            & (seg_len == nbytes_of[mids])
+            & (seg_len > 0)
+            & (seg_len < BIG_SEGMENT)
+        )
+        if int(ok.sum()) < 2:
+            return {}, ids, 0
+        rest = ids_arr[~ok].tolist()
+        fast_ids = ids_arr[ok]
+        ks = first[ok]
+        offs = segs["offset"][ks].astype(np.int64)
+        lens = seg_len[ok]
+        pads = segs["pad"][ks].astype(np.int64)
+        ends = offs + lens + pads
+        # groups of file-adjacent segments, cut where the file is not contiguous or a
+        # GROUP_BYTES boundary is crossed
+        cut = np.ones(len(ks), dtype=bool)
+        cut[1:] = (offs[1:] != ends[:-1]) | (offs[1:] // GROUP_BYTES != offs[:-1] // GROUP_BYTES)
+        starts_j = np.flatnonzero(cut).tolist()
+        bounds = list(zip(starts_j, [*starts_j[1:], len(ks)]))
+        offs_l, lens_l, ends_l = offs.tolist(), lens.tolist(), ends.tolist()
+        fast_l = fast_ids.tolist()
+        crcs_l = segs["crc"][ks].tolist() if verify else []
+        mids_l = mids[ok].tolist()
+        total = int(lens.sum())
+        ahead = _Prefetcher(
+            fd, _merged_ranges([(offs_l[a], ends_l[b - 1]) for a, b in bounds])
+        ) if total >= PREFETCH_MIN else None
+        fn = checksum_function(idx.header.algorithm, inline=True)
+        cols64 = np.arange(ALIGN, dtype=np.int64)
+        bad: list[str] = []
+        worker = _Worker() if verify else None
+
+        def check(buf: np.ndarray, a: int, b: int, start: int) -> None:
+            # runs on the worker thread, overlapped with the next group's preadv
+            if bad:
+                return
+            mv = memoryview(buf)  # type: ignore[arg-type]
+            for j in range(a, b):
+                rel = offs_l[j] - start
+                if fn(mv[rel : rel + lens_l[j]], 0) != crcs_l[j]:
+                    bad.append(f"d{j}")
+                    return
+            # each padding is the tail of the 64-byte block that ends where it ends
+            p_ = pads[a:b]
+            sel = np.flatnonzero(p_)
+            if len(sel):
+                rows = buf.reshape(-1, ALIGN)[(ends[a:b][sel] - start) // ALIGN - 1]
+                badm = (rows != 0) & (cols64[None, :] >= ALIGN - p_[sel][:, None])
+                if badm.any():
+                    bad.append(f"p{a + int(sel[int(np.flatnonzero(badm.any(axis=1))[0])])}")
+
+        out: dict[int, tuple[str, np.ndarray]] = {}
+        new_array = np.ndarray
+        try:
+            for a, b in bounds:
+                start = offs_l[a]
+                buf = np.empty(ends_l[b - 1] - start, dtype=np.uint8)
+                if ahead is not None:
+                    ahead.advance(start)
+                _preadv_exact(path, fd, [memoryview(buf)], start, names[fast_l[a]])  # type: ignore[arg-type]
+                if worker is not None:
+                    worker.submit(check, buf, a, b, start)
+                for j in range(a, b):
+                    i = fast_l[j]
+                    dt, shape, _n = layouts[mids_l[j]]  # type: ignore[misc]
+                    out[i] = (names[i], new_array(shape, dtype=dt, buffer=buf, offset=offs_l[j] - start))
+            if worker is not None:
+                worker.wait()
+        finally:
+            if worker is not None:
+                worker.close()
+        if bad:
+            what, j = bad[0][0], int(bad[0][1:])
+            msg = ("data checksum mismatch (blob damaged)" if what == "d"
+                   else "nonzero padding after the data (blob damaged)")
+            raise _corrupt(path, msg, names[fast_l[j]])
+        return out, rest, total
 
     def _resolve(self, names: Sequence[str] | None, allow_incomplete: bool) -> list[int]:
         """Blob indices to load, in file order (so reads go forward through the file)."""

@@ -1,0 +1,161 @@
+"""The batch path for many small numpy arrays (NativeFile._read_small_arrays) returns exactly
+what the general codec path does, and still detects every kind of damage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epochal.errors import CheckpointCorruptError
+from epochal.storage import native
+from epochal.storage.native import NativeBackend, NativeFile, write_native
+
+
+def _blobs() -> dict[str, object]:
+    rng = np.random.default_rng(7)
+    out: dict[str, object] = {}
+    dtypes = ["<f4", ">f8", "<i2", "|u1", "<c16", "|b1", "<M8[s]", "<U3"]
+    for i in range(300):
+        dt = np.dtype(dtypes[i % len(dtypes)])
+        n = int(rng.integers(1, 700))
+        raw = rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8)
+        if dt.kind == "b":
+            raw = raw & 1
+        if dt.kind == "U":
+            raw = np.frombuffer(np.array(["abc"] * n, dtype=dt).tobytes(), dtype=np.uint8)
+        arr = raw.view(dt)
+        if i % 5 == 0:
+            arr = arr[: (n // 2) * 2].reshape(-1, 2)
+        if i % 7 == 0:
+            arr = arr[::2]  # not contiguous
+        out[f"a{i:03d}"] = arr
+    out["zero_d"] = np.array(3.5, dtype=np.float64)
+    out["empty"] = np.zeros((0, 4), dtype=np.float32)
+    out["big"] = rng.standard_normal(300_000).astype(np.float32)  # > BIG_SEGMENT: general path
+    out["py"] = 12
+    out["scalar"] = np.float32(2.5)
+    out["structured"] = np.zeros(5, dtype=[("x", "<f4"), ("y", "<i8", (2,))])
+    return out
+
+
+def _slow_read(path: Path, monkeypatch: pytest.MonkeyPatch, **kw: object) -> dict[str, object]:
+    with monkeypatch.context() as m:
+        m.setattr(native, "_builtin_ndarray_codec", lambda: None)
+        return NativeBackend().read(str(path), **kw)  # type: ignore[arg-type]
+
+
+def test_fast_path_matches_general_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blobs = _blobs()
+    path = tmp_path / "x.db"
+    write_native(path, blobs)
+    fast = NativeBackend().read(str(path))
+    slow = _slow_read(path, monkeypatch)
+    assert list(fast) == list(slow) == list(blobs)
+    for name, want in blobs.items():
+        a, b = fast[name], slow[name]
+        assert type(a) is type(b), name
+        if isinstance(want, np.ndarray):
+            assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+            assert a.dtype == b.dtype == want.dtype and a.shape == b.shape == want.shape, name
+            assert a.tobytes() == b.tobytes() == np.ascontiguousarray(want).tobytes(), name
+            assert a.flags.writeable and a.flags.c_contiguous and a.flags.aligned, name
+        else:
+            assert a == b == want
+    # independent arrays: writing one does not change another
+    before = fast["a001"].copy()  # type: ignore[union-attr]
+    fast["a000"][...] = 0  # type: ignore[index]
+    assert np.array_equal(fast["a001"], before)
+
+
+def test_fast_path_used_and_stats(tmp_path: Path) -> None:
+    from epochal.storage.base import ReadStats
+
+    blobs = _blobs()
+    path = tmp_path / "x.db"
+    write_native(path, blobs)
+    with NativeFile(path) as f:
+        small, rest, total = f._read_small_arrays(list(range(len(blobs))), True)
+    assert len(small) > 250 and "big" not in {v[0] for v in small.values()}
+    stats = ReadStats()
+    NativeBackend().read(str(path), stats=stats)
+    assert stats.blobs == len(blobs)
+    assert stats.nbytes == sum(
+        np.asarray(v).nbytes for v in blobs.values() if isinstance(v, (np.ndarray, np.generic))
+    )
+
+
+def test_partial_and_in_place(tmp_path: Path) -> None:
+    blobs = _blobs()
+    path = tmp_path / "x.db"
+    write_native(path, blobs)
+    names = [f"a{i:03d}" for i in range(0, 300, 3)]
+    live = {n: np.zeros(1) for n in names}
+    out = NativeBackend().read(str(path), names, existing=live)
+    assert list(out) == sorted(names)  # file order
+    for n in names:
+        assert out[n].tobytes() == np.ascontiguousarray(blobs[n]).tobytes()  # type: ignore[union-attr, call-overload]
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["data", "padding"])
+def test_fast_path_detects_damage(tmp_path: Path, where: str) -> None:
+    blobs = {f"b{i:03d}": np.arange(i + 1, dtype=np.float32) for i in range(200)}
+    path = tmp_path / "x.db"
+    write_native(path, blobs)
+    with NativeFile(path) as f:
+        idx = f._index
+        i = idx.find("b123")
+        assert i is not None
+        k = int(idx.recs["seg_first"][i])
+        off, ln, pad = (int(idx.segs[k][c]) for c in ("offset", "length", "pad"))
+    if where == "padding":
+        assert pad
+        _flip(path, off + ln + pad - 1)
+    else:
+        _flip(path, off + ln // 2)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        NativeBackend().read(str(path))
+    assert ei.value.blob == "b123"
+    assert ("checksum" if where == "data" else "padding") in str(ei.value)
+    # unverified loads still work (and skip the checks)
+    out = NativeBackend().read(str(path), verify=False)
+    assert len(out) == 200
+
+
+def test_truncated_file_is_corrupt(tmp_path: Path) -> None:
+    blobs = {f"b{i:03d}": np.arange(100, dtype=np.float64) for i in range(100)}
+    path = tmp_path / "x.db"
+    write_native(path, blobs)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointCorruptError):
+        NativeBackend().read(str(path))
+
+
+def test_custom_ndarray_codec_disables_fast_path(tmp_path: Path) -> None:
+    from epochal.storage import codecs
+
+    blobs = {f"b{i:03d}": np.arange(10, dtype=np.int32) for i in range(100)}
+    path = tmp_path / "x.db"
+    write_native(path, blobs)
+    original = codecs._by_kind["ndarray"]
+
+    class Mine(codecs.NdarrayCodec):
+        def decode(self, meta, buffers, existing=None):  # type: ignore[no-untyped-def]
+            return ("mine", super().decode(meta, buffers, existing))
+
+    try:
+        codecs.register_codec(Mine())
+        out = NativeBackend().read(str(path))
+        assert all(v[0] == "mine" for v in out.values())
+    finally:
+        codecs.register_codec(original, first=False)
+        codecs._codecs.remove(original)
+        codecs._codecs.insert(1, original)
