@@ -40,6 +40,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import fsync_path  # noqa: E402
+
 from epochal.storage.base import get_db_type
 
 
@@ -64,14 +67,6 @@ def nbytes_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     for st in opt.state_dict()["state"].values():
         n += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
     return n
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def evict(path: str) -> None:

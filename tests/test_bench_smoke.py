@@ -1,0 +1,29 @@
+"""The async and torch benchmarks run at a tiny size, so they cannot rot (no timing asserted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script, *args, timeout=180):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_async_quick_runs():
+    out = _run("bench_async.py", "--quick")
+    assert out.returncode == 0, out.stderr
+    assert "median sync/async wall-time ratio" in out.stdout
+
+
+def test_bench_torch_tiny_runs(tmp_path):
+    pytest.importorskip("torch")
+    out = _run("bench_torch.py", "--gib", "0.01", "--rounds", "1", "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "save: torch.save / epochal" in out.stdout
