@@ -342,3 +342,13 @@ def test_demo_then_ls(tmp_path: Path) -> None:
     listing = jout(run("ls", str(d), "--json"))
     assert [e["epoch"] for e in listing["epochs"] if e["committed"]][-1] == 2
     assert run("verify", str(d)).returncode == 0
+
+
+def test_blob_record_names_python_scalar_types(tmp_path: Path) -> None:
+    from epochal import get_db_type
+    from epochal.cli.data import blob_record
+
+    p = str(tmp_path / "n.0")
+    get_db_type("native").write(p, {"lr": 0.1, "step": 3, "tag": "x", "w": np.zeros(2, np.float32)})
+    recs = {b.name: blob_record(b) for b in get_db_type("native").describe(p)}
+    assert [recs[n]["dtype"] for n in ("lr", "step", "tag", "w")] == ["float", "int", "str", "<f4"]

@@ -139,10 +139,13 @@ def _one_line(e: BaseException, path: str) -> str:
 
 def blob_record(info: BlobInfo) -> dict[str, Any]:
     """A BlobInfo as a JSON-able dict."""
+    dtype = info.dtype
+    if dtype is None and info.kind == "py" and isinstance(info.meta.get("type"), str):
+        dtype = info.meta["type"]  # a Python scalar: show which (int, float, str, ...)
     return {
         "name": info.name,
         "kind": info.kind,
-        "dtype": info.dtype,
+        "dtype": dtype,
         "shape": list(info.shape) if info.shape is not None else None,
         "nbytes": info.nbytes,
         "checksum": info.checksum,
