@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ..errors import BlobMismatchError, UnsupportedBlobError
-from ..storage import tree as _tree  # noqa: F401  (state dicts of torch objects need it)
-from ..storage.codecs import LOAD_OPTIONS, Encoded, check_shape, register_codec
+from ..storage import tree as _tree  # state dicts of torch objects need it
+from ..storage.codecs import LOAD_OPTIONS, Encoded, buffer_address, check_shape, register_codec
 
 __all__ = [
     "TensorCodec",
@@ -135,6 +135,40 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return _bytes_of(u8)  # a uint8 array over the tensor's memory: no dtype involved
 
 
+def _live_bytes(t: torch.Tensor, nbytes: int) -> memoryview | None:
+    """A writable memoryview over exactly the ``nbytes`` bytes of the live tensor ``t``, when
+    its memory can take raw bytes directly (a dense, contiguous, plain CPU tensor), else None."""
+    if (
+        nbytes == 0
+        or type(t) not in (torch.Tensor, torch.nn.Parameter)
+        or t.layout != torch.strided
+        or t.device.type != "cpu"
+        or t.is_quantized
+        or t.is_nested
+        or t.is_conj()
+        or t.is_neg()
+        or not t.is_contiguous()
+        or t.numel() * t.element_size() != nbytes
+    ):
+        return None
+    try:
+        return _bytes_of(t.detach().reshape(-1).view(torch.uint8))
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+def _holds(buf: memoryview, t: torch.Tensor) -> bool:
+    """True when ``buf`` is the memory of the live tensor ``t`` (the bytes are in place)."""
+    return (
+        buf.nbytes > 0
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and t.numel() * t.element_size() == buf.nbytes
+        and buffer_address(buf) == t.data_ptr()
+    )
+
+
 def _check_tensor(t: torch.Tensor) -> None:
     if t.layout != torch.strided:
         raise UnsupportedBlobError(f"a tensor with layout {t.layout} (only dense tensors)")
@@ -189,6 +223,28 @@ class TensorCodec:
             return [_empty_buffer()]
         return [_bytes_of(torch.empty(nbytes, dtype=torch.uint8))]
 
+    @staticmethod
+    def _check_live(existing: torch.Tensor, dt: torch.dtype, shape: tuple[int, ...]) -> None:
+        if tuple(existing.shape) != shape or existing.dtype != dt:
+            raise BlobMismatchError(
+                f"checkpoint tensor has shape {shape} and dtype {dt}, the live tensor has "
+                f"shape {tuple(existing.shape)} and dtype {existing.dtype}"
+            )
+
+    def inplace_targets(
+        self, meta: dict[str, Any], sizes: Sequence[int], existing: Any
+    ) -> list[memoryview | None] | None:
+        """The live CPU tensor's own memory, when the blob can be read straight into it
+        (see :mod:`epochal.storage.codecs`); BlobMismatchError when it does not fit."""
+        if not isinstance(existing, torch.Tensor):
+            return None
+        dt, shape, nbytes = self._layout(meta)
+        self._check_live(existing, dt, shape)
+        if len(sizes) != 1 or sizes[0] != nbytes:
+            return None
+        mv = _live_bytes(existing, nbytes)
+        return None if mv is None else [mv]
+
     def decode(
         self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
     ) -> Any:
@@ -197,11 +253,9 @@ class TensorCodec:
             raise ValueError(f"the data does not fit a {dt} tensor of shape {shape}")
         buf = buffers[0]
         if isinstance(existing, torch.Tensor):
-            if tuple(existing.shape) != shape or existing.dtype != dt:
-                raise BlobMismatchError(
-                    f"checkpoint tensor has shape {shape} and dtype {dt}, the live tensor has "
-                    f"shape {tuple(existing.shape)} and dtype {existing.dtype}"
-                )
+            self._check_live(existing, dt, shape)
+            if _holds(buf, existing):  # read in place by the format: nothing to copy
+                return existing
         if nbytes == 0:
             cpu = torch.empty(shape, dtype=dt)
         else:
@@ -307,5 +361,21 @@ class GeneratorCodec:
         return gen
 
 
+def _inplace_stateful(obj: Any) -> bool:
+    """Live torch objects whose state dict tensors may be read into in place before their
+    ``load_state_dict`` runs: plain ``nn.Module`` and optimizer loading (no override, no
+    load pre-hooks that could rewrite the state dict)."""
+    if isinstance(obj, torch.nn.Module):
+        return type(obj).load_state_dict is torch.nn.Module.load_state_dict and not any(
+            m._load_state_dict_pre_hooks for m in obj.modules()
+        )
+    if isinstance(obj, torch.optim.Optimizer):
+        return type(obj).load_state_dict is torch.optim.Optimizer.load_state_dict and not getattr(
+            obj, "_optimizer_load_state_dict_pre_hooks", None
+        )
+    return False
+
+
 for _codec in (TorchDtypeCodec(), TorchDeviceCodec(), GeneratorCodec(), TensorCodec()):
     register_codec(_codec)
+_tree.register_inplace_stateful(_inplace_stateful)

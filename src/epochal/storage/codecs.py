@@ -9,6 +9,16 @@ can verify every checksum before any live object is touched:
 2. ``decode(meta, buffers, existing)`` builds the value, restoring into ``existing`` (a live
    object under the same name in the workspace) in place when the codec knows how.
 
+Optional capability, for loads into live objects: ``inplace_targets(meta, sizes, existing)``
+returns, per segment, a writable flat memoryview over the memory of ``existing`` that can take
+that segment's bytes directly (or None for a segment that must be staged), or None for no
+target at all. It must raise :class:`~epochal.errors.BlobMismatchError` when ``existing``
+does not fit, as ``decode`` would (so a mismatch is reported before anything is written). A
+format may then verify those segments' checksums first and read them straight into the live
+memory, skipping staging and the copy; ``decode`` then gets those views as ``buffers`` and
+must recognise (:func:`same_memory`) that the bytes are already in place. A format that
+ignores the capability stays correct: ``decode`` sees fresh buffers and restores as before.
+
 Codecs are picked by ``accepts(value)`` in registration order (newest first) and found again
 by ``kind`` on load. Integrations (torch, state dicts) register their own codecs; kinds with a
 known prefix import their integration lazily, so the core imports with numpy alone.
@@ -75,6 +85,16 @@ def _bytes_view(obj: Any) -> memoryview:
 def fresh_buffers(sizes: Sequence[int]) -> list[memoryview]:
     """Uninitialised writable buffers of the given sizes (numpy's allocator: no zeroing)."""
     return [memoryview(np.empty(int(n), dtype=np.uint8)) for n in sizes]  # type: ignore[arg-type]
+
+
+def buffer_address(mv: memoryview) -> int:
+    """The address of the first byte of a non-empty buffer (read-only ones included)."""
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+
+
+def same_memory(a: memoryview, b: memoryview) -> bool:
+    """True when the flat buffers ``a`` and ``b`` are the same non-empty bytes of memory."""
+    return a.nbytes == b.nbytes and a.nbytes > 0 and buffer_address(a) == buffer_address(b)
 
 
 # ---------------------------------------------------------------- dtypes

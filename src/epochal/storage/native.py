@@ -744,11 +744,14 @@ class _Index:
         return BlobInfo(self.name(i), kind, dtype, shape_t, int(lengths.sum()), checksum, meta)
 
 
-def _preadv_exact(path: str, fd: int, views: list[memoryview], offset: int, blob: str) -> int:
+def _preadv_exact(
+    path: str, fd: int, views: list[memoryview], offset: int, blob: str, progress: bool = True
+) -> int:
     """Fill ``views`` from ``offset`` on; a file ending early is reported as corrupt."""
     want = sum(v.nbytes for v in views)
     got = os.preadv(fd, views, offset)
-    report_progress(want)
+    if progress:
+        report_progress(want)
     if got == want:
         return want
     # short read: continue buffer by buffer (rare: EOF, or a signal)
@@ -765,6 +768,91 @@ def _preadv_exact(path: str, fd: int, views: list[memoryview], offset: int, blob
             got = end
         pos = end
     return want
+
+
+@dataclass
+class _Direct:
+    """A segment read straight into live memory: plan position, segment number in its blob,
+    blob name, file offset, size, padding, checksum, target view and its address."""
+
+    pos: int
+    seg: int
+    name: str
+    off: int
+    size: int
+    pad: int
+    crc: int
+    target: memoryview
+    addr: int
+
+
+#: scratch buffers of CHUNK bytes in the ring that verifies in-place segments
+_RING = 4
+#: in-place segments are read in pieces of this size (progress reports)
+_DIRECT_PIECE = 8 * CHUNK
+
+
+#: in-place reads of at least this many bytes are split over a few threads
+_PARALLEL_MIN = 64 << 20
+
+
+def _threads() -> int:
+    """Threads for the in-place load passes: the usable cores, at most 4."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
+
+
+def _balanced(sizes: list[int], n: int) -> list[list[int]]:
+    """Indices of ``sizes`` in ``n`` groups of about equal total (largest first, greedy),
+    each group in increasing order; empty groups dropped."""
+    groups: list[list[int]] = [[] for _ in range(max(1, n))]
+    totals = [0] * len(groups)
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        g = totals.index(min(totals))
+        groups[g].append(k)
+        totals[g] += sizes[k]
+    return [sorted(g) for g in groups if g]
+
+
+def _contiguous(sizes: list[int], n: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into at most ``n`` consecutive runs of about equal total."""
+    total = sum(sizes)
+    groups: list[list[int]] = [[]]
+    acc = 0
+    for k, sz in enumerate(sizes):
+        if groups[-1] and len(groups) < n and acc >= total * len(groups) / n:
+            groups.append([])
+        groups[-1].append(k)
+        acc += sz
+    return groups
+
+
+def _run_parallel(jobs: list[Any]) -> None:
+    """Run ``jobs[0]`` on this thread and the others on their own threads; re-raise the
+    first exception once all have ended."""
+    errors: list[BaseException] = []
+
+    def guarded(fn: Any) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(fn,), name="epochal-inplace", daemon=True)
+               for fn in jobs[1:]]
+    for t in threads:
+        t.start()
+    try:
+        if jobs:
+            guarded(jobs[0])
+    finally:
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
 
 
 class _Prefetcher:
@@ -974,7 +1062,12 @@ class NativeFile:
         if self._mm is not None:
             self._map(plan, verify)
         else:
-            self._fill(plan, verify)
+            direct = self._direct_targets(plan, existing) if existing else []
+            if direct and verify:
+                self._verify_direct(direct)  # before any live memory is written
+            self._fill(plan, verify, {(d.pos, d.seg) for d in direct})
+            if direct:  # every requested checksum is verified: read into the live memory
+                self._read_direct(plan, direct)
         # everything is read and verified: decode (in file order)
         slow: dict[int, Any] = {}
         path = self.path
@@ -1194,7 +1287,157 @@ class NativeFile:
             plan.append((i, name, kind, meta, codec, bufs))
         return plan
 
-    def _fill(self, plan: list[Any], verify: bool) -> None:
+    def _direct_targets(self, plan: list[Any], existing: Mapping[str, Any]) -> list[_Direct]:
+        """Segments to read straight into live memory (codecs' ``inplace_targets``, see
+        :mod:`epochal.storage.codecs`): big ones whose live target has exactly their size.
+        Asking the codecs also checks that each live object fits (BlobMismatchError before
+        anything is read). None when two targets overlap (the staged path keeps the order
+        in which ``load_state_dict``/``copy_`` would write them)."""
+        idx, path = self._index, self.path
+        out: list[_Direct] = []
+        for pos, (i, name, kind, meta, codec, bufs) in enumerate(plan):
+            live = existing.get(name)
+            fn = getattr(codec, "inplace_targets", None) if live is not None else None
+            if fn is None:
+                continue
+            try:
+                targets = fn(meta, [b.nbytes for b in bufs], live)
+            except BlobMismatchError as e:
+                raise BlobMismatchError(f"{path}, blob {name!r}: {e}") from e
+            except CheckpointError:
+                raise
+            except _DECODE_ERRORS as e:
+                raise _corrupt(path, f"cannot decode {kind} blob: {e}", name) from None
+            if not targets or len(targets) != len(bufs):
+                continue
+            first = int(idx.recs["seg_first"][i])
+            for j, t in enumerate(targets):
+                if t is None:
+                    continue
+                t = _flat_writable(t)
+                if t.readonly or t.nbytes != bufs[j].nbytes or t.nbytes < BIG_SEGMENT:
+                    continue
+                seg = idx.segs[first + j]
+                out.append(_Direct(pos, j, name, int(seg["offset"]), t.nbytes, int(seg["pad"]),
+                                   int(seg["crc"]), t, _codecs.buffer_address(t)))
+        spans = sorted((d.addr, d.addr + d.size) for d in out)
+        if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+            return []
+        return out
+
+    def _verify_direct(self, direct: list[_Direct]) -> None:
+        """Checksums (and padding) of the segments to be read in place, without fresh memory:
+        computed on a read-only map of the file (page-cache pages, no copy), segments spread
+        over a few threads; streamed through a small ring of buffers if mapping fails."""
+        path = self.path
+        try:
+            mm = _mmap.mmap(self._fd, 0, access=_mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return self._verify_direct_streamed(direct)
+        fn = self._index.fn
+        crcs = [0] * len(direct)
+        try:
+            if hasattr(mm, "madvise") and hasattr(_mmap, "MADV_SEQUENTIAL"):
+                mm.madvise(_mmap.MADV_SEQUENTIAL)
+            whole = memoryview(mm)
+
+            def job(slots: list[int]) -> Any:
+                def run() -> None:
+                    for s_ in slots:
+                        d = direct[s_]
+                        crcs[s_] = fn(whole[d.off : d.off + d.size], 0)
+                return run
+
+            _run_parallel([job(g) for g in _balanced([d.size for d in direct], _threads())])
+            for d in direct:
+                if d.pad and any(whole[d.off + d.size : d.off + d.size + d.pad]):
+                    raise _corrupt(path, "nonzero padding after the data (blob damaged)", d.name)
+            whole.release()
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a view is still referenced (an exception in flight): GC
+                pass
+        for slot, d in enumerate(direct):
+            if crcs[slot] != d.crc:
+                raise _corrupt(path, "data checksum mismatch (blob damaged)", d.name)
+        return None
+
+    def _verify_direct_streamed(self, direct: list[_Direct]) -> None:
+        """:meth:`_verify_direct` through a small ring of reusable buffers (one thread reads,
+        a worker checksums)."""
+        path, fd, fn = self.path, self._fd, self._index.fn
+        ring = [memoryview(bytearray(CHUNK)) for _ in range(_RING)]
+        free = threading.Semaphore(_RING)
+        crcs = [0] * len(direct)
+        errors: list[BaseException] = []
+
+        def step(slot: int, piece: memoryview) -> None:
+            try:
+                if not errors:
+                    crcs[slot] = fn(piece, crcs[slot])
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+            finally:
+                free.release()
+
+        ahead = _Prefetcher(fd, _merged_ranges([(d.off, d.off + d.size + d.pad) for d in direct]))
+        worker = _Worker()
+        r = 0
+        try:
+            for slot, d in enumerate(direct):
+                for start in range(0, d.size, CHUNK):
+                    n = min(CHUNK, d.size - start)
+                    free.acquire()
+                    piece = ring[r][:n]
+                    r = (r + 1) % _RING
+                    ahead.advance(d.off + start)
+                    try:
+                        _preadv_exact(path, fd, [piece], d.off + start, d.name, progress=False)
+                    except BaseException:
+                        free.release()
+                        raise
+                    worker.submit(step, slot, piece)
+                if d.pad and any(_pread_exact(path, fd, d.pad, d.off + d.size, "padding", d.name)):
+                    raise _corrupt(path, "nonzero padding after the data (blob damaged)", d.name)
+            worker.wait()
+        finally:
+            worker.close()
+        if errors:
+            raise errors[0]
+        for slot, d in enumerate(direct):
+            if crcs[slot] != d.crc:
+                raise _corrupt(path, "data checksum mismatch (blob damaged)", d.name)
+
+    def _read_direct(self, plan: list[Any], direct: list[_Direct]) -> None:
+        """Read the (verified) segments into the live memory, split over a few threads in
+        file order; the codecs' decode gets those views as buffers and sees that the bytes
+        are in place. Progress is reported by the calling thread."""
+        path, fd = self.path, self._fd
+        pieces = [
+            (d.target[start : start + _DIRECT_PIECE], d.off + start, d.name)
+            for d in direct
+            for start in range(0, d.size, _DIRECT_PIECE)
+        ]
+        total = sum(p[0].nbytes for p in pieces)
+        nthreads = _threads() if total >= _PARALLEL_MIN else 1
+        groups = _contiguous([p[0].nbytes for p in pieces], nthreads)
+        done = [0] * len(groups)
+
+        def job(g: int) -> Any:
+            def run() -> None:
+                for k in groups[g]:
+                    view, off, name = pieces[k]
+                    _preadv_exact(path, fd, [view], off, name, progress=g == 0)
+                    done[g] += view.nbytes
+            return run
+
+        _run_parallel([job(g) for g in range(len(groups))])
+        report_progress(sum(done[1:]))
+        for d in direct:
+            plan[d.pos][5][d.seg] = d.target
+
+    def _fill(self, plan: list[Any], verify: bool, skip: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset()) -> None:
         """Phase 2 (pread): read every segment straight into its buffer.
 
         Adjacent small segments (and their padding) are coalesced into one ``preadv`` of
@@ -1250,7 +1493,7 @@ class NativeFile:
                     pad_used = 0
                     pad_names.clear()
 
-            for i, name, _kind, _meta, _codec, bufs in plan:
+            for pos, (i, name, _kind, _meta, _codec, bufs) in enumerate(plan):
                 nb = len(bufs)
                 if cols is not None:
                     first = cols.seg_first[i]
@@ -1261,7 +1504,9 @@ class NativeFile:
                     first = int(idx.recs["seg_first"][i])
                     sl = idx.segs[first : first + nb]
                     offs, pads, crcs = sl["offset"].tolist(), sl["pad"].tolist(), sl["crc"].tolist()
-                for buf, off, pad, crc in zip(bufs, offs, pads, crcs):
+                for j, (buf, off, pad, crc) in enumerate(zip(bufs, offs, pads, crcs)):
+                    if skip and (pos, j) in skip:
+                        continue  # read in place after every checksum is verified
                     if verify:
                         expected.append((crc, name))
                     size = buf.nbytes

@@ -24,6 +24,16 @@ workspace holds a live object under the blob's name, the tree is handed to its
 :class:`~epochal.errors.BlobMismatchError` instead of a half-restored model) and the live
 object is returned; otherwise the blob becomes the plain state dict.
 
+*In-place loading.* For a live object accepted by a predicate registered with
+:func:`register_inplace_stateful` (the torch integration registers plain ``nn.Module`` and
+optimizers), whose ``state_dict()`` has exactly the structure of the saved one (same keys,
+same list lengths), :meth:`TreeCodec.inplace_targets` offers the memory of the live
+``state_dict()`` tensors (they share it with the parameters and optimizer state) to the
+format, which reads verified bytes straight into it. ``decode`` then hands those live leaves
+to ``load_state_dict`` (whose copy of a tensor onto itself is a no-op), so the result is the
+one of the staged path without the staging memory and the copy. Shapes are checked before
+anything is read.
+
 Skeleton nodes (JSON):
 
 =====================  ==========================================
@@ -48,7 +58,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import BlobMismatchError, UnsupportedBlobError
@@ -189,8 +199,12 @@ class _Encoder:
 class _Decoder:
     """One decode pass over a validated skeleton; leaves are decoded on first reference."""
 
-    def __init__(self, leaves: Any, buffers: Sequence[memoryview]) -> None:
+    def __init__(
+        self, leaves: Any, buffers: Sequence[memoryview], inplace: dict[int, Any] | None = None
+    ) -> None:
         self.leaves = _check_leaves(leaves)
+        #: leaf index -> live leaf whose memory the format may have read the leaf into
+        self.inplace = inplace or {}
         self.buffers = buffers
         self.offsets: list[int] = []
         off = 0
@@ -252,9 +266,28 @@ class _Decoder:
         # Only a nested stateful object is restored into its live counterpart: plain leaves
         # of a container are fresh values (the blob replaces the container's content).
         nested_stateful = kind == TreeCodec.kind and meta.get("stateful") is True
-        value = codec.decode(meta, bufs, existing if nested_stateful else None)
+        live = existing if nested_stateful else None
+        if i in self.inplace and _read_in_place(codec, meta, bufs, self.inplace[i]):
+            live = self.inplace[i]  # the bytes are already in the live leaf: decode to it
+        value = codec.decode(meta, bufs, live)
         self.values[i] = value
         return value
+
+
+def _read_in_place(codec: Any, meta: dict[str, Any], bufs: Sequence[memoryview], live: Any) -> bool:
+    """True when every buffer of a leaf is the memory its codec offers for ``live``."""
+    fn = getattr(codec, "inplace_targets", None)
+    if fn is None or not bufs:
+        return False
+    try:
+        targets = fn(meta, [b.nbytes for b in bufs], live)
+    except BlobMismatchError:
+        return False
+    return (
+        targets is not None
+        and len(targets) == len(bufs)
+        and all(t is not None and codecs.same_memory(t, b) for t, b in zip(targets, bufs))
+    )
 
 
 def _check_leaves(leaves: Any) -> list[tuple[str, dict[str, Any], int]]:
@@ -294,6 +327,110 @@ def _shape_mismatches(saved: Any, live: Any, path: tuple[Any, ...], out: list[st
     if a is not None and b is not None and tuple(a) != tuple(b):
         where = str(path[0]) if len(path) == 1 and isinstance(path[0], str) else _path_str(path)
         out.append(f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}")
+
+
+_SHAPED_KINDS = ("torch.tensor", "ndarray")
+
+
+class _LiveMatch:
+    """Walks a saved skeleton next to the live ``state_dict()``: collects shape mismatches
+    (as :func:`_shape_mismatches` does for a decoded state), the live counterpart of every
+    leaf (first reference wins, in the decoder's order) and whether both have exactly the
+    same structure (dict keys, list lengths, containers against containers)."""
+
+    def __init__(self, leaves: list[tuple[str, dict[str, Any], int]]) -> None:
+        self.leaves = leaves
+        self.keys = _Decoder([], [])
+        self.pairs: dict[int, Any] = {}
+        self.same = True
+        self.problems: list[str] = []
+
+    def walk(self, n: Any, live: Any, path: tuple[Any, ...]) -> None:
+        if len(path) > MAX_DEPTH:
+            self.same = False
+            return
+        container = isinstance(live, (dict, list, tuple))
+        tag = n[0] if isinstance(n, list) and n and isinstance(n[0], str) else None
+        if tag in ("l", "t") and len(n) == 2 and isinstance(n[1], list):
+            if not isinstance(live, (list, tuple)) or len(live) != len(n[1]):
+                self.same = False
+            if isinstance(live, (list, tuple)):
+                for k, (x, e) in enumerate(zip(n[1], live)):
+                    self.walk(x, e, (*path, k))
+            return
+        if tag in ("d", "o") and len(n) in (2, 3) and isinstance(n[1], list):
+            if not isinstance(live, dict):
+                self.same = False
+                return
+            seen = 0
+            for item in n[1]:
+                if not isinstance(item, list) or len(item) != 2:
+                    self.same = False
+                    return
+                try:
+                    k = self.keys.node(item[0], len(path) + 1)
+                    present = k in live
+                except (ValueError, TypeError):  # a raw-leaf or unhashable key: no match
+                    self.same = False
+                    return
+                if present:
+                    seen += 1
+                    self.walk(item[1], live[k], (*path, k))
+                else:
+                    self.same = False
+            if seen != len(live):
+                self.same = False
+            return
+        if tag == "x" and len(n) == 2 and isinstance(n[1], int) and not isinstance(n[1], bool):
+            if container or not 0 <= n[1] < len(self.leaves):
+                self.same = False
+                return
+            kind, meta, _ = self.leaves[n[1]]
+            a, b = meta.get("shape"), getattr(live, "shape", None)
+            if kind in _SHAPED_KINDS and isinstance(a, list) and b is not None:
+                if tuple(a) != tuple(b) and len(self.problems) < 5:
+                    where = str(path[0]) if len(path) == 1 and isinstance(path[0], str) else _path_str(path)
+                    self.problems.append(
+                        f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}"
+                    )
+            if live is not None:
+                self.pairs.setdefault(n[1], live)
+            return
+        if container:  # a scalar saved where the live state has a container
+            self.same = False
+
+
+#: predicates naming live stateful objects that may be restored in place (see module doc)
+_inplace_ok: list[Callable[[Any], bool]] = []
+
+
+def register_inplace_stateful(predicate: Callable[[Any], bool]) -> None:
+    """Allow :meth:`TreeCodec.inplace_targets` for live stateful objects ``predicate`` accepts:
+    their ``load_state_dict`` must accept a state dict whose tensors are their own
+    ``state_dict()`` tensors, and must not reject a state dict of the same structure and
+    shapes (the bytes are already in those tensors when it runs)."""
+    if predicate not in _inplace_ok:
+        _inplace_ok.append(predicate)
+
+
+def _live_pairs(meta: dict[str, Any], existing: Any) -> dict[int, Any] | None:
+    """Leaf index -> live leaf, when ``existing`` may be restored in place; raises
+    BlobMismatchError (the message of :func:`restore_into`) for a shape mismatch."""
+    if meta.get("v") != 1 or meta.get("stateful") is not True or not is_stateful(existing):
+        return None
+    try:
+        live = existing.state_dict()
+    except Exception:
+        return None
+    match = _LiveMatch(_check_leaves(meta.get("leaves")))
+    match.walk(meta.get("root"), live, ())
+    if match.problems:
+        raise BlobMismatchError(
+            f"state dict does not fit the live {_type_name(existing)}: " + "; ".join(match.problems)
+        )
+    if not match.same or not any(ok(existing) for ok in _inplace_ok):
+        return None
+    return match.pairs
 
 
 def restore_into(existing: Any, state: Any) -> Any:
@@ -366,13 +503,40 @@ class TreeCodec:
             off += n
         return out
 
+    def inplace_targets(
+        self, meta: dict[str, Any], sizes: Sequence[int], existing: Any
+    ) -> list[memoryview | None] | None:
+        """For a live stateful object that may be restored in place (see the module doc):
+        per segment, the live state tensor's memory its leaf codec offers, or None."""
+        pairs = _live_pairs(meta, existing)
+        if not pairs:
+            return None
+        leaves = _check_leaves(meta.get("leaves"))
+        if sum(n for _, _, n in leaves) != len(sizes):
+            return None
+        out: list[memoryview | None] = [None] * len(sizes)
+        off = 0
+        for i, (kind, leaf_meta, n) in enumerate(leaves):
+            live = pairs.get(i)
+            fn = getattr(codecs.codec_for_kind(kind), "inplace_targets", None) if live is not None else None
+            if fn is not None:
+                try:
+                    got = fn(leaf_meta, sizes[off : off + n], live)
+                except BlobMismatchError:  # e.g. another dtype: load_state_dict converts it
+                    got = None
+                if got is not None and len(got) == n:
+                    out[off : off + n] = got
+            off += n
+        return out if any(t is not None for t in out) else None
+
     def decode(
         self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
     ) -> Any:
         if meta.get("v") != 1:
             raise ValueError(f"unknown tree version {meta.get('v')!r}")
-        dec = _Decoder(meta.get("leaves"), buffers)
         stateful = meta.get("stateful") is True
+        pairs = _live_pairs(meta, existing) if stateful else None
+        dec = _Decoder(meta.get("leaves"), buffers, pairs)
         # A state dict decodes into fresh values (load_state_dict copies them over); a plain
         # container may hand live stateful objects down to nested stateful leaves.
         tree = dec.node(meta.get("root"), 0, None if stateful else existing)
