@@ -130,3 +130,28 @@ def test_epoch_error_commits_the_pending_save_then_raises(tmp_path):
             JobRunner(job, mgr, async_save=True).train(LocalSession())
         # epoch 1's background save was committed before the error propagated
         assert h.committed_epochs() == [0, 1]
+
+
+def test_async_snapshot_of_torch_module_and_optimizer(tmp_path):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    ws = Workspace()
+    ws["model"], ws["opt"] = model, opt
+    s = LocalSession(ws)
+    mgr = CheckpointManager(str(tmp_path), "n")
+    s.run(mgr.init())
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    s.run(mgr.save(1, background=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # training goes on while the write runs
+    s.run(mgr.join_save(1))
+    saved = get_db_type("native").read(str(tmp_path / "n.1"))
+    assert set(saved["model"]) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(saved["model"][k], v)
+    assert saved["opt"]["state"][0]["exp_avg"].shape == (32, 64)
