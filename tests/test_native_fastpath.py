@@ -159,3 +159,49 @@ def test_custom_ndarray_codec_disables_fast_path(tmp_path: Path) -> None:
         codecs.register_codec(original, first=False)
         codecs._codecs.remove(original)
         codecs._codecs.insert(1, original)
+
+
+def test_candidates_that_do_not_fit_go_to_general_path(tmp_path: Path) -> None:
+    # candidates are picked from the segment table alone; small one-segment blobs whose
+    # meta is not a plain ndarray are read in a group but returned to the general path
+    blobs = _blobs()
+    path = tmp_path / "x.db"
+    write_native(path, blobs)
+    names = list(blobs)
+    with NativeFile(path) as f:
+        small, rest, total = f._read_small_arrays(list(range(len(blobs))), True)
+    assert rest == sorted(rest)
+    assert sorted([*small, *rest]) == list(range(len(blobs)))
+    left = {names[i] for i in rest}
+    assert {"big", "empty", "py", "scalar"} <= left
+    assert total == sum(a.nbytes for _, a in small.values())
+    for i, (name, _arr) in small.items():
+        assert name == names[i]
+
+
+def test_bulk_load_restores_gc_state(tmp_path: Path) -> None:
+    import gc
+
+    blobs = _blobs()
+    path = tmp_path / "x.db"
+    write_native(path, blobs)
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        NativeBackend().read(str(path))
+        assert gc.isenabled()
+        gc.disable()
+        NativeBackend().read(str(path))
+        assert not gc.isenabled()
+        gc.enable()
+        raw = bytearray(path.read_bytes())
+        raw[64 + 3] ^= 0xFF  # first segment's data
+        path.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointCorruptError):
+            NativeBackend().read(str(path))
+        assert gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
+        else:
+            gc.disable()
