@@ -87,7 +87,12 @@ class _HandlerCalls:
                 path_prefix=self._path_prefix, path_type=self._path_type,
             )
 
+    #: bytes per db of the last ``report_checkpoint_stats`` (read by JobRunner's events, so
+    #: they need not fetch the stats from the nodes a second time)
+    last_report_sizes: dict[str, int] | None = None
+
     def _report(self, action_name: str, stats: dict[str, int], sizes: dict[str, int]) -> None:
+        self.last_report_sizes = dict(sizes)
         logger.debug("%s stats: %s", action_name, stats)
         if self._metadata_handler:
             call_optional(self._metadata_handler, "report_bytes", action_name, sizes)

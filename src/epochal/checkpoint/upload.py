@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 from ..execution.task import Node, Task, TaskGroup, WorkspaceType
@@ -17,21 +16,22 @@ class UploadTaskGroupBuilder:
 
 
 class _CopyFile:
-    """Step: copy ``src`` to ``dst`` through a temp file and an atomic rename."""
+    """Step: copy ``src`` to ``dst`` atomically and durably (storage.atomic: temp name that
+    the temp-file cleaner knows, free-space check, fsync, rename, directory fsync)."""
 
     def __init__(self, src: str, dst: str) -> None:
         self.src, self.dst = src, dst
 
     def __call__(self, ws: Any) -> None:
-        tmp = f"{self.dst}.tmp.upload.{os.getpid()}"
-        try:
-            shutil.copyfile(self.src, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dst)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        from ..storage import atomic
+
+        buf = bytearray(8 << 20)
+        view = memoryview(buf)
+        with open(self.src, "rb", buffering=0) as f, atomic.AtomicFile(
+            self.dst, size=os.path.getsize(self.src)
+        ) as out:
+            while n := f.readinto(buf):
+                atomic.write_all(out.fd, view[:n])
 
 
 class CopyUploadBuilder(UploadTaskGroupBuilder):

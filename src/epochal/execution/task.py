@@ -8,7 +8,7 @@ module-level functions so that a multi-machine session can ship them to the node
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 from .context import DefaultManaged, Managed
@@ -272,9 +272,3 @@ class TaskGroup(Managed):
 
     def __repr__(self) -> str:
         return f"TaskGroup({self._workspace_type}, {[t.name for t in self._all_tasks()]})"
-
-
-def as_list(x: Any) -> list[Any]:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, Iterable) and not isinstance(x, (str, bytes)) else [x]

@@ -67,6 +67,7 @@ class JobRunner:
         self.resume_from_epoch = resume_from_epoch
         self.upload_task_group_builder = upload_task_group_builder
         self.listeners: list[RunListener] = list(listeners)
+        self._active: list[RunListener] = list(self.listeners)  # plus the display during train
         self.progress = progress
         self.handle_signals = handle_signals
         self.raise_on_preempt = raise_on_preempt
@@ -84,13 +85,17 @@ class JobRunner:
 
     def _checkpoint_event(self, action: str, epoch: int, start: float, ok: bool, error: str | None) -> None:
         nbytes = 0
-        if ok and self.checkpoint_manager is not None:
-            sizes: dict[str, int] = {}
-            try:
-                self.checkpoint_manager.collect_checkpoint_stats({}, sizes)
-                nbytes = sum(sizes.values())
-            except TypeError:
-                pass
+        manager = self.checkpoint_manager
+        if ok and manager is not None:
+            # called right after report_checkpoint_stats: reuse what it collected
+            sizes: dict[str, int] | None = getattr(manager, "last_report_sizes", None)
+            if sizes is None:  # another manager class: collect (it may not take sizes)
+                sizes = {}
+                try:
+                    manager.collect_checkpoint_stats({}, sizes)
+                except TypeError:
+                    pass
+            nbytes = sum(sizes.values())
         self._emit("on_checkpoint", CheckpointEvent(action, epoch, time.perf_counter() - start, nbytes, ok, error))
 
     # -- the seed's API
@@ -223,8 +228,6 @@ class JobRunner:
         returned: nothing is committed yet)."""
         if not self.checkpoint_manager:
             raise ValueError("Checkpoint manager is None")
-        if not hasattr(self, "_active"):
-            self._active = list(self.listeners)
         self._finish_pending(session)
         background = self.async_save and not wait
         start = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..execution.task import Task, WorkspaceType
@@ -9,11 +10,16 @@ from ..execution.workspace import Workspace
 from .base import CompiledRunnable, Session
 
 
-def run_task(task: Task, ws: Workspace) -> None:
-    """Run a task's steps on ``ws`` (GLOBAL) or on a fresh child of it (PRIVATE)."""
-    target = ws if task.workspace_type == WorkspaceType.GLOBAL else Workspace(parent=ws)
-    for step in task.steps():
+def run_steps(steps: Sequence[Any], workspace_type: WorkspaceType | str | None, ws: Workspace) -> None:
+    """Run ``steps`` on ``ws`` (GLOBAL) or on a fresh child of it (PRIVATE, the default)."""
+    target = ws if workspace_type == WorkspaceType.GLOBAL else Workspace(parent=ws)
+    for step in steps:
         step(target)
+
+
+def run_task(task: Task, ws: Workspace) -> None:
+    """Run a task's steps where its workspace type says (see :func:`run_steps`)."""
+    run_steps(task.steps(), task.workspace_type, ws)
 
 
 class LocalSession(Session):

@@ -19,6 +19,7 @@ from typing import Any
 from ..execution.task import Task, WorkspaceType
 from ..execution.workspace import Workspace
 from .base import CompiledRunnable, Session
+from .local import run_steps
 
 try:
     import ray
@@ -39,9 +40,7 @@ class NodeWorker:
                 if out not in self.ws:
                     self.ws[out] = None
         for _name, wt, steps, _outputs in payload:
-            target = self.ws if wt == WorkspaceType.GLOBAL.value else Workspace(parent=self.ws)
-            for step in steps:
-                step(target)
+            run_steps(steps, wt, self.ws)
 
     def fetch(self, name: str) -> Any:
         return self.ws[name]
