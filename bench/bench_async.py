@@ -22,7 +22,16 @@ import time
 
 import numpy as np
 
-from epochal import CheckpointManager, Job, JobRunner, LocalSession, Node, RunListener, Task, epoch_limiter
+from epochal import (
+    CheckpointManager,
+    Job,
+    JobRunner,
+    LocalSession,
+    Node,
+    RunListener,
+    Task,
+    epoch_limiter,
+)
 
 
 class Init:

@@ -14,7 +14,16 @@ import sys
 
 import numpy as np
 
-from epochal import Cluster, DirectoryMetadataHandler, Job, JobRunner, MultiNodeCheckpointManager, Node, Task, epoch_limiter
+from epochal import (
+    Cluster,
+    DirectoryMetadataHandler,
+    Job,
+    JobRunner,
+    MultiNodeCheckpointManager,
+    Node,
+    Task,
+    epoch_limiter,
+)
 from epochal.sessions.ray import RaySession
 
 NODES = 3

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-
 from _pipeline import EXPECTED_TOTALS, build_pipeline
+
 from epochal import (
     CheckpointManager,
     Cluster,

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from epochal.storage import atomic
@@ -133,3 +134,56 @@ def test_write_all_many_buffers(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert p.read_bytes() == b"".join(bufs)
+
+
+def test_write_behind_starts_writeback_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AtomicFile.write starts the disk writing each WRITE_BEHIND bytes, over ranges that
+    tile what was written, and the file is intact."""
+    calls: list[tuple[int, int]] = []
+    real = atomic.start_writeback
+    monkeypatch.setattr(atomic, "WRITE_BEHIND", 1 << 16)
+    monkeypatch.setattr(atomic, "_SFR", atomic._SFR or (lambda *a: 0))
+
+    def spy(fd: int, offset: int, nbytes: int) -> bool:
+        calls.append((offset, nbytes))
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(atomic, "start_writeback", spy)
+    data = np.random.default_rng(0).integers(0, 256, 10 * (1 << 16) + 123, dtype=np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    with atomic.AtomicFile(path, size=len(data)) as f:
+        for start in range(0, len(data), 40_000):
+            f.write(data[start : start + 40_000])
+        assert f.position == len(data)
+    assert path.read_bytes() == data
+    assert len(calls) >= 5
+    pos = 0
+    for offset, nbytes in calls:
+        assert offset == pos and nbytes >= 1 << 16
+        pos += nbytes
+    assert pos <= len(data)
+
+
+def test_write_behind_stops_when_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(atomic, "WRITE_BEHIND", 1024)
+    monkeypatch.setattr(atomic, "_SFR", atomic._SFR or (lambda *a: 0))
+    monkeypatch.setattr(atomic, "start_writeback", lambda fd, o, n: calls.append(o) or False)
+    path = tmp_path / "f.bin"
+    with atomic.AtomicFile(path, size=8192) as f:
+        for _ in range(8):
+            f.write(b"x" * 1024)
+        f.seek(0)
+        f.write(b"HEAD")
+    assert calls == [0]
+    assert path.read_bytes() == b"HEAD" + b"x" * (8192 - 4)
+
+
+def test_start_writeback_on_a_real_file(tmp_path: Path) -> None:
+    """The libc call itself works here (Linux) on a regular file."""
+    path = tmp_path / "g.bin"
+    with open(path, "wb") as fh:
+        fh.write(b"y" * 100_000)
+        fh.flush()
+        ok = atomic.start_writeback(fh.fileno(), 0, 100_000)
+    assert ok is (atomic._SFR is not None)

@@ -205,3 +205,23 @@ def test_bulk_load_restores_gc_state(tmp_path: Path) -> None:
             gc.enable()
         else:
             gc.disable()
+
+
+def test_save_fast_path_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain arrays skip the codec on save (meta text made from a template); the file must be
+    byte for byte the one the codec path writes (dtypes incl. big-endian, unicode, datetime;
+    0-d, empty, 2-d and strided arrays; shared metas)."""
+    blobs = _blobs()
+    blobs["zero_d_i"] = np.array(7, dtype=">i8")
+    blobs["empty3"] = np.zeros((2, 0, 3), dtype="<f2")
+    blobs["same_meta_1"] = np.ones((3, 4), dtype=np.float32)
+    blobs["same_meta_2"] = np.zeros((3, 4), dtype=np.float32)
+    fast, slow = tmp_path / "fast.db", tmp_path / "slow.db"
+    write_native(fast, blobs)
+    with monkeypatch.context() as m:
+        m.setattr(native, "_builtin_ndarray_codec", lambda: None)
+        write_native(slow, blobs)
+    assert fast.read_bytes() == slow.read_bytes()
+    with NativeFile(fast) as f:
+        assert f.info("same_meta_1").meta == {"dtype": "<f4", "shape": [3, 4]}
+        assert f.info("empty3").shape == (2, 0, 3)

@@ -11,6 +11,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
+
 from epochal import Cluster, Job, JobRunner, MultiNodeCheckpointManager, Task, get_db_type  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

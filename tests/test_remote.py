@@ -11,7 +11,15 @@ import pytest
 fsspec = pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 
 from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
-from epochal import Cluster, CheckpointNotFoundError, Job, JobRunner, LocalSession, MultiNodeCheckpointManager  # noqa: E402
+
+from epochal import (  # noqa: E402
+    CheckpointNotFoundError,
+    Cluster,
+    Job,
+    JobRunner,
+    LocalSession,
+    MultiNodeCheckpointManager,
+)
 from epochal.checkpoint.upload import FsspecUploadBuilder  # noqa: E402
 from epochal.storage.remote import download_file, is_url, read_remote, upload_file  # noqa: E402
 

@@ -31,7 +31,7 @@ class _CopyFile:
             self.dst, size=os.path.getsize(self.src)
         ) as out:
             while n := f.readinto(buf):
-                atomic.write_all(out.fd, view[:n])
+                out.write(view[:n])
 
 
 class CopyUploadBuilder(UploadTaskGroupBuilder):

@@ -182,6 +182,8 @@ def _plan(blobs: Mapping[str, Any]) -> _Plan:
     # meta dict / repr; metas are deduplicated by (dtype, shape).
     fast_nd = _builtin_ndarray_codec() is not None
     nd_mids: dict[tuple[np.dtype, tuple[int, ...]], int] = {}
+    nd_dtypes: dict[np.dtype, str] = {}
+    text_ids: dict[str, int] = {}
     ndarray = np.ndarray
     for name, value in blobs.items():
         if not isinstance(name, str):
@@ -195,13 +197,15 @@ def _plan(blobs: Mapping[str, Any]) -> _Plan:
         ):
             dkey = (value.dtype, value.shape)
             mid = nd_mids.get(dkey)
-            if mid is None:
-                enc = encode(value, name)  # first of its kind: the codec makes the meta
-                key = (enc.kind, repr(enc.meta))
-                mid = meta_ids.get(key)
+            if mid is None:  # first of its kind: the meta text NdarrayCodec's meta dumps to
+                dt_text = nd_dtypes.get(value.dtype)
+                if dt_text is None:
+                    dt_text = nd_dtypes[value.dtype] = dumps(_codecs.dtype_to_json(value.dtype))
+                text = f'["ndarray",{{"dtype":{dt_text},"shape":[{",".join(map(str, value.shape))}]}}]'
+                mid = text_ids.get(text)
                 if mid is None:
-                    mid = meta_ids[key] = len(meta_texts)
-                    meta_texts.append(dumps([enc.kind, enc.meta]))
+                    mid = text_ids[text] = len(meta_texts)
+                    meta_texts.append(text)
                 nd_mids[dkey] = mid
             names_b.append(name.encode("utf-8", "surrogatepass"))
             rec_meta.append(mid)
@@ -284,60 +288,55 @@ def _plan(blobs: Mapping[str, Any]) -> _Plan:
     )
 
 
-def _write_data(fd: int, plan: _Plan, algorithm: str) -> list[int]:
-    """Stream the superblock placeholder and every segment (with its padding) to ``fd``;
+def _write_data(out: atomic.AtomicFile, plan: _Plan, algorithm: str) -> list[int]:
+    """Stream the superblock placeholder and every segment (with its padding) to ``out``;
     return the segment checksums.
 
-    Small segments are checksummed inline just before the ``writev`` that writes them (the
-    batch stays in cache for the kernel's copy); big segments go out in CHUNK pieces whose
-    checksums a background thread computes while the next piece is being written."""
-    fn_inline = checksum_function(algorithm, inline=True)
+    Segments go out in ``writev`` batches of about BATCH_BYTES (big ones in CHUNK pieces);
+    each batch is handed to a background thread for checksumming just before it is written,
+    so the checksums run on the other core while the kernel copies the batch."""
     views, pads = plan.views, plan.segs["pad"].tolist()
-    crcs = [0] * len(views)
-    big = [i for i, v in enumerate(views) if v.nbytes >= BIG_SEGMENT]
-    ck = Checksummer(checksum_function(algorithm), len(views)) if big else None
+    ck = Checksummer(checksum_function(algorithm), len(views))
     try:
         bufs: list[Any] = [_ZEROS]  # superblock placeholder, rewritten at the end
+        todo: list[tuple[int, memoryview]] = []
         nbytes = SUPERBLOCK_SIZE
         for i, mv in enumerate(views):
             pad = pads[i]
             size = mv.nbytes
             if size >= BIG_SEGMENT:
-                assert ck is not None
                 if bufs:
-                    atomic.write_all(fd, bufs)
+                    ck.submit(todo)
+                    out.write(bufs)
                     report_progress(nbytes)
-                    bufs, nbytes = [], 0
+                    bufs, todo, nbytes = [], [], 0
                 for start in range(0, size, CHUNK):
                     piece = mv[start : start + CHUNK]
                     ck.submit([(i, piece)])
-                    atomic.write_all(fd, piece)
+                    out.write(piece)
                     report_progress(piece.nbytes)
                 if pad:
                     bufs.append(_ZEROS[:pad])
                     nbytes += pad
                 continue
             if size:
-                crcs[i] = fn_inline(mv, 0)
+                todo.append((i, mv))
                 bufs.append(mv)
             if pad:
                 bufs.append(_ZEROS[:pad])
             nbytes += size + pad
             if nbytes >= BATCH_BYTES or len(bufs) >= atomic.IOV_MAX - 2:
-                atomic.write_all(fd, bufs)
+                ck.submit(todo)
+                out.write(bufs)
                 report_progress(nbytes)
-                bufs, nbytes = [], 0
+                bufs, todo, nbytes = [], [], 0
         if bufs:
-            atomic.write_all(fd, bufs)
+            ck.submit(todo)
+            out.write(bufs)
             report_progress(nbytes)
-        if ck is not None:
-            got = ck.results()
-            for i in big:
-                crcs[i] = got[i]
+        return ck.results()
     finally:
-        if ck is not None:
-            ck.close()
-    return crcs
+        ck.close()
 
 
 def _index_bytes(plan: _Plan) -> bytes:
@@ -383,18 +382,18 @@ def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algo
     plan = _plan(blobs)
     file_size = plan.index_offset + plan.index_length
     with atomic.AtomicFile(path, size=file_size) as out:
-        crcs = _write_data(out.fd, plan, algorithm)
+        crcs = _write_data(out, plan, algorithm)
         plan.segs["crc"] = np.asarray(crcs, dtype=np.uint64) if crcs else 0
         index = _index_bytes(plan)
         assert len(index) == plan.index_length
         index_crc = fn(index, 0)
-        atomic.write_all(out.fd, index)
+        out.write(index)
         sb = _superblock(
             ALGORITHM_IDS[algorithm], plan.index_offset, plan.index_length, file_size,
             len(plan.recs), len(plan.segs), plan.data_bytes, index_crc, fn,
         )
-        os.lseek(out.fd, 0, os.SEEK_SET)
-        atomic.write_all(out.fd, sb)
+        out.seek(0)
+        out.write(sb)
     return file_size
 
 

@@ -138,7 +138,7 @@ class SafetensorsBackend(DbBackend):
         data_len = sum(t[3].nbytes for t in tensors)
         total = 8 + len(head) + data_len
         with atomic.AtomicFile(path, size=total) as out:
-            os.lseek(out.fd, 8 + len(head), os.SEEK_SET)
+            out.seek(8 + len(head))
             with Checksummer(fn, len(tensors)) as ck:
                 batch: list[Any] = []
                 todo: list[tuple[int, Any]] = []
@@ -149,12 +149,12 @@ class SafetensorsBackend(DbBackend):
                     nbytes += seg.nbytes
                     if nbytes >= 8 << 20 or len(batch) >= atomic.IOV_MAX:
                         ck.submit(todo)
-                        atomic.write_all(out.fd, batch)
+                        out.write(batch)
                         report_progress(nbytes)
                         batch, todo, nbytes = [], [], 0
                 if batch:
                     ck.submit(todo)
-                    atomic.write_all(out.fd, batch)
+                    out.write(batch)
                     report_progress(nbytes)
                 crcs = ck.results()
             for (rec, j), crc in zip(crc_slots, crcs):
@@ -162,8 +162,8 @@ class SafetensorsBackend(DbBackend):
             final = header_bytes()
             if len(final) != len(head):  # pragma: no cover - crcs are fixed width
                 raise AssertionError("safetensors header changed size")
-            os.lseek(out.fd, 0, os.SEEK_SET)
-            atomic.write_all(out.fd, struct.pack("<Q", len(final)) + final)
+            out.seek(0)
+            out.write(struct.pack("<Q", len(final)) + final)
         return total
 
     # ------------------------------------------------------------------ read
