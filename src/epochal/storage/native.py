@@ -110,6 +110,8 @@ BATCH_BYTES = 1 << 20
 #: bytes, one ``preadv`` into one buffer per group (the arrays are views of it)
 GROUP_BYTES = 16 << 20
 _MAX_U32 = 0xFFFFFFFF
+#: the largest dimension a shape may have (as codecs.check_shape)
+_MAX_DIM = 2**62
 _ZEROS = memoryview(bytes(ALIGN))
 # where padding goes when it is read without being checked (contents never used)
 _SCRATCH = memoryview(bytearray(ALIGN))
@@ -745,11 +747,14 @@ class _Index:
 
 
 def _preadv_exact(
-    path: str, fd: int, views: list[memoryview], offset: int, blob: str, progress: bool = True
+    path: str, fd: int, views: list[memoryview], offset: int, blob: str, progress: bool = True,
+    got: int | None = None,
 ) -> int:
-    """Fill ``views`` from ``offset`` on; a file ending early is reported as corrupt."""
+    """Fill ``views`` from ``offset`` on; a file ending early is reported as corrupt.
+    ``got``: bytes already read into the views by the caller (the rest is read here)."""
     want = sum(v.nbytes for v in views)
-    got = os.preadv(fd, views, offset)
+    if got is None:
+        got = os.preadv(fd, views, offset)
     if progress:
         report_progress(want)
     if got == want:
@@ -855,11 +860,19 @@ def _run_parallel(jobs: list[Any]) -> None:
         raise errors[0]
 
 
+#: ``preadv`` flag: fail (EAGAIN) rather than wait for the disk (Linux 4.14+)
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
 class _Prefetcher:
-    """Keeps the kernel reading ahead of us: ``posix_fadvise(WILLNEED)`` on the next
-    PREFETCH_WINDOW bytes of the ranges being loaded (only those), so a cold read is served
-    by big asynchronous disk requests while we copy and checksum, instead of one modest
-    synchronous request per ``preadv``."""
+    """Reads ranges of a file and keeps the kernel reading ahead of us.
+
+    While every read so far came from the page cache (tried with ``RWF_NOWAIT``), no hint is
+    given: a hint costs ~8 ms per 64 MiB even when the file is cached. From the first read
+    the cache cannot serve on, ``posix_fadvise(WILLNEED)`` covers the next PREFETCH_WINDOW
+    bytes of the ranges being loaded (only those), so a cold read is served by big
+    asynchronous disk requests while we copy and checksum, instead of one modest synchronous
+    request per ``preadv``. ``advance`` may be called from another thread."""
 
     def __init__(self, fd: int, ranges: list[tuple[int, int]]) -> None:
         self.fd = fd
@@ -867,12 +880,38 @@ class _Prefetcher:
         self.ri = 0
         self.done_to = ranges[0][0] if ranges else 0
         self.enabled = hasattr(os, "posix_fadvise") and bool(ranges)
+        self.cached = bool(_RWF_NOWAIT)  # every read so far was served by the page cache
+        self._lock = threading.Lock()
+
+    def read(self, path: str, views: list[memoryview], offset: int, blob: str, progress: bool = True) -> None:
+        """:func:`_preadv_exact` of ``views`` at ``offset``, hinting ahead once the file is
+        found not to be cached."""
+        if self.cached:
+            try:
+                got = os.preadv(self.fd, views, offset, _RWF_NOWAIT)
+            except OSError:  # EAGAIN: not cached; or a filesystem without RWF_NOWAIT
+                got = 0
+            if got == sum(v.nbytes for v in views):
+                if progress:
+                    report_progress(got)
+                return
+            self.cached = False
+            self.advance(offset + got)
+            _preadv_exact(path, self.fd, views, offset, blob, progress, got)
+            return
+        self.advance(offset)
+        _preadv_exact(path, self.fd, views, offset, blob, progress)
 
     def advance(self, pos: int) -> None:
-        if not self.enabled or pos + PREFETCH_STEP < self.done_to:
+        if self.cached or not self.enabled or pos + PREFETCH_STEP < self.done_to:
             return
+        with self._lock:
+            self._advance(pos)
+
+    def _advance(self, pos: int) -> None:
         target = pos + PREFETCH_WINDOW
         ranges = self.ranges
+        self.done_to = max(self.done_to, pos)
         while self.done_to < target and self.ri < len(ranges):
             a, b = ranges[self.ri]
             start = max(a, self.done_to)
@@ -1075,7 +1114,7 @@ class NativeFile:
         stats: ReadStats | None,
     ) -> dict[str, Any]:
         ids = self._resolve(names, allow_incomplete)
-        small: dict[int, tuple[str, np.ndarray]] = {}
+        small: dict[str, np.ndarray] = {}
         total = 0
         if self._mm is None and len(ids) > 64:
             small, rest, total = self._read_small_arrays(ids, verify)
@@ -1107,16 +1146,14 @@ class NativeFile:
             for b in bufs:
                 total += b.nbytes
         out: dict[str, Any] = {}
-        if small and len(small) == len(ids):
-            out = dict(map(small.__getitem__, ids))
+        if small and not plan:
+            out = small  # built in file order, which is the order of ids
         elif small:
             names_ = self._index.names()
             for i in ids:
-                got = small.get(i)
-                if got is not None:
-                    out[got[0]] = got[1]
-                else:
-                    out[names_[i]] = slow[i]
+                got = slow.get(i)
+                nm_ = names_[i]
+                out[nm_] = small[nm_] if got is None else got
         else:
             for entry in plan:
                 out[entry[1]] = slow[entry[0]]
@@ -1127,14 +1164,14 @@ class NativeFile:
 
     def _read_small_arrays(
         self, ids: list[int], verify: bool
-    ) -> tuple[dict[int, tuple[str, np.ndarray]], list[int], int]:
+    ) -> tuple[dict[str, np.ndarray], list[int], int]:
         """The batch path for many small plain numpy arrays (pread only).
 
         Blobs whose codec is the built-in NdarrayCodec and whose one segment is small are
         read in groups of adjacent segments (about GROUP_BYTES each) with one ``preadv``
         into one fresh buffer per group; each segment's checksum and padding are checked;
         the arrays are writable, non-overlapping views of that buffer, exactly the dtype,
-        shape and bytes NdarrayCodec would give. Returns ``{blob index: (name, array)}``,
+        shape and bytes NdarrayCodec would give. Returns ``{name: array}`` in file order,
         the blob indices left to the general path (other kinds, big or empty segments,
         metas that do not fit: the general path reports those) and the data bytes read.
 
@@ -1167,11 +1204,11 @@ class NativeFile:
         bounds = list(zip(starts_j, [*starts_j[1:], len(ks)]))
         offs_l, ends_l = offs.tolist(), ends.tolist()
         ranges = _merged_ranges([(offs_l[a], ends_l[b - 1]) for a, b in bounds])
-        ahead = _Prefetcher(fd, ranges) if int(lens.sum()) >= PREFETCH_MIN else None
+        ahead = _Prefetcher(fd, ranges if int(lens.sum()) >= PREFETCH_MIN else [])
         fn = checksum_function(idx.header.algorithm, inline=True)
         cols64 = np.arange(ALIGN, dtype=np.int64)
         bad: list[str] = []
-        out: dict[int, tuple[str, np.ndarray]] = {}
+        out: dict[str, np.ndarray] = {}
         # filled by prepare() on the worker
         st: dict[str, Any] = {}
 
@@ -1181,16 +1218,28 @@ class NativeFile:
             # per distinct meta: (dtype, shape) when it is a well-formed ndarray meta
             layouts: list[tuple[np.dtype, tuple[int, ...]] | None] = []
             nbytes_of = np.full(len(entries) + 1, -1, dtype=np.int64)
+            dtypes: dict[Any, np.dtype] = {}
             for mid, (kind, meta) in enumerate(entries):
-                lay = None
+                lay: tuple[np.dtype, tuple[int, ...]] | None = None
                 if kind == "ndarray":
-                    try:
-                        dt = _codecs.dtype_from_json(meta.get("dtype"))
-                        shape = _codecs.check_shape(meta.get("shape"))
-                        nbytes_of[mid] = _codecs.expected_nbytes(dt, shape)
-                        lay = (dt, shape)
-                    except ValueError:
-                        lay = None  # the general path raises the error, naming the blob
+                    d, sh = meta.get("dtype"), meta.get("shape")
+                    dt = dtypes.get(d) if type(d) is str else None
+                    if (  # the common 1-D case, checked as check_shape would
+                        dt is not None and type(sh) is list and len(sh) == 1
+                        and type(sh[0]) is int and 0 <= sh[0] <= _MAX_DIM
+                    ):
+                        nbytes_of[mid] = sh[0] * dt.itemsize
+                        lay = (dt, (sh[0],))
+                    else:
+                        try:
+                            dt = _codecs.dtype_from_json(d)
+                            shape = _codecs.check_shape(sh)
+                            nbytes_of[mid] = _codecs.expected_nbytes(dt, shape)
+                            lay = (dt, shape)
+                            if type(d) is str:
+                                dtypes[d] = dt
+                        except ValueError:
+                            lay = None  # the general path raises the error, naming the blob
                 layouts.append(lay)
             mids = recs["meta_id"][cand_ids].astype(np.int64)
             fit = nbytes_of[mids] == lens
@@ -1238,7 +1287,7 @@ class NativeFile:
             for j in sel_j:
                 i = fast_l[j]
                 dt, shape = layouts[mids_l[j]]
-                out[i] = (names[i], new_array(shape, dtype=dt, buffer=buf, offset=offs_l[j] - start))
+                out[names[i]] = new_array(shape, dtype=dt, buffer=buf, offset=offs_l[j] - start)
 
         worker = _Worker()
         cand_l = cand_ids.tolist()
@@ -1247,12 +1296,9 @@ class NativeFile:
             for g, (a, b) in enumerate(bounds):
                 start = offs_l[a]
                 buf = np.empty(ends_l[b - 1] - start, dtype=np.uint8)
-                if ahead is not None and g == 0:
-                    ahead.advance(start)
-                _preadv_exact(path, fd, [memoryview(buf)], start, idx.name(cand_l[a]))  # type: ignore[arg-type]
-                if ahead is not None and g + 1 < len(bounds):
-                    # later read-ahead hints from the worker (they cost ~1 ms each even
-                    # when the file is cached; the worker has time to spare)
+                ahead.read(path, [memoryview(buf)], start, idx.name(cand_l[a]))  # type: ignore[arg-type]
+                if not ahead.cached and g + 1 < len(bounds):
+                    # later hints from the worker, which has time to spare
                     worker.submit(ahead.advance, offs_l[bounds[g + 1][0]])
                 worker.submit(check, g, buf, start)
             worker.wait()
@@ -1276,13 +1322,11 @@ class NativeFile:
         idx = self._index
         n = self.header.blob_count
         if names is None:
-            idx.parse_all_metas()
             return list(range(n))
         if isinstance(names, str):
             names = [names]
         if len(names) > 64 and len(names) * 8 > n:
             idx.build_ids()
-            idx.parse_all_metas()
         found: dict[int, None] = {}
         for nm in names:
             i = idx.find(nm) if isinstance(nm, str) else None
@@ -1446,9 +1490,8 @@ class NativeFile:
                     free.acquire()
                     piece = ring[r][:n]
                     r = (r + 1) % _RING
-                    ahead.advance(d.off + start)
                     try:
-                        _preadv_exact(path, fd, [piece], d.off + start, d.name, progress=False)
+                        ahead.read(path, [piece], d.off + start, d.name, progress=False)
                     except BaseException:
                         free.release()
                         raise
@@ -1534,8 +1577,7 @@ class NativeFile:
 
             def flush() -> None:
                 nonlocal pad_area, pad_view, pad_used
-                ahead.advance(run_start)
-                _preadv_exact(path, fd, views, run_start, run_blob)
+                ahead.read(path, views, run_start, run_blob)
                 for s_, b_ in todo:
                     got[s_] = fn_inline(b_, got[s_])
                 if pad_used:
@@ -1571,8 +1613,7 @@ class NativeFile:
                             views, todo, run_end = [], [], -1
                         for start in range(0, size, CHUNK):
                             piece = buf[start : start + CHUNK]
-                            ahead.advance(off + start)
-                            _preadv_exact(path, fd, [piece], off + start, name)
+                            ahead.read(path, [piece], off + start, name)
                             if ck is not None:
                                 ck.submit([(slot, piece)])
                         if pad and verify:
