@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -204,7 +206,16 @@ def recycle_memory() -> bool:
     On a VM, first-touch page faults of fresh memory vary by 5x from one run to the next and
     would drown the I/O being measured; with recycling every variant reads "into new arrays"
     whose pages are already resident (as with torch's caching allocator). Returns False where
-    mallopt is unavailable."""
+    mallopt is unavailable.
+
+    It also stops numpy from asking for transparent huge pages on big arrays
+    (``madvise(MADV_HUGEPAGE)``): with THP ``defrag=madvise`` (this VM), a page fault in such
+    an array may compact memory synchronously, and a 2 GiB load into new arrays took 0.6 s
+    or 2-5 s at random, whichever variant it was (paired warm runs, N=8: every variant
+    bimodal; with the hint off all three took 0.95 s +- 5%)."""
+    set_hugepage = getattr(getattr(np, "_core", np).multiarray, "_set_madvise_hugepage", None)
+    if set_hugepage is not None:
+        set_hugepage(False)
     try:
         import ctypes
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -22,3 +23,28 @@ def _fresh_contexts():
     yield
     for c in classes:
         c._stack()[:] = saved[c]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3-compatible server (moto) on 127.0.0.1 with a bucket ``ckpts``; yields the fsspec
+    storage options that reach it. Stopped at the end of the module."""
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    port = _free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "test", "secret": "test",
+            "client_kwargs": {"region_name": "us-east-1"}}
+    import urllib.request
+
+    # create the bucket with a plain PUT (moto does not check signatures)
+    urllib.request.urlopen(urllib.request.Request(f"{opts['endpoint_url']}/ckpts", method="PUT")).read()
+    yield opts
+    server.stop()

@@ -3,8 +3,6 @@ and to fsspec's memory filesystem, then read back verified."""
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 
@@ -22,29 +20,6 @@ from epochal import (  # noqa: E402
 )
 from epochal.checkpoint.upload import FsspecUploadBuilder  # noqa: E402
 from epochal.storage.remote import download_file, is_url, read_remote, upload_file  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("s3fs", reason="s3fs is not installed")
-    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed")
-    port = _free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "test", "secret": "test",
-            "client_kwargs": {"region_name": "us-east-1"}}
-    import urllib.request
-
-    # create the bucket with a plain PUT (moto does not check signatures)
-    urllib.request.urlopen(urllib.request.Request(f"{opts['endpoint_url']}/ckpts", method="PUT")).read()
-    yield opts
-    server.stop()
 
 
 def _train_with_upload(tmp_path, url, opts):

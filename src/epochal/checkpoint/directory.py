@@ -348,6 +348,14 @@ class DirectoryMetadataHandler:
     or ``"none"`` (trust the manifest). ``clean_temp``: remove temp files of dead processes of
     this host on start (in ``set_params``). ``space_margin``: the fraction added to the previous
     checkpoint's size when ``cp_accessible`` checks for room.
+
+    ``mirror``: a URL (``s3://bucket/run``, any fsspec filesystem; ``mirror_options`` go to
+    fsspec) or a :class:`~epochal.checkpoint.mirror.RemoteMirror`. Every committed epoch is
+    then also pushed there (dbs first, manifest last); an epoch whose push fails stays
+    committed locally, with a warning, and is pushed again after the next commit. When the
+    remote has a newer committed epoch than the local directory (say the machine and its disk
+    were lost), or an explicit resume epoch is only there, it is downloaded, verified and
+    committed locally before the job resumes from it. Retention deletes at both ends.
     """
 
     def __init__(
@@ -358,6 +366,8 @@ class DirectoryMetadataHandler:
         verify: str = "full",
         clean_temp: bool = True,
         space_margin: float = 0.05,
+        mirror: Any = None,
+        mirror_options: dict[str, Any] | None = None,
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
@@ -372,6 +382,12 @@ class DirectoryMetadataHandler:
         self._pending_pins: set[int] = set()
         self._pending_unpins: set[int] = set()
         self._expect_final: int | None = None
+        if isinstance(mirror, str):
+            from .mirror import RemoteMirror
+
+            mirror = RemoteMirror(mirror, mirror_options)
+        self.mirror = mirror
+        self._unpushed: set[int] = set()  # committed here, not yet at the mirror
 
     def __repr__(self) -> str:
         where = self.directory.db_dir if self.directory is not None else None
@@ -417,6 +433,8 @@ class DirectoryMetadataHandler:
         d = self._dir()
         if user_epoch is not None:
             problems = self._problems(int(user_epoch))
+            if problems and self.mirror is not None and self._pull(int(user_epoch)):
+                problems = self._problems(int(user_epoch))
             if problems:
                 if not os.path.exists(d.manifest_path(user_epoch)):
                     raise CheckpointNotFoundError(problems[0])
@@ -425,6 +443,7 @@ class DirectoryMetadataHandler:
                 )
             return int(user_epoch)
         skipped: list[int] = []
+        local: int | None = None
         for epoch in reversed(d.manifest_epochs()):
             problems = self._problems(epoch)
             if not problems:
@@ -433,12 +452,81 @@ class DirectoryMetadataHandler:
                         "Resuming from epoch %d, the newest intact checkpoint (skipped damaged epochs %s)",
                         epoch, ", ".join(map(str, skipped)),
                     )
-                return epoch
+                local = epoch
+                break
             skipped.append(epoch)
             logger.warning("Checkpoint of epoch %d is damaged, not resuming from it: %s", epoch, "; ".join(problems))
-        if skipped:
+        if self.mirror is not None:
+            newer = self._newest_from_mirror(local)
+            if newer is not None:
+                return newer
+        if local is None and skipped:
             logger.warning("No intact checkpoint in %s: starting from scratch", d.db_dir)
+        return local
+
+    # -- the mirror
+    def _pull(self, epoch: int) -> bool:
+        """Download and commit ``epoch`` from the mirror; False (with a warning) on failure."""
+        d = self._dir()
+        assert self.mirror is not None
+        try:
+            self.mirror.pull(d.db_dir, d.records_dir, epoch, self.db_type, self.node_names or None)
+        except Exception as ex:  # network, permissions, damage: the local state decides
+            logger.warning("Cannot restore epoch %d from %s: %s", epoch, self.mirror.url, ex)
+            return False
+        logger.info("Restored epoch %d from %s into %s", epoch, self.mirror.url, d.db_dir)
+        return True
+
+    def _newest_from_mirror(self, local: int | None) -> int | None:
+        """The newest remote epoch newer than ``local`` that could be restored, else None."""
+        assert self.mirror is not None
+        try:
+            remote = self.mirror.epochs()
+        except Exception as ex:
+            logger.warning("Cannot list the checkpoints at %s: %s", self.mirror.url, ex)
+            return None
+        for epoch in reversed(remote):
+            if local is not None and epoch <= local:
+                break
+            if self._pull(epoch):
+                return epoch
         return None
+
+    def _push(self, epoch: int, manifest: dict[str, Any]) -> None:
+        """Push ``epoch`` (and earlier epochs whose push failed) to the mirror; never raises."""
+        d = self._dir()
+        assert self.mirror is not None
+        for e in sorted(self._unpushed | {epoch}):
+            try:
+                m = manifest if e == epoch else d.manifest(e)
+            except CheckpointError:
+                self._unpushed.discard(e)  # no longer committed here (retention)
+                continue
+            try:
+                self.mirror.push(d.db_dir, e, m)
+            except Exception as ex:
+                self._unpushed.add(e)
+                logger.warning(
+                    "Cannot mirror epoch %d to %s (it stays committed locally; retried after the next commit): %s",
+                    e, self.mirror.url, ex,
+                )
+            else:
+                self._unpushed.discard(e)
+        if epoch not in self._unpushed and not self.policy.keeps_everything:
+            try:
+                self._mirror_retention(epoch)
+            except Exception as ex:
+                logger.warning("Retention at %s failed: %s", self.mirror.url, ex)
+
+    def _mirror_retention(self, newest: int) -> None:
+        """Apply the retention policy to the mirror's own list of epochs (it may hold epochs
+        that this directory never had, pushed from a machine since lost)."""
+        assert self.mirror is not None
+        remote = self.mirror.epochs()
+        newer = {e for e in remote if e > newest}
+        for epoch in epochs_to_delete(remote, newest, self._dir().pins(), self.policy, protect=newer):
+            self.mirror.delete(epoch)
+            logger.info("Retention: deleted the checkpoint of epoch %d at %s", epoch, self.mirror.url)
 
     def write(self, epoch: int) -> None:
         """Commit ``epoch``: make every node's db durable, then write its manifest atomically;
@@ -478,6 +566,8 @@ class DirectoryMetadataHandler:
             self.apply_retention(epoch)
         except Exception as ex:  # retention must never undo a commit
             logger.warning("Retention after epoch %d failed: %s", epoch, ex)
+        if self.mirror is not None:
+            self._push(epoch, manifest)
 
     def report(self, action_name: str, stats: dict[str, int]) -> None:
         """Append one stats line per db (duration, and bytes from ``report_bytes``) to
@@ -547,6 +637,8 @@ class DirectoryMetadataHandler:
             if manifest.get("final") is not True:
                 manifest["final"] = True
                 self._write_json(d.manifest_path(int(epoch)), manifest)
+                if self.mirror is not None and int(epoch) not in self._unpushed:
+                    self.mirror.put_manifest(int(epoch), manifest)
         except Exception as ex:
             logger.warning("Cannot mark epoch %s as the final one: %s", epoch, ex)
 
@@ -616,6 +708,7 @@ class DirectoryMetadataHandler:
             for path in {*files, *on_disk.get(epoch, {}).values()}:
                 _unlink(path)
             logger.info("Retention: deleted the checkpoint of epoch %d", epoch)
+            self._unpushed.discard(epoch)
         # leftovers of saves that never committed (or of a delete that was interrupted)
         valid = set(committed)
         for epoch, dbs in on_disk.items():

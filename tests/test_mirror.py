@@ -1,0 +1,201 @@
+"""DirectoryMetadataHandler(mirror=URL): every committed epoch is pushed to a remote copy,
+and a job whose local disk is gone resumes from it (fsspec memory:// and moto's S3 server)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+fsspec = pytest.importorskip("fsspec", reason="the s3 extra is not installed")
+
+from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
+
+import epochal as ep  # noqa: E402
+from epochal.checkpoint.mirror import RemoteMirror  # noqa: E402
+from epochal.storage import remote  # noqa: E402
+
+NODES = ("trainer_0", "trainer_1")
+LAST = len(EXPECTED_TOTALS)  # epochs 0 (after init) .. LAST
+
+
+def _url() -> str:
+    return f"memory://mirror-{secrets.token_hex(4)}/run"
+
+
+def _train(local: Path, handler: ep.DirectoryMetadataHandler, resume: int | None = None) -> int:
+    with ep.Cluster():
+        with ep.Job() as job:
+            for n in range(len(NODES)):
+                build_pipeline(n)
+        mgr = ep.MultiNodeCheckpointManager(str(local), metadata_handler=handler)
+        return int(ep.JobRunner(job, mgr, resume_from_epoch=resume).train(ep.LocalSession()))
+
+
+def _total(local: Path, node: str, epoch: int) -> int:
+    got = ep.get_db_type("native").read(str(local / f"{node}.{epoch}"), [f"{node}/total"])
+    return int(np.asarray(got[f"{node}/total"])[0])
+
+
+def _fs(url: str, opts: dict[str, Any] | None = None) -> tuple[Any, str]:
+    return remote.filesystem(url, **(opts or {}))
+
+
+def _forget_after(url: str, epoch: int, opts: dict[str, Any] | None = None) -> None:
+    """Make the remote look like the machine died right after committing ``epoch``."""
+    mirror = RemoteMirror(url, opts)
+    for e in mirror.epochs():
+        if e > epoch:
+            mirror.delete(e)
+
+
+def test_every_commit_is_mirrored(tmp_path: Path) -> None:
+    url = _url()
+    assert _train(tmp_path / "c", ep.DirectoryMetadataHandler(mirror=url)) == LAST
+    mirror = RemoteMirror(url)
+    assert mirror.epochs() == list(range(LAST + 1))
+    fs, root = _fs(url)
+    for epoch in range(LAST + 1):
+        local_manifest = json.loads((tmp_path / "c" / ".epochal" / f"manifest.{epoch}.json").read_text())
+        assert mirror.manifest(epoch) == local_manifest
+        assert local_manifest["final"] is (epoch == LAST)
+        for node in NODES:
+            assert fs.cat_file(f"{root}/{node}.{epoch}") == (tmp_path / "c" / f"{node}.{epoch}").read_bytes()
+    assert not [k for k in fs.find(root) if ".tmp." in k]  # no temp keys left
+
+
+def test_lost_disk_resumes_from_the_mirror(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    url = _url()
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+    _forget_after(url, 2)  # the first machine died after committing epoch 2
+    fs, root = _fs(url)
+    remote_db = fs.cat_file(f"{root}/trainer_1.2")
+    new_disk = tmp_path / "b"  # a new machine: nothing local
+    with caplog.at_level(logging.INFO, logger="epochal"):
+        assert _train(new_disk, ep.DirectoryMetadataHandler(mirror=url)) == LAST
+    assert f"Restored epoch 2 from {url}" in caplog.text
+    assert (new_disk / "trainer_1.2").read_bytes() == remote_db
+    assert not (new_disk / "trainer_1.1").exists()  # only the epoch resumed from is fetched
+    for node in NODES:
+        assert _total(new_disk, node, LAST) == EXPECTED_TOTALS[-1]
+    assert RemoteMirror(url).epochs() == list(range(LAST + 1))  # pushed again from there on
+
+
+def test_finished_job_on_the_mirror_is_not_rerun(tmp_path: Path) -> None:
+    url = _url()
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+    new_disk = tmp_path / "b"
+    handler = ep.DirectoryMetadataHandler(mirror=url)
+    assert _train(new_disk, handler) == LAST
+    assert handler.is_final(LAST)
+    assert sorted(p.name for p in new_disk.iterdir() if not p.name.startswith(".")) == [
+        f"{n}.{LAST}" for n in NODES
+    ]
+
+
+def test_damaged_remote_epoch_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    url = _url()
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+    _forget_after(url, 2)
+    fs, root = _fs(url)
+    key = f"{root}/trainer_1.2"
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 3] ^= 0x40  # same size: the digest or the checksums must tell
+    fs.pipe_file(key, bytes(data))
+    new_disk = tmp_path / "b"
+    with caplog.at_level(logging.INFO, logger="epochal"):
+        assert _train(new_disk, ep.DirectoryMetadataHandler(mirror=url)) == LAST
+    assert "Cannot restore epoch 2" in caplog.text and "trainer_1.2" in caplog.text
+    assert f"Restored epoch 1 from {url}" in caplog.text
+    for node in NODES:
+        assert _total(new_disk, node, LAST) == EXPECTED_TOTALS[-1]
+    assert not [p for p in new_disk.iterdir() if ".tmp." in p.name]
+
+
+def test_newer_local_epoch_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _url()
+    local = tmp_path / "c"
+    _train(local, ep.DirectoryMetadataHandler(mirror=url))
+    _forget_after(url, 1)
+    pulled: list[int] = []
+    monkeypatch.setattr(RemoteMirror, "pull", lambda self, *a, **k: pulled.append(a[2]))
+    handler = ep.DirectoryMetadataHandler(mirror=url)
+    handler.set_params(str(local), "native", list(NODES))
+    assert handler.last_epoch() == LAST and pulled == []
+
+
+def test_explicit_epoch_only_on_the_mirror(tmp_path: Path) -> None:
+    url = _url()
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+    new_disk = tmp_path / "b"
+    assert _train(new_disk, ep.DirectoryMetadataHandler(mirror=url), resume=1) == LAST
+    assert (new_disk / "trainer_0.1").exists()
+    for node in NODES:
+        assert _total(new_disk, node, LAST) == EXPECTED_TOTALS[-1]
+
+
+def test_failed_push_is_retried_after_the_next_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = _url()
+    real = remote.upload_file
+    failed: list[str] = []
+
+    def flaky(local: str, dest: str, **kw: Any) -> int:
+        if dest.endswith(".1") and not failed:
+            failed.append(dest)
+            raise OSError(5, "connection reset")
+        return real(local, dest, **kw)
+
+    monkeypatch.setattr("epochal.checkpoint.mirror.upload_file", flaky)
+    with caplog.at_level(logging.WARNING, logger="epochal"):
+        assert _train(tmp_path / "c", ep.DirectoryMetadataHandler(mirror=url)) == LAST
+    assert failed and "Cannot mirror epoch 1" in caplog.text
+    assert RemoteMirror(url).epochs() == list(range(LAST + 1))
+    fs, root = _fs(url)
+    assert fs.cat_file(f"{root}/trainer_0.1") == (tmp_path / "c" / "trainer_0.1").read_bytes()
+
+
+def test_retention_at_both_ends(tmp_path: Path) -> None:
+    url = _url()
+    # a lost machine's run left epochs 0..2 on the mirror
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+    _forget_after(url, 2)
+    new_disk = tmp_path / "b"
+    assert _train(new_disk, ep.DirectoryMetadataHandler(mirror=url, keep_last=2)) == LAST
+    assert RemoteMirror(url).epochs() == [LAST - 1, LAST]
+    handler = ep.DirectoryMetadataHandler()
+    handler.set_params(str(new_disk), "native", list(NODES))
+    assert handler.committed_epochs() == [LAST - 1, LAST]
+    fs, root = _fs(url)
+    assert sorted(k.rsplit("/", 1)[-1] for k in fs.find(root) if "/." not in k) == sorted(
+        f"{n}.{e}" for n in NODES for e in (LAST - 1, LAST)
+    )
+
+
+def test_other_node_list_is_not_restored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    url = _url()
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+    handler = ep.DirectoryMetadataHandler(mirror=url)
+    handler.set_params(str(tmp_path / "b"), "native", ["trainer_0", "trainer_1", "trainer_2"])
+    with caplog.at_level(logging.WARNING, logger="epochal"):
+        assert handler.last_epoch() is None
+    assert "do not match this job's" in caplog.text
+    assert not any((tmp_path / "b").glob("trainer_*"))
+
+
+def test_s3_mirror(tmp_path: Path, s3: dict[str, Any]) -> None:
+    url = "s3://ckpts/mirror-run"
+    assert _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url, mirror_options=s3)) == LAST
+    _forget_after(url, 3, s3)
+    new_disk = tmp_path / "b"
+    assert _train(new_disk, ep.DirectoryMetadataHandler(mirror=url, mirror_options=s3)) == LAST
+    assert (new_disk / "trainer_0.3").read_bytes() == (tmp_path / "a" / "trainer_0.3").read_bytes()
+    for node in NODES:
+        assert _total(new_disk, node, LAST) == EXPECTED_TOTALS[-1]
+    assert RemoteMirror(url, s3).epochs() == list(range(LAST + 1))
