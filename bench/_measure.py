@@ -226,3 +226,25 @@ def recycle_memory() -> bool:
         return bool(ok1 and ok2)
     except (OSError, AttributeError):
         return False
+
+
+def preadv_runs(fd: int, items: list[tuple[int, Any]]) -> None:
+    """Fill each array of ``items`` (``(file offset, array)``, in file order) from ``fd``:
+    adjacent ones coalesced into one ``preadv`` of up to 64 MiB / 1022 buffers, gaps under
+    64 bytes (alignment padding) read into a scratch buffer. The raw-read baseline."""
+    scratch = memoryview(bytearray(64))
+    views: list[Any] = []
+    start = end = nbytes = 0
+    for off, a in items:
+        if views and (len(views) >= 1022 or nbytes >= 64 * MiB or not 0 <= off - end < 64):
+            os.preadv(fd, views, start)
+            views, nbytes = [], 0
+        if not views:
+            start = end = off
+        if off > end:
+            views.append(scratch[: off - end])
+        views.append(a)
+        nbytes += a.nbytes
+        end = off + a.nbytes
+    if views:
+        os.preadv(fd, views, start)

@@ -47,6 +47,7 @@ from _measure import (  # noqa: E402
     fsync_path,
     measure,
     paired_ratio,
+    preadv_runs,
     recycle_memory,
     touch_memory,
     warm,
@@ -127,30 +128,11 @@ class Raw:
         self.source = path
 
     def load(self, path: str) -> Blobs:
-        """``preadv`` into new arrays, coalesced up to 64 MiB / 1024 buffers per call (gaps
-        under 64 bytes, the native format's alignment padding, go to a scratch buffer)."""
-        out: Blobs = {}
+        """``preadv`` into new arrays, coalesced (:func:`_measure.preadv_runs`)."""
+        out: Blobs = {k: np.empty(shape, dtype=dt) for k, (_, _, dt, shape) in self.layout.items()}
         fd = os.open(self.source or path, os.O_RDONLY)
-        scratch = memoryview(bytearray(64))
         try:
-            views: list[Any] = []
-            start = end = 0
-            nbytes = 0
-            for k, (off, n, dt, shape) in self.layout.items():
-                a = np.empty(shape, dtype=dt)
-                out[k] = a
-                if views and (len(views) >= 1022 or nbytes >= 64 * MiB or not 0 <= off - end < 64):
-                    os.preadv(fd, views, start)
-                    views, nbytes = [], 0
-                if not views:
-                    start = end = off
-                if off > end:
-                    views.append(scratch[: off - end])
-                views.append(a)
-                nbytes += n
-                end = off + n
-            if views:
-                os.preadv(fd, views, start)
+            preadv_runs(fd, [(off, out[k]) for k, (off, _, _, _) in self.layout.items()])
         finally:
             os.close(fd)
         return out

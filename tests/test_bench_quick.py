@@ -25,3 +25,16 @@ def test_bench_format_quick(tmp_path: Path) -> None:
                    "Goals:"):
         assert needle in out, needle
     assert not (tmp_path / "bench").exists()  # data removed
+
+
+def test_bench_cold_quick(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_cold.py"), "--quick", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for variant in ("raw", "native", "native-noverify"):
+        assert f"| {variant} | " in proc.stdout, variant
+    assert list(tmp_path.iterdir()) == []  # data removed
