@@ -199,3 +199,38 @@ def test_s3_mirror(tmp_path: Path, s3: dict[str, Any]) -> None:
     for node in NODES:
         assert _total(new_disk, node, LAST) == EXPECTED_TOTALS[-1]
     assert RemoteMirror(url, s3).epochs() == list(range(LAST + 1))
+
+
+def test_cli_pull_restores_a_verified_epoch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("click")
+    from epochal.cli.main import run
+
+    url = (tmp_path / "bucket").as_uri()  # file://: a mirror on a mounted filesystem
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+    assert run(["pull", url, str(tmp_path / "b"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["epoch"] == LAST and got["final"] is True
+    assert got["files"] == [f"{n}.{LAST}" for n in NODES]
+    for node in NODES:
+        assert (tmp_path / "b" / f"{node}.{LAST}").read_bytes() == (tmp_path / "a" / f"{node}.{LAST}").read_bytes()
+    handler = ep.DirectoryMetadataHandler()
+    handler.set_params(str(tmp_path / "b"), "native", list(NODES))
+    assert handler.last_epoch() == LAST  # committed and intact there
+
+    # the newest remote epoch damaged: skipped with a note, the next one restored
+    bucket_db = tmp_path / "bucket" / f"trainer_0.{LAST}"
+    raw = bytearray(bucket_db.read_bytes())
+    raw[100] ^= 0xFF
+    bucket_db.write_bytes(bytes(raw))
+    assert run(["pull", url, str(tmp_path / "c")]) == 0
+    cap = capsys.readouterr()
+    assert f"restored epoch {LAST - 1}" in cap.out and f"skipped epoch {LAST}" in cap.err
+    # an explicit epoch that is damaged, or absent: exit 1, one line naming it
+    assert run(["pull", url, str(tmp_path / "d"), "--epoch", str(LAST)]) == 1
+    assert f"trainer_0.{LAST}" in capsys.readouterr().err
+    assert not any((tmp_path / "d").glob("trainer_*"))  # nothing half-restored
+    assert run(["pull", url, str(tmp_path / "d"), "--epoch", "99"]) == 1
+    assert "epoch 99" in capsys.readouterr().err
+    assert run(["pull", (tmp_path / "empty").as_uri(), str(tmp_path / "d")]) == 1
+    assert "no committed epoch" in capsys.readouterr().err
+    assert run(["pull", url, str(tmp_path / "d"), "-o", "novalue"]) == 2
