@@ -234,3 +234,62 @@ def test_cli_pull_restores_a_verified_epoch(tmp_path: Path, capsys: pytest.Captu
     assert run(["pull", (tmp_path / "empty").as_uri(), str(tmp_path / "d")]) == 1
     assert "no committed epoch" in capsys.readouterr().err
     assert run(["pull", url, str(tmp_path / "d"), "-o", "novalue"]) == 2
+
+
+def _gated_uploads(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
+    """Uploads that wait for the returned event; the list records every upload started."""
+    import threading
+
+    gate = threading.Event()
+    started: list[str] = []
+    real = remote.upload_file
+
+    def gated(local: str, dest: str, **kw: Any) -> int:
+        started.append(dest)
+        assert gate.wait(30), "upload gate never opened"
+        return real(local, dest, **kw)
+
+    monkeypatch.setattr("epochal.checkpoint.mirror.upload_file", gated)
+    return gate, started
+
+
+def _commit_one(local: Path, handler: ep.DirectoryMetadataHandler, epoch: int) -> None:
+    local.mkdir(parents=True, exist_ok=True)
+    handler.set_params(str(local), "native", ["n0"])
+    ep.get_db_type("native").write(str(local / f"n0.{epoch}"), {"w": np.full(3, epoch, dtype=np.float32)})
+    handler.write(epoch)
+
+
+def test_background_push_does_not_block_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _url()
+    gate, started = _gated_uploads(monkeypatch)
+    handler = ep.DirectoryMetadataHandler(mirror=url)
+    _commit_one(tmp_path / "c", handler, 0)  # returns while the upload waits at the gate
+    assert handler.committed_epochs() == [0]
+    assert RemoteMirror(url).epochs() == []  # not pushed yet
+    gate.set()
+    handler.flush()
+    assert RemoteMirror(url).epochs() == [0] and len(started) == 1
+
+
+def test_foreground_push_is_done_when_the_commit_returns(tmp_path: Path) -> None:
+    url = _url()
+    handler = ep.DirectoryMetadataHandler(mirror=url, mirror_background=False)
+    _commit_one(tmp_path / "c", handler, 0)
+    assert handler._mirror_queue is None
+    assert RemoteMirror(url).epochs() == [0]
+
+
+def test_runner_waits_for_the_pushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    url = _url()
+    gate, started = _gated_uploads(monkeypatch)
+    timer = threading.Timer(0.3, gate.set)  # the network is slow; train must still end pushed
+    timer.start()
+    try:
+        assert _train(tmp_path / "c", ep.DirectoryMetadataHandler(mirror=url)) == LAST
+    finally:
+        timer.cancel()
+    assert RemoteMirror(url).epochs() == list(range(LAST + 1))
+    assert RemoteMirror(url).manifest(LAST)["final"] is True

@@ -356,6 +356,9 @@ class DirectoryMetadataHandler:
     remote has a newer committed epoch than the local directory (say the machine and its disk
     were lost), or an explicit resume epoch is only there, it is downloaded, verified and
     committed locally before the job resumes from it. Retention deletes at both ends.
+    ``mirror_background`` (default True): pushes run in order on a background thread, so
+    training does not wait for the network; ``flush()`` waits for them (JobRunner calls it
+    when ``train`` ends, and it runs at interpreter exit).
     """
 
     def __init__(
@@ -368,6 +371,7 @@ class DirectoryMetadataHandler:
         space_margin: float = 0.05,
         mirror: Any = None,
         mirror_options: dict[str, Any] | None = None,
+        mirror_background: bool = True,
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
@@ -387,7 +391,9 @@ class DirectoryMetadataHandler:
 
             mirror = RemoteMirror(mirror, mirror_options)
         self.mirror = mirror
-        self._unpushed: set[int] = set()  # committed here, not yet at the mirror
+        self.mirror_background = bool(mirror_background)
+        self._unpushed: set[int] = set()  # committed here, not yet at the mirror (worker-owned)
+        self._mirror_queue: Any = None
 
     def __repr__(self) -> str:
         where = self.directory.db_dir if self.directory is not None else None
@@ -431,6 +437,7 @@ class DirectoryMetadataHandler:
         """``user_epoch`` when given (it must be committed and intact, else CheckpointError);
         otherwise the newest committed epoch whose dbs all verify, None when there is none."""
         d = self._dir()
+        self.flush()  # our own pushes first: the mirror's listing must include them
         if user_epoch is not None:
             problems = self._problems(int(user_epoch))
             if problems and self.mirror is not None and self._pull(int(user_epoch)):
@@ -465,6 +472,35 @@ class DirectoryMetadataHandler:
         return local
 
     # -- the mirror
+    def flush(self) -> None:
+        """Wait for the mirror pushes in flight (no-op without a background mirror)."""
+        if self._mirror_queue is not None:
+            self._mirror_queue.flush()
+
+    def _mirror_call(self, fn: Any, *args: Any) -> None:
+        """Run mirror work now, or queue it on the background thread."""
+        if not self.mirror_background:
+            fn(*args)
+            return
+        if self._mirror_queue is None:
+            import atexit
+
+            from .mirror import MirrorQueue
+
+            self._mirror_queue = MirrorQueue()
+            atexit.register(self.flush)
+        self._mirror_queue.submit(lambda: fn(*args))
+
+    def _push_final(self, epoch: int) -> None:
+        """Re-push the manifest of ``epoch`` now marked final (if the epoch is pushed)."""
+        assert self.mirror is not None
+        if epoch in self._unpushed:
+            return  # its push, retried later, reads the manifest then
+        try:
+            self.mirror.put_manifest(epoch, self._dir().manifest(epoch))
+        except Exception as ex:
+            logger.warning("Cannot mark epoch %d final at %s: %s", epoch, self.mirror.url, ex)
+
     def _pull(self, epoch: int) -> bool:
         """Download and commit ``epoch`` from the mirror; False (with a warning) on failure."""
         d = self._dir()
@@ -567,7 +603,7 @@ class DirectoryMetadataHandler:
         except Exception as ex:  # retention must never undo a commit
             logger.warning("Retention after epoch %d failed: %s", epoch, ex)
         if self.mirror is not None:
-            self._push(epoch, manifest)
+            self._mirror_call(self._push, epoch, manifest)
 
     def report(self, action_name: str, stats: dict[str, int]) -> None:
         """Append one stats line per db (duration, and bytes from ``report_bytes``) to
@@ -637,8 +673,8 @@ class DirectoryMetadataHandler:
             if manifest.get("final") is not True:
                 manifest["final"] = True
                 self._write_json(d.manifest_path(int(epoch)), manifest)
-                if self.mirror is not None and int(epoch) not in self._unpushed:
-                    self.mirror.put_manifest(int(epoch), manifest)
+                if self.mirror is not None:
+                    self._mirror_call(self._push_final, int(epoch))
         except Exception as ex:
             logger.warning("Cannot mark epoch %s as the final one: %s", epoch, ex)
 

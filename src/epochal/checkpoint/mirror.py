@@ -22,7 +22,11 @@ Requires the ``s3`` extra (fsspec, plus s3fs for S3).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import queue
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -30,6 +34,8 @@ from ..storage import atomic
 from ..storage.base import get_db_type
 from ..storage.remote import filesystem, upload_file
 from .directory import _MANIFEST_RE, RECORDS_DIR, _manifest_name, _validate_manifest
+
+logger = logging.getLogger("epochal")
 
 
 class RemoteMirror:
@@ -186,4 +192,32 @@ class RemoteMirror:
         return manifest
 
 
-__all__ = ["RemoteMirror"]
+class MirrorQueue:
+    """One daemon thread that runs mirror work (pushes, remote retention) in submission
+    order, so training does not wait for the network; :meth:`flush` waits for all of it.
+    A call that raises is logged as a warning (the calls handle their own errors)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="epochal-mirror", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            try:
+                fn()
+            except Exception as ex:  # noqa: BLE001 - never kill the worker
+                logger.warning("Mirror work failed: %s", ex)
+            finally:
+                self._queue.task_done()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._queue.put(fn)
+
+    def flush(self) -> None:
+        """Wait until everything submitted so far has run."""
+        self._queue.join()
+
+
+__all__ = ["MirrorQueue", "RemoteMirror"]

@@ -107,9 +107,17 @@ class JobRunner:
             display = _auto_progress(force=bool(self.progress))
             if display is not None:
                 self._active.append(display)
+        manager = self.checkpoint_manager
+        handler = getattr(manager, "metadata_handler", None) if manager else None
         try:
             with SignalGuard(enabled=self.handle_signals) as guard:
                 epoch = self._train(session, guard)
+            # a handler that ships commits in the background (a mirror) finishes them here;
+            # not after a second signal ("stop at once")
+            call_optional(handler, "flush")
+        except Exception:
+            call_optional(handler, "flush")
+            raise
         finally:
             for listener in self._active:
                 listener.close()
