@@ -49,6 +49,8 @@ class MetadataHandlerExtensions(Protocol):
       its ``write``).
     - ``is_final(epoch) -> bool``: ``epoch`` was a finished job's last one; a rerun with no
       explicit resume epoch loads it and runs no further epoch.
+    - ``flush()``: wait for work the handler does in the background (a mirror's pushes);
+      called when ``train`` ends (normally or with an exception).
     """
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
@@ -58,6 +60,8 @@ class MetadataHandlerExtensions(Protocol):
     def mark_final(self, epoch: int) -> None: ...
 
     def is_final(self, epoch: int) -> bool: ...
+
+    def flush(self) -> None: ...
 
 
 def call_optional(handler: Any, method: str, *args: Any) -> Any:
