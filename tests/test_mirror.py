@@ -293,3 +293,27 @@ def test_runner_waits_for_the_pushes(tmp_path: Path, monkeypatch: pytest.MonkeyP
         timer.cancel()
     assert RemoteMirror(url).epochs() == list(range(LAST + 1))
     assert RemoteMirror(url).manifest(LAST)["final"] is True
+
+
+def test_pull_needs_room_for_the_whole_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import os
+
+    url = _url()
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+
+    class Tiny:
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny())
+    mirror = RemoteMirror(url)
+    with pytest.raises(OSError) as e:
+        mirror.pull(str(tmp_path / "b"), str(tmp_path / "b" / ".epochal"), LAST, "native", list(NODES))
+    assert e.value.errno == errno.ENOSPC and "b" in str(e.value.filename)
+    assert not [p for p in (tmp_path / "b").iterdir() if p.name != ".epochal"]
+    handler = ep.DirectoryMetadataHandler(mirror=url)
+    handler.set_params(str(tmp_path / "b"), "native", list(NODES))
+    with caplog.at_level(logging.WARNING, logger="epochal"):
+        assert handler.last_epoch() is None  # nothing restored, the job would start afresh
+    assert "No space" in caplog.text or "not enough free space" in caplog.text

@@ -157,6 +157,8 @@ class RemoteMirror:
         backend = get_db_type(db_type)
         fs = self.fs
         os.makedirs(db_dir, exist_ok=True)
+        # room for the whole epoch before the first byte (OSError ENOSPC naming the dir)
+        atomic.check_free_space(os.path.join(db_dir, "x"), sum(int(e["size"]) for e in manifest["nodes"].values()))
         for node, entry in manifest["nodes"].items():
             final = os.path.join(db_dir, entry["file"])
             db_url = self.url_of(entry["file"])
