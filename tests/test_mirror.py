@@ -317,3 +317,15 @@ def test_pull_needs_room_for_the_whole_epoch(tmp_path: Path, monkeypatch: pytest
     with caplog.at_level(logging.WARNING, logger="epochal"):
         assert handler.last_epoch() is None  # nothing restored, the job would start afresh
     assert "No space" in caplog.text or "not enough free space" in caplog.text
+
+
+def test_delete_finishes_an_interrupted_delete(tmp_path: Path) -> None:
+    url = _url()
+    _train(tmp_path / "a", ep.DirectoryMetadataHandler(mirror=url))
+    fs, root = _fs(url)
+    fs.rm(f"{root}/trainer_0.2")  # a delete that stopped after one db
+    mirror = RemoteMirror(url)
+    mirror.delete(2)
+    mirror.delete(2)  # nothing left to remove: no error
+    assert 2 not in mirror.epochs() and not fs.exists(f"{root}/trainer_1.2")
+    assert mirror.epochs() == [e for e in range(LAST + 1) if e != 2]

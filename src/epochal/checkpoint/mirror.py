@@ -131,23 +131,24 @@ class RemoteMirror:
             manifest = self.manifest(epoch)
         except CheckpointError:
             manifest = {"nodes": {}}
-        fs = self.fs
-        key = self._key(self.manifest_name(epoch))
-        if fs.exists(key):
-            fs.rm(key)
-        for entry in manifest["nodes"].values():
-            k = self._key(entry["file"])
-            if fs.exists(k):
-                fs.rm(k)
+        for key in [self.manifest_name(epoch), *(e["file"] for e in manifest["nodes"].values())]:
+            try:
+                self.fs.rm(self._key(key))
+            except FileNotFoundError:
+                pass  # already gone (an earlier, interrupted delete)
 
     # -- bringing an epoch back
-    def pull(self, db_dir: str, records_dir: str, epoch: int, db_type: str, nodes: list[str] | None) -> dict[str, Any]:
+    def pull(
+        self, db_dir: str, records_dir: str, epoch: int, db_type: str | None, nodes: list[str] | None
+    ) -> dict[str, Any]:
         """Download remote ``epoch`` into ``db_dir`` and commit it there (manifest last);
-        return its manifest. Every db is verified (size, digest, every checksum) before it is
-        renamed into place; on any problem nothing is committed locally and
-        CheckpointError names the URL (and node)."""
+        return its manifest. ``db_type``/``nodes``: what the epoch must have been written with
+        (None: whatever its manifest says). Every db is verified (size, digest, every
+        checksum) before it is renamed into place; on any problem nothing is committed
+        locally and CheckpointError names the URL (and node)."""
         manifest = self.manifest(epoch)
         url = self.url_of(self.manifest_name(epoch))
+        db_type = db_type or manifest["db_type"]
         if manifest["db_type"] != db_type:
             raise CheckpointCorruptError(url, f"written with db_type {manifest['db_type']!r}, this job uses {db_type!r}")
         if nodes and sorted(manifest["nodes"]) != sorted(nodes):
@@ -157,8 +158,12 @@ class RemoteMirror:
         backend = get_db_type(db_type)
         fs = self.fs
         os.makedirs(db_dir, exist_ok=True)
-        # room for the whole epoch before the first byte (OSError ENOSPC naming the dir)
-        atomic.check_free_space(os.path.join(db_dir, "x"), sum(int(e["size"]) for e in manifest["nodes"].values()))
+        # room for the whole epoch before the first byte (OSError ENOSPC naming a db)
+        files = [e["file"] for e in manifest["nodes"].values()]
+        if files:
+            atomic.check_free_space(
+                os.path.join(db_dir, files[0]), sum(int(e["size"]) for e in manifest["nodes"].values())
+            )
         for node, entry in manifest["nodes"].items():
             final = os.path.join(db_dir, entry["file"])
             db_url = self.url_of(entry["file"])

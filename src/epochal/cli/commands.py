@@ -468,8 +468,7 @@ def pull_cmd(ctx: click.Context, url: str, directory: str, epoch: int | None,
     last_error: Exception | None = None
     for e in epochs:
         try:
-            manifest = mirror.manifest(e)
-            got = mirror.pull(directory, records, e, manifest["db_type"], None)
+            got = mirror.pull(directory, records, e, None, None)
         except CheckpointError as ex:
             last_error = ex
             if epoch is None:

@@ -227,8 +227,7 @@ class AtomicFile:
     def seek(self, offset: int) -> None:
         """Move the write position to ``offset`` (e.g. to fill in a header at the end)."""
         os.lseek(self.fd, offset, os.SEEK_SET)
-        self.position = offset
-        self._kicked = min(self._kicked, offset) if offset else 0
+        self.position = self._kicked = offset
 
     def commit(self) -> None:
         """fsync, close, rename into place, fsync the directory."""

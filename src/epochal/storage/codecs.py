@@ -156,13 +156,17 @@ def dtype_from_json(obj: Any) -> np.dtype:
     return dt
 
 
+#: the largest dimension a shape may have
+MAX_DIM = 2**62
+
+
 def check_shape(shape: Any, what: str = "shape") -> tuple[int, ...]:
     """Validate a JSON shape: a list of non-negative ints of sane rank."""
     if not isinstance(shape, list) or len(shape) > 64:
         raise ValueError(f"bad {what} {shape!r}")
     out = []
     for d in shape:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0 or d > 2**62:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0 or d > MAX_DIM:
             raise ValueError(f"bad {what} {shape!r}")
         out.append(d)
     return tuple(out)

@@ -113,8 +113,6 @@ BATCH_BYTES = 1 << 20
 #: bytes, one ``preadv`` into one buffer per group (the arrays are views of it)
 GROUP_BYTES = 16 << 20
 _MAX_U32 = 0xFFFFFFFF
-#: the largest dimension a shape may have (as codecs.check_shape)
-_MAX_DIM = 2**62
 _ZEROS = memoryview(bytes(ALIGN))
 # where padding goes when it is read without being checked (contents never used)
 _SCRATCH = memoryview(bytearray(ALIGN))
@@ -1233,7 +1231,7 @@ class NativeFile:
                     dt = dtypes.get(d) if type(d) is str else None
                     if (  # the common 1-D case, checked as check_shape would
                         dt is not None and type(sh) is list and len(sh) == 1
-                        and type(sh[0]) is int and 0 <= sh[0] <= _MAX_DIM
+                        and type(sh[0]) is int and 0 <= sh[0] <= _codecs.MAX_DIM
                     ):
                         nbytes_of[mid] = sh[0] * dt.itemsize
                         lay = (dt, (sh[0],))
@@ -1586,7 +1584,10 @@ class NativeFile:
         cols = idx.columns() if len(plan) > 64 else None
         fn_inline = checksum_function(idx.header.algorithm, inline=True)
         nslots = sum(len(p[5]) for p in plan)
-        big_total = sum(b.nbytes for p in plan for b in p[5] if b.nbytes >= BIG_SEGMENT)
+        big_total = sum(
+            b.nbytes for pos, p in enumerate(plan) for j, b in enumerate(p[5])
+            if b.nbytes >= BIG_SEGMENT and (pos, j) not in skip
+        )
         parallel = big_total >= _PARALLEL_MIN
         ck = Checksummer(idx.fn, nslots) if verify and big_total and not parallel else None
         par: list[tuple[int, memoryview, int, int, str]] = []  # (slot, buffer, offset, pad, blob)
@@ -1599,13 +1600,13 @@ class NativeFile:
                 for k in idx.seg_range(p[0]) if cols is None else range(
                     cols.seg_first[p[0]], cols.seg_first[p[0]] + cols.seg_count[p[0]]
                 ):
-                    o = cols.offsets[k] if cols is not None else int(idx.segs["offset"][k])
-                    ln = (cols.lengths[k] + cols.pads[k]) if cols is not None else int(
-                        idx.segs["length"][k] + idx.segs["pad"][k]
-                    )
+                    if cols is not None:
+                        o, ln, pd = cols.offsets[k], cols.lengths[k], cols.pads[k]
+                    else:
+                        o, ln, pd = (int(idx.segs[c][k]) for c in ("offset", "length", "pad"))
                     if parallel and ln >= BIG_SEGMENT:
                         continue  # read by the parallel pass, which needs no hints
-                    spans.append((o, o + ln))
+                    spans.append((o, o + ln + pd))
         ahead = _Prefetcher(fd, _merged_ranges(spans))
         try:
             views: list[memoryview] = []
