@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError
+from .io.seam import store_for
 
 #: A callback ``fn(nbytes_done_increment)`` that backends call as data moves (per segment or
 #: chunk) during a write or read; set by progress displays. None: no progress reporting.
@@ -79,12 +80,8 @@ class DbBackend(abc.ABC):
         value is decoded, unless ``verify`` is False."""
 
     def exists(self, path: str) -> bool:
-        """True when the db can be opened for reading."""
-        try:
-            with open(path, "rb"):
-                return True
-        except OSError:
-            return False
+        """True when the db can be opened for reading (asks the path's byte store)."""
+        return store_for(path).exists(path)
 
     @abc.abstractmethod
     def describe(self, path: str) -> list[BlobInfo]:

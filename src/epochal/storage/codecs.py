@@ -82,6 +82,25 @@ def _bytes_view(obj: Any) -> memoryview:
     return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
 
 
+def flat_segment(seg: Any) -> memoryview:
+    """A flat unsigned-byte view of a segment to be written (copied only if it is not
+    contiguous)."""
+    mv = memoryview(seg)
+    if mv.ndim == 1 and mv.format == "B":
+        return mv
+    if not mv.c_contiguous:
+        return memoryview(mv.tobytes())
+    return mv.cast("B")
+
+
+def flat_writable(b: Any) -> memoryview:
+    """A flat unsigned-byte view of a buffer a codec allocated (or a live target)."""
+    mv = memoryview(b)
+    if mv.ndim == 1 and mv.format == "B":
+        return mv
+    return mv.cast("B")
+
+
 def fresh_buffers(sizes: Sequence[int]) -> list[memoryview]:
     """Uninitialised writable buffers of the given sizes (numpy's allocator: no zeroing)."""
     return [memoryview(np.empty(int(n), dtype=np.uint8)) for n in sizes]  # type: ignore[arg-type]
@@ -403,6 +422,23 @@ def codec_for_kind(kind: str) -> Codec:
     if codec is None:
         raise ValueError(f"unknown blob kind {kind!r}")
     return codec
+
+
+_PROBE = np.zeros(1, dtype=np.float32)
+
+
+def plain_ndarray_codec() -> NdarrayCodec | None:
+    """The built-in NdarrayCodec when it is the codec for plain arrays (both ways), else None
+    (someone registered their own: the formats' fast paths for plain arrays then step aside)."""
+    codec = _by_kind.get("ndarray")
+    if type(codec) is not NdarrayCodec:
+        return None
+    for c in _codecs:
+        if c is codec:
+            return codec
+        if c.accepts(_PROBE):  # a codec ahead of it claims plain arrays
+            return None
+    return None
 
 
 def encode(value: Any, name: str = "?") -> Encoded:
