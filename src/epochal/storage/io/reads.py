@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from ...errors import CheckpointCorruptError
 from .. import tuning
-from ..base import report_progress
+from .progress import report_progress
 from .seam import ByteSource
 
 __all__ = ["Prefetcher", "merged_ranges", "read_bytes", "read_exact"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..base import BlobInfo, DbBackend, ReadStats, register_db_type
+from ...errors import CheckpointCorruptError, CheckpointError
+from ..base import BlobInfo, DbBackend, DbProblem, DbStat, ReadStats, register_db_type
+from .layout import is_native
 from .reader import NativeFile, stat_native
 from .writer import write_native
 
@@ -48,6 +50,33 @@ class NativeBackend(DbBackend):
     def verify(self, path: str) -> None:
         with NativeFile(path, mmap=False) as f:
             f.verify()
+
+
+    def check(self, path: str) -> list[DbProblem]:
+        """Every damaged blob, each named (the checks go on past a damaged blob); a damaged
+        header or index is one problem without a blob."""
+        problems: list[DbProblem] = []
+        try:
+            with NativeFile(path, mmap=False) as f:
+                for blob in f.names():
+                    try:
+                        f.verify([blob])
+                    except CheckpointCorruptError as e:
+                        problems.append(DbProblem.of(e, path, blob))
+        except (CheckpointError, OSError, ValueError) as e:
+            problems.append(DbProblem.of(e, path))
+        return problems
+
+    def stat(self, path: str) -> DbStat:
+        """From the 64-byte superblock alone."""
+        st = stat_native(path)
+        return DbStat(
+            path, self.name, st.file_bytes, st.blob_count, st.data_bytes, st.digest,
+            st.format_version, st.checksum_algorithm,
+        )
+
+    def sniff(self, head: bytes, size: int) -> bool:
+        return is_native(head)
 
 
 register_db_type("native", NativeBackend)
