@@ -23,9 +23,9 @@ from epochal.errors import (
 from epochal.storage import atomic, checksum, tuning
 from epochal.storage import codecs as C
 from epochal.storage.base import ReadStats, get_db_type
-from epochal.storage.native import layout
 from epochal.storage.native import (
     NativeBackend,
+    layout,
     open_native,
     stat_native,
     write_native,

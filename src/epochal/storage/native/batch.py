@@ -46,9 +46,13 @@ def read_small_arrays(
     big, group_bytes = tuning.BIG_SEGMENT, tuning.GROUP_BYTES
     ids_arr = np.asarray(ids, dtype=np.int64)
     recs, segs = idx.recs, idx.segs
+    if not len(segs):
+        return {}, ids, 0  # no blob has data (e.g. only Python scalars)
     first = recs["seg_first"][ids_arr].astype(np.int64)
-    seg_len = segs["length"][first].astype(np.int64)
-    cand = (recs["seg_count"][ids_arr] == 1) & (seg_len > 0) & (seg_len < big)
+    one = recs["seg_count"][ids_arr] == 1
+    # a blob without segments has seg_first == its successor's (possibly past the table)
+    seg_len = np.where(one, segs["length"][np.minimum(first, len(segs) - 1)].astype(np.int64), 0)
+    cand = one & (seg_len > 0) & (seg_len < big)
     if int(cand.sum()) < 2:
         return {}, ids, 0
     cand_ids = ids_arr[cand]
