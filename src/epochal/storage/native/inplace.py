@@ -20,7 +20,7 @@ from ..base import report_progress
 from ..codecs import flat_writable
 from ..io.reads import Prefetcher, merged_ranges, read_bytes, read_exact
 from ..io.threads import Worker, balanced, contiguous, cpu_threads, run_parallel
-from .items import Direct, LoadItem, Opened, call_codec
+from .items import Direct, LoadItem, Opened, raise_codec_error
 from .layout import corrupt
 
 __all__ = ["direct_targets", "read_direct", "verify_direct", "verify_direct_streamed"]
@@ -41,7 +41,10 @@ def direct_targets(f: Opened, plan: list[LoadItem], existing: Mapping[str, Any])
         fn = getattr(codec, "inplace_targets", None) if live is not None else None
         if fn is None:
             continue
-        targets = call_codec(path, item, fn, meta, [b.nbytes for b in bufs], live)
+        try:
+            targets = fn(meta, [b.nbytes for b in bufs], live)
+        except Exception as e:
+            raise_codec_error(path, item, e)
         if not targets or len(targets) != len(bufs):
             continue
         first = int(idx.recs["seg_first"][i])

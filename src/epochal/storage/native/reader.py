@@ -31,7 +31,7 @@ from ..io.reads import read_bytes, read_exact
 from ..io.seam import ByteSource, store_for
 from . import batch, fill, inplace, mapped
 from .index import Index
-from .items import DECODE_ERRORS, LoadItem, Opened, call_codec
+from .items import DECODE_ERRORS, LoadItem, Opened, raise_codec_error
 from .layout import SUPERBLOCK_SIZE, Header, NativeStat, corrupt, parse_superblock
 
 __all__ = ["NativeFile", "allocate", "decode", "open_native", "stat_native"]
@@ -316,13 +316,17 @@ def decode(f: Opened, plan: list[LoadItem], existing: Mapping[str, Any] | None) 
     value}`` and the bytes decoded."""
     out: dict[int, Any] = {}
     total = 0
-    path = f.path
-    for item in plan:
-        name, bufs = item.name, item.bufs
-        live = existing.get(name) if existing is not None else None
-        out[item.index] = call_codec(path, item, item.codec.decode, item.meta, bufs, live)
-        for b in bufs:
-            total += b.nbytes
+    item = None
+    try:
+        for item in plan:
+            bufs = item.bufs
+            live = existing.get(item.name) if existing is not None else None
+            out[item.index] = item.codec.decode(item.meta, bufs, live)
+            for b in bufs:
+                total += b.nbytes
+    except Exception as e:
+        assert item is not None
+        raise_codec_error(f.path, item, e)
     return out, total
 
 
