@@ -19,9 +19,11 @@ docs/reliability.md for the guarantees and how they are tested.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
@@ -66,6 +68,40 @@ def _utcnow() -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+#: records are small; anything bigger is not one of ours
+MAX_RECORD_BYTES = 64 << 20
+
+
+def read_record(path: str) -> bytes:
+    """The bytes of a record file (manifest, pins, stats), opened without following a symlink
+    and only when it is a regular file (a FIFO would block, a device never end); OSError
+    naming the path otherwise, FileNotFoundError when it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except OSError as ex:
+        if ex.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symlink (records are never read through one)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if st.st_size > MAX_RECORD_BYTES:
+            raise OSError(errno.EFBIG, f"{path} is {st.st_size} bytes, too big for a record")
+        chunks, left = [], st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> bool:
@@ -146,8 +182,7 @@ class CheckpointDirectory:
         """
         path = self.manifest_path(epoch)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_record(path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"epoch {epoch} is not committed: manifest {path} does not exist"
@@ -160,10 +195,11 @@ class CheckpointDirectory:
         """Pinned epochs (empty when there is no pins file); CheckpointCorruptError if unreadable."""
         path = self.pins_path
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_record(path)
         except FileNotFoundError:
             return set()
+        except OSError as ex:
+            raise CheckpointCorruptError(path, f"cannot read the pins file: {ex}") from ex
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as ex:
@@ -176,10 +212,11 @@ class CheckpointDirectory:
     def stats(self) -> list[dict[str, Any]]:
         """Every stats line, parsed, in order; a torn (incomplete) line is skipped."""
         try:
-            with open(self.stats_path, "rb") as f:
-                raw = f.read()
+            raw = read_record(self.stats_path)
         except FileNotFoundError:
             return []
+        except OSError as ex:
+            raise CheckpointCorruptError(self.stats_path, f"cannot read the stats log: {ex}") from ex
         out = []
         for line in raw.split(b"\n"):
             if not line.strip():
@@ -801,7 +838,11 @@ class DirectoryMetadataHandler:
     def _append_stats(self, data: bytes) -> None:
         d = self._dir()
         os.makedirs(d.records_dir, exist_ok=True)
-        fd = os.open(d.stats_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # never through a symlink: the log must not be appended to a file outside the directory
+        fd = os.open(d.stats_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{d.stats_path} is not a regular file")
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":

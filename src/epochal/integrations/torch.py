@@ -45,14 +45,32 @@ __all__ = [
 ]
 
 
+#: every dtype torch defines, by name: what a checkpoint may name (never a getattr on torch,
+#: which would import whatever submodule a forged name says, ``onnx`` say)
+_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+
+
 def dtype_from_name(name: Any) -> torch.dtype:
     """The torch dtype called ``name`` (``"bfloat16"``); ValueError for anything else."""
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
-        raise ValueError(f"bad torch dtype name {name!r}")
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
+    if not isinstance(name, str) or len(name) > 64:
+        raise ValueError(f"bad torch dtype name {str(name)[:80]!r}")
+    dt = _DTYPES.get(name)
+    if dt is None:
         raise ValueError(f"unknown torch dtype {name!r}")
     return dt
+
+
+def parse_device(text: Any) -> torch.device:
+    """``torch.device(text)`` for a string a checkpoint holds; ValueError (not torch's raw
+    RuntimeError) for anything torch does not parse."""
+    if not isinstance(text, str) or len(text) > 64:
+        raise ValueError(f"bad device {str(text)[:80]!r}")
+    try:
+        return torch.device(text)
+    except (RuntimeError, TypeError, ValueError) as ex:
+        raise ValueError(f"bad device {text!r}: {ex}") from None
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -326,10 +344,7 @@ class TorchDeviceCodec:
     def decode(
         self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
     ) -> Any:
-        dev = meta.get("device")
-        if not isinstance(dev, str) or len(dev) > 64:
-            raise ValueError(f"bad device {dev!r}")
-        return torch.device(dev)
+        return parse_device(meta.get("device"))
 
 
 class GeneratorCodec:
