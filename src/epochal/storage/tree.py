@@ -324,12 +324,20 @@ def _shape_mismatches(saved: Any, live: Any, path: tuple[Any, ...], out: list[st
             _shape_mismatches(a, b, (*path, i), out)
         return
     a, b = getattr(saved, "shape", None), getattr(live, "shape", None)
-    if a is not None and b is not None and tuple(a) != tuple(b):
+    if a is not None and b is not None and not _fits(tuple(a), tuple(b)):
         where = str(path[0]) if len(path) == 1 and isinstance(path[0], str) else _path_str(path)
         out.append(f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}")
 
 
 _SHAPED_KINDS = ("torch.tensor", "ndarray")
+
+
+def _fits(saved: tuple[Any, ...], live: tuple[Any, ...]) -> bool:
+    """Whether a saved leaf of shape ``saved`` may replace a live one of shape ``live``: the
+    same shape, or either side empty (a live placeholder not filled yet, such as a sampler's
+    permutation before the first epoch, or state saved before it grew): ``load_state_dict``
+    then gets the saved value and judges it."""
+    return saved == live or 0 in saved or 0 in live
 
 
 class _LiveMatch:
@@ -388,7 +396,7 @@ class _LiveMatch:
             kind, meta, _ = self.leaves[n[1]]
             a, b = meta.get("shape"), getattr(live, "shape", None)
             if kind in _SHAPED_KINDS and isinstance(a, list) and b is not None:
-                if tuple(a) != tuple(b) and len(self.problems) < 5:
+                if not _fits(tuple(a), tuple(b)) and len(self.problems) < 5:
                     where = str(path[0]) if len(path) == 1 and isinstance(path[0], str) else _path_str(path)
                     self.problems.append(
                         f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}"
