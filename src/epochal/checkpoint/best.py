@@ -22,7 +22,7 @@ from .retention import RetentionPolicy, best_epochs, metric_value
 logger = logging.getLogger("epochal")
 
 
-def _as_number(name: str, value: Any) -> float | int | None:
+def metric_number(name: str, value: Any) -> float | int | None:
     """A metric as JSON can hold it: an int, a finite float, or None (NaN, infinities)."""
     if value is None:
         return None
@@ -58,12 +58,12 @@ def collect_metrics(
     policy's metric comes from the scalar blob of that name in the dbs when ``metrics`` lacks
     it (a blob that is no number is recorded as null, with a warning)."""
     out: dict[str, Any] = {}
-    values = {str(k): _as_number(str(k), v) for k, v in (metrics or {}).items()}
+    values = {str(k): metric_number(str(k), v) for k, v in (metrics or {}).items()}
     metric = policy.metric
     if metric and metric not in values:
         raw = _blob_scalar(db_paths, db_type, metric)
         try:
-            values[metric] = _as_number(metric, raw)
+            values[metric] = metric_number(metric, raw)
         except TypeError as ex:
             logger.warning("Not ranking this checkpoint: %s", ex)
             values[metric] = None
@@ -133,4 +133,4 @@ def best_of_directory(
     return BestEpochs(metric, mode, k, best, values)
 
 
-__all__ = ["BestEpochs", "best_of_directory", "collect_metrics", "manifest_metric"]
+__all__ = ["BestEpochs", "best_of_directory", "collect_metrics", "manifest_metric", "metric_number"]
