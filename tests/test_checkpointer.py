@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +23,13 @@ from epochal.errors import CheckpointError, UnsupportedBlobError  # noqa: E402
 from epochal.integrations.torch import ResumableSampler  # noqa: E402
 from epochal.jobs.cadence import parse_interval  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _torch_bits import same_state  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
 DataLoader = torch.utils.data.DataLoader
 TensorDataset = torch.utils.data.TensorDataset
-
-
-def bits(t: Any) -> bytes:
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def same_state(a: Any, b: Any) -> bool:
-    """Bit-equal nested state (tensors by bytes, floats by repr)."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
-    return type(a) is type(b) and repr(a) == repr(b)
 
 
 def training(seed: int) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -13,6 +14,9 @@ st = pytest.importorskip("safetensors.torch", reason="the safetensors extra is n
 import epochal  # noqa: E402
 from epochal.errors import CheckpointError, CheckpointNotFoundError, MissingBlobError  # noqa: E402
 from epochal.storage.base import get_db_type  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _torch_bits import bits  # noqa: E402
 
 
 class TiedLM(torch.nn.Module):
@@ -35,11 +39,6 @@ class TiedLM(torch.nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
             self.norm.weight[0] = float("nan")
             self.norm.bias[1] = -0.0
-
-
-def bits(t: Any) -> bytes:
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def test_module_round_trip_through_safetensors_alone(tmp_path: Path) -> None:
