@@ -121,3 +121,26 @@ def test_handler_records_nan_as_unranked_and_no_metric_means_no_record(tmp_path:
     d = CheckpointDirectory(str(tmp_path / "b"))
     assert "metrics" not in d.manifest(1) and "keep_best" not in d.manifest(1)
     assert best_of_directory(tmp_path / "b") is None
+
+
+# ----------------------------------------------------------------------------- Checkpointer
+
+def test_checkpointer_keeps_exactly_the_best_over_a_resumed_run(tmp_path: Any) -> None:
+    from epochal import Checkpointer
+
+    kw = {"keep_last": 1, "keep_best": 3, "metric": "val_loss"}
+    with Checkpointer(tmp_path, **kw) as ckpt:  # steps 1..5, the metric through metrics=
+        assert ckpt.restore({"w": np.zeros(2)}) is None
+        for step in range(1, 6):
+            ckpt.save(step, {"w": np.full(2, step)}, metrics={"val_loss": LOSS[step]})
+        assert ckpt.steps() == expected_kept(5, 3)
+    state: dict[str, Any] = {"w": np.zeros(2)}
+    with Checkpointer(tmp_path, **kw) as ckpt:  # a rerun: the metric as a scalar in the state
+        assert ckpt.restore(state) == 5 and state["w"].tolist() == [5, 5]
+        for step in range(6, 12):
+            ckpt.save(step, {"w": np.full(2, step), "val_loss": LOSS[step]})
+        assert ckpt.steps() == expected_kept(11, 3) == [4, 6, 8, 11]
+        assert ckpt.best_steps() == [4, 6, 8]
+    d = CheckpointDirectory(str(tmp_path))
+    assert sorted(d.scan()) == [4, 6, 8, 11] and d.manifest(8)["metrics"] == {"val_loss": 2.0}
+    assert d.manifest(11)["metrics"] == {"val_loss": 9.0}
