@@ -130,13 +130,12 @@ class Zygote:
         return rc, out.read_text()
 
     def close(self) -> None:
+        """Stop the zygote (every child was waited for; its own shutdown, with torch loaded,
+        would take seconds for nothing)."""
         if self.proc.stdin is not None:
             self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
 
 
 if __name__ == "__main__":

@@ -175,6 +175,24 @@ def test_sigterm_sets_preempted_and_close_restores_the_handler(tmp_path: Path) -
         signal.signal(signal.SIGTERM, old)
 
 
+def test_outside_the_main_thread_no_handler_is_installed(tmp_path: Path) -> None:
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen: list[Any] = []
+
+    def worker() -> None:
+        with Checkpointer(tmp_path) as ckpt:
+            seen.append(signal.getsignal(signal.SIGTERM))
+            ckpt.save(0, {"x": 1})
+            seen.append(ckpt.preempted)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [before, False] and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_due_every_and_interval(tmp_path: Path, monkeypatch: Any) -> None:
     import epochal.checkpointer as cp
 

@@ -88,6 +88,16 @@ def test_dict_of_tensors_from_a_db_keeps_names_and_drops_aliases(tmp_path: Path)
         assert loaded[key].dtype == value[key].dtype and bits(loaded[key]) == bits(value[key])
 
 
+def test_from_a_safetensors_db(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    db = tmp_path / "node.0"
+    get_db_type("safetensors").write(str(db), {"model": model, "n": 3})
+    epochal.export_safetensors(db, "model", tmp_path / "m.safetensors")
+    fresh = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    assert st.load_model(fresh, str(tmp_path / "m.safetensors"), strict=True) == (set(), [])
+    assert bits(fresh.weight) == bits(model.weight) and bits(fresh.bias) == bits(model.bias)
+
+
 def test_errors_name_the_blob_and_leave_out_alone(tmp_path: Path) -> None:
     db = tmp_path / "n.1"
     get_db_type("native").write(str(db), {"n": 3, "mixed": {"w": torch.ones(2), "step": 4}})
