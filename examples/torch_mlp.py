@@ -31,7 +31,16 @@ import torch
 from torch import nn
 
 import epochal
-from epochal import CheckpointManager, Job, JobRunner, LocalSession, Task, Workspace, epoch_limiter
+from epochal import (
+    CheckpointManager,
+    Job,
+    JobRunner,
+    LocalSession,
+    Preempted,
+    Task,
+    Workspace,
+    epoch_limiter,
+)
 
 
 def make_data(n: int = 1024, dim: int = 20, classes: int = 4, seed: int = 1234) -> tuple[Any, Any]:
@@ -159,7 +168,11 @@ def main(argv: list[str] | None = None) -> str:
 
     job, manager, session, ws = build(args)
     with session:
-        last = JobRunner(job, manager).train(session)
+        try:
+            last = JobRunner(job, manager).train(session)
+        except Preempted as ex:  # SIGTERM/Ctrl-C: the epoch is committed; exit non-zero
+            print(ex, flush=True)  # so a scheduler restarts the job, which then resumes
+            raise SystemExit(ex.exit_code) from None
     digest = state_digest(ws["model"], ws["opt"])
     print(f"finished at epoch {last}; final state sha256 {digest}", flush=True)
     return digest

@@ -42,7 +42,7 @@ from .checkpoint.best import best_of_directory, metric_number
 from .checkpoint.directory import DirectoryMetadataHandler
 from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
 from .errors import CheckpointError, UnsupportedBlobError
-from .jobs.cadence import is_due, parse_interval
+from .jobs.cadence import Cadence, parse_interval
 from .jobs.preemption import SignalGuard
 from .storage.base import get_db_type
 
@@ -91,8 +91,9 @@ class Checkpointer:
     supports them.
 
     Installs a SIGTERM handler (in the main thread only) so that :attr:`preempted` turns
-    True; a second SIGTERM exits at once. :meth:`close` (or leaving ``with``) restores the
-    previous handler.
+    True; a second SIGTERM exits at once. Holds the directory's writer lock (a second writer
+    gets :class:`~epochal.errors.CheckpointLockedError` naming this one). :meth:`close` (or
+    leaving ``with``) lets the lock go and restores the previous handler.
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class Checkpointer:
                                 path_prefix=None, path_type=None)
         assert self.handler.directory is not None
         self._dir = self.handler.directory
+        self.handler.acquire_lock()  # one writer per directory, until close()
         self.async_save = bool(async_save)
         #: the newest step committed (or restored) by this Checkpointer, None before any
         self.last_step: int | None = None
@@ -211,8 +213,7 @@ class Checkpointer:
         since the last save (or the restore); with neither given, every step."""
         if self.preempted:
             return True
-        seconds = parse_interval(interval) if interval is not None else None
-        return is_due(int(step), every, seconds, time.monotonic() - self._last_save)
+        return Cadence(every, parse_interval(interval), _last=self._last_save).due(int(step))
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first."""
@@ -236,7 +237,10 @@ class Checkpointer:
             self.wait()
         finally:
             self._guard.__exit__(None, None, None)
-            self.handler.flush()
+            try:
+                self.handler.flush()
+            finally:
+                self.handler.release_lock()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -51,6 +51,9 @@ class MetadataHandlerExtensions(Protocol):
       explicit resume epoch loads it and runs no further epoch.
     - ``flush()``: wait for work the handler does in the background (a mirror's pushes);
       called when ``train`` ends (normally or with an exception).
+    - ``acquire_lock()``: take the exclusive writer lock of the checkpoint location for a run
+      (called right after ``set_params``; raises ``CheckpointLockedError`` when another live
+      writer holds it); ``release_lock()``: let it go (called when ``train`` ends, always).
     """
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
@@ -62,6 +65,10 @@ class MetadataHandlerExtensions(Protocol):
     def is_final(self, epoch: int) -> bool: ...
 
     def flush(self) -> None: ...
+
+    def acquire_lock(self) -> None: ...
+
+    def release_lock(self) -> None: ...
 
 
 def call_optional(handler: Any, method: str, *args: Any) -> Any:

@@ -511,5 +511,10 @@ def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, more: int |
         kwargs["epochs"] = epochs
     if more is not None:
         kwargs["more"] = more
-    run_demo(directory, **kwargs)  # returns the last epoch run, not an exit code
+    from ..errors import Preempted
+
+    try:
+        run_demo(directory, **kwargs)  # returns the last epoch run, not an exit code
+    except Preempted as ex:  # the demo already said which epoch is committed
+        return ex.exit_code  # 130 after Ctrl-C, 143 after SIGTERM: a scheduler reruns it
     return 0

@@ -458,6 +458,93 @@ def _live_pairs(meta: dict[str, Any], existing: Any) -> dict[int, Any] | None:
     return match.pairs
 
 
+class _Stub:
+    """A leaf of a saved state, known from its meta alone (no data read): kind and shape."""
+
+    def __init__(self, kind: str, meta: dict[str, Any]) -> None:
+        self.kind, self.meta = kind, meta
+        shape = meta.get("shape") if kind in _SHAPED_KINDS else None
+        self.shape = tuple(shape) if isinstance(shape, list) else None
+
+    def __repr__(self) -> str:
+        return f"<saved {self.kind} {self.shape}>"
+
+
+class _SkeletonDecoder(_Decoder):
+    """Decodes a tree's structure with every leaf as a :class:`_Stub` (reads no buffer)."""
+
+    def __init__(self, leaves: Any) -> None:
+        self.leaves = _check_leaves(leaves)
+        self.inplace, self.buffers, self.offsets, self.values = {}, [], [], {}
+
+    def leaf(self, i: int, existing: Any) -> Any:
+        if not 0 <= i < len(self.leaves):
+            raise ValueError(f"tree leaf {i} out of range")
+        kind, meta, _ = self.leaves[i]
+        return _Stub(kind, meta)
+
+
+def skeleton(meta: dict[str, Any]) -> Any:
+    """The saved state of a tree blob with its leaves as stubs (``.kind``, ``.shape``,
+    ``.meta``): what a check can know before any data is read."""
+    return _SkeletonDecoder(meta.get("leaves")).node(meta.get("root"), 0)
+
+
+#: (predicate, check) pairs: ``check(live_object, saved_skeleton, live_state_dict)`` returns
+#: the problems that object's ``load_state_dict`` would refuse (see register_state_check)
+_state_checks: list[tuple[Callable[[Any], bool], Callable[[Any, Any, Any], list[str]]]] = []
+
+
+def register_state_check(predicate: Callable[[Any], bool], check: Callable[[Any, Any, Any], list[str]]) -> None:
+    """For live stateful objects ``predicate`` accepts, ``check(obj, saved, live_state)``
+    lists what their ``load_state_dict`` would refuse (missing or unexpected keys, another
+    parameter-group layout); ``saved`` is the :func:`skeleton` of the blob. Integrations
+    register these so a load can refuse before it writes anything."""
+    _state_checks.append((predicate, check))
+
+
+def state_problems(meta: dict[str, Any], existing: Any) -> list[str]:
+    """Why the saved tree blob ``meta`` cannot be restored into ``existing``: shapes of the
+    leaves both have, plus the registered checks of its type; [] when it fits (or when
+    nothing is known about it). Nested stateful values of a plain container are checked
+    against their live counterparts."""
+    if meta.get("v") != 1:
+        return []
+    saved = skeleton(meta)
+    if meta.get("stateful") is not True:
+        return _nested_problems(saved, existing, ())
+    if not is_stateful(existing):
+        return []
+    try:
+        live = existing.state_dict()
+    except Exception:
+        return []
+    problems: list[str] = []
+    _shape_mismatches(saved, live, (), problems, _strict(existing))
+    for predicate, check in _state_checks:
+        if predicate(existing):
+            problems.extend(check(existing, saved, live))
+    return problems
+
+
+def _nested_problems(saved: Any, live: Any, path: tuple[Any, ...]) -> list[str]:
+    if len(path) > MAX_DEPTH:
+        return []
+    if isinstance(saved, _Stub):
+        if saved.kind == TreeCodec.kind and saved.meta.get("stateful") is True and is_stateful(live):
+            return [f"{_path_str(path)}: {p}" for p in state_problems(saved.meta, live)]
+        return []
+    out: list[str] = []
+    if isinstance(saved, dict) and isinstance(live, dict):
+        for k, v in saved.items():
+            if k in live:
+                out.extend(_nested_problems(v, live[k], (*path, k)))
+    elif isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(saved) == len(live):
+        for i, (a, b) in enumerate(zip(saved, live)):
+            out.extend(_nested_problems(a, b, (*path, i)))
+    return out
+
+
 def restore_into(existing: Any, state: Any) -> Any:
     """Restore ``existing`` in place from ``state`` with its ``load_state_dict``.
 
@@ -553,6 +640,15 @@ class TreeCodec:
                     out[off : off + n] = got
             off += n
         return out if any(t is not None for t in out) else None
+
+    def check(self, meta: dict[str, Any], existing: Any) -> None:
+        """BlobMismatchError when the blob cannot be restored into ``existing`` (see
+        :func:`state_problems`); nothing is written."""
+        problems = state_problems(meta, existing)
+        if problems:
+            raise BlobMismatchError(
+                f"state dict does not fit the live {_type_name(existing)}: " + "; ".join(problems)
+            )
 
     def decode(
         self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
