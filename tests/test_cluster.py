@@ -1,0 +1,203 @@
+"""Machines that share no directory (tests/_cluster.py): the harness's isolation, and RaySession
+reporting a lost machine and re-placing its node on a replacement.
+
+One loopback cluster (a head and three machines, m<n> hosting trainer_<n>) serves the module;
+a test that kills a machine leaves it to the ``machines`` fixture to start a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+pytest.importorskip("s3fs", reason="the s3 extra is not installed")
+if os.geteuid() != 0 or shutil.which("unshare") is None:
+    pytest.skip("the loopback cluster needs root and unshare", allow_module_level=True)
+
+from _cluster import LoopbackCluster, mount_ns, pids_in_namespace  # noqa: E402
+
+from epochal import NodeLostError, Task, TaskGroup  # noqa: E402
+from epochal.sessions.ray import RaySession, node_resource  # noqa: E402
+
+MACHINES = {f"m{n}": f"trainer_{n}" for n in range(3)}
+NODES = list(MACHINES.values())
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: dict[str, Any]):
+    c = LoopbackCluster()
+    try:
+        c.start_head()
+        ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
+        c.add_machines({m: {node_resource(n): 1} for m, n in MACHINES.items()})
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture
+def machines(cluster: LoopbackCluster) -> LoopbackCluster:
+    """The cluster with every machine up (a new one for each lost in an earlier test)."""
+    gone = {m: {node_resource(n): 1} for m, n in MACHINES.items()
+            if cluster.machines[m].dead or cluster.machines[m].proc.poll() is not None}
+    for m in gone:
+        cluster.kill(m)  # whatever is left of it
+    if gone:
+        cluster.add_machines(gone)
+    return cluster
+
+
+@ray.remote(num_cpus=0)
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+def on(node: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a task on the machine that hosts ``node`` (a sliver of its resource, so
+    it runs beside the node's actor)."""
+    return ray.get(_call.options(resources={node_resource(node): 0.001}).remote(fn, *args), timeout=120)
+
+
+def _look(path: str) -> dict[str, Any]:
+    return {"exists": os.path.exists(path), "ns": mount_ns(os.getpid()), "cwd": os.getcwd(),
+            "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def _write(path: str, text: str) -> dict[str, Any]:
+    Path(path).write_text(text)
+    return _look(path)
+
+
+def test_machines_share_no_directory(machines: LoopbackCluster, tmp_path: Path) -> None:
+    probe = f"/tmp/epochal-probe-{secrets.token_hex(4)}"
+    a = on("trainer_0", _write, probe, "written on m0")
+    assert a["exists"] and a["node_id"] == machines.machines["m0"].node_id
+    assert a["ns"] == machines.machines["m0"].ns != mount_ns(os.getpid())
+    assert a["cwd"] == "/tmp/work"  # the working directory is private too
+    assert not os.path.exists(probe)  # not on the driver's /tmp
+    for other in ("trainer_1", "trainer_2"):
+        b = on(other, _look, probe)
+        assert not b["exists"] and b["ns"] not in (a["ns"], mount_ns(os.getpid()))
+    # it is on m0's disk (seen from its namespace), and stays there
+    assert machines.run_on("m0", ["cat", probe]).stdout == b"written on m0"
+    assert on("trainer_0", _look, probe)["exists"]
+    # and the driver's files are not on any machine
+    mine = tmp_path / "driver-only"
+    mine.write_text("x")
+    assert [on(n, _look, str(mine))["exists"] for n in NODES] == [False, False, False]
+
+
+def _s3_round(opts: dict[str, Any], name: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    fs.pipe_file(f"ckpts/probe/{name}", name.encode())
+    return sorted(k.rsplit("/", 1)[-1] for k in fs.ls("ckpts/probe", refresh=True))
+
+
+def test_every_machine_and_the_driver_reach_the_bucket(machines: LoopbackCluster, s3: dict[str, Any]) -> None:
+    for n in NODES:
+        on(n, _s3_round, s3, n)
+    seen = _s3_round(s3, "driver")
+    assert seen == sorted([*NODES, "driver"])
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3)
+    assert [fs.cat_file(f"ckpts/probe/{n}") for n in NODES] == [n.encode() for n in NODES]
+    assert on("trainer_2", _s3_round, s3, "trainer_2") == seen  # each machine sees the others' keys
+
+
+def test_a_lost_machine_is_replaced_by_a_new_one(machines: LoopbackCluster) -> None:
+    probe = f"/tmp/epochal-probe-{secrets.token_hex(4)}"
+    old = machines.machines["m2"]
+    assert on("trainer_2", _write, probe, "x")["exists"]
+    machines.kill("m2")
+    assert not pids_in_namespace(old.ns) and old.proc.poll() is not None  # nothing of it runs
+    machines.wait_dead(old)
+    # nothing hosts trainer_2 now: a task for it waits
+    ref = _call.options(resources={node_resource("trainer_2"): 0.001}).remote(_look, probe)
+    ready, _ = ray.wait([ref], timeout=1.0)
+    assert not ready
+    new = machines.add_machine("m2", {node_resource("trainer_2"): 1})
+    assert new.node_id != old.node_id
+    got = ray.get(ref, timeout=120)  # runs on the replacement, whose disk is new
+    assert got["node_id"] == new.node_id and not got["exists"]
+
+
+class WhoAmI:
+    def __call__(self, ws: Any) -> None:
+        ws["pid"] = np.int64(os.getpid())
+
+
+class Rendezvous:
+    """A step that tells the test (over a socket) it has started, then blocks."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def __call__(self, ws: Any) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as s:
+            s.sendall(b"started")
+            time.sleep(300)
+
+
+def test_ray_session_reports_a_lost_machine_and_replaces_the_node(machines: LoopbackCluster) -> None:
+    s = RaySession(place_by_resource=True)
+    try:
+        before = {n: s.node_info(n) for n in NODES}
+        assert [before[n]["ray_node_id"] for n in NODES] == [machines.machines[m].node_id for m in MACHINES]
+        s.feed_blob("trainer_1", "kept", np.arange(3))
+        with socket.socket() as listener, ThreadPoolExecutor(1) as pool:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            listener.settimeout(120)
+            with TaskGroup() as group:
+                done = [Task(step=WhoAmI(), outputs="pid", node=n) for n in ("trainer_0", "trainer_2")]
+                Task(step=Rendezvous(listener.getsockname()[1]), node="trainer_1")
+            running = pool.submit(s.run, group)
+            conn, _ = listener.accept()  # trainer_1's step is running, on m1
+            assert conn.recv(16) == b"started"
+            conn.close()
+            machines.kill("m1")
+            with pytest.raises(NodeLostError) as lost:
+                running.result(timeout=120)
+        assert lost.value.node == "trainer_1" and lost.value.nodes == ["trainer_1"]
+        assert "node 'trainer_1' was lost" in str(lost.value)
+        # the other nodes ran their step; only trainer_1 is gone
+        assert [int(t.outputs()[0].fetch()) for t in done] == [before[n]["pid"] for n in ("trainer_0", "trainer_2")]
+        with pytest.raises(NodeLostError, match="trainer_1"):
+            s.fetch_blob("trainer_1", "kept")
+        assert s.lost_nodes() == ["trainer_1"]
+
+        machines.add_machine("m1", {node_resource("trainer_1"): 1})
+        info = s.replace_node("trainer_1", timeout=120)
+        assert info["ray_node_id"] == machines.machines["m1"].node_id != before["trainer_1"]["ray_node_id"]
+        assert s.blobs("trainer_1") == []  # a fresh workspace: to be reloaded from a checkpoint
+        t = Task(step=WhoAmI(), outputs="pid", node="trainer_1")
+        s.run(t)
+        assert int(t.outputs()[0].fetch()) == info["pid"]
+        assert s.lost_nodes() == []
+    finally:
+        s.close()
+
+
+def test_replace_node_gives_up_naming_the_node(machines: LoopbackCluster) -> None:
+    s = RaySession(place_by_resource=True)
+    try:
+        with pytest.raises(NodeLostError, match=r"node 'trainer_9' was lost: no machine .*epochal_node:trainer_9") as e:
+            s.replace_node("trainer_9", timeout=0.5)
+        assert e.value.node == "trainer_9"
+        assert s.node_names() == []
+    finally:
+        s.close()
