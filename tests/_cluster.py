@@ -19,6 +19,7 @@ starts, it stops (``shutdown``; also when a start fails), bounded in time.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -110,9 +111,11 @@ class LoopbackCluster:
     ``object_store_mib`` per raylet (Ray's minimum is 75 MiB), ``tmp_mib`` the size of each
     machine's private /tmp. Use as a context manager, or call ``shutdown`` in a finally."""
 
-    def __init__(self, *, object_store_mib: int = 80, tmp_mib: int = 512, num_cpus: int = 1) -> None:
+    def __init__(self, *, object_store_mib: int = 80, tmp_mib: int = 512, num_cpus: int = 1,
+                 gcs_env: dict[str, str] | None = None) -> None:
         if os.geteuid() != 0 or shutil.which("unshare") is None:
             raise ClusterError("the loopback cluster needs root and unshare (mount namespaces)")
+        self.gcs_env = GCS_ENV if gcs_env is None else gcs_env  # {}: Ray's own health checks
         self.object_store_mib = object_store_mib
         self.tmp_mib = tmp_mib
         self.num_cpus = num_cpus
@@ -122,11 +125,13 @@ class LoopbackCluster:
         self.machines: dict[str, Machine] = {}
         self.gcs_port = 0
         self._count = 0
+        self._connected = False  # whether start() connected the driver
+        atexit.register(self.shutdown)  # also when the test process ends without finalizers
 
     # -- environment and processes
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update(GCS_ENV)
+        env.update(self.gcs_env)
         env.update(
             PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)]),
             RAY_USAGE_STATS_ENABLED="0",
@@ -195,15 +200,32 @@ class LoopbackCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.gcs_port}"
 
-    def start_head(self, timeout: float = 60.0) -> None:
-        """Start the head (GCS + a raylet with no CPUs) and wait until its raylet is up."""
+    def start(self, specs: dict[str, dict[str, float]], timeout: float = 90.0) -> list[Machine]:
+        """Start the head and one machine per ``name -> resources`` at once (the machines'
+        raylets wait for the GCS), connect the driver (``ray.init``), and wait until every
+        machine is an alive node of the cluster."""
+        import ray
+
+        self._spawn_head()
+        started = [self._spawn_machine(name, resources) for name, resources in specs.items()]
+        self._wait_head(timeout)
+        ray.init(address=self.address, log_to_driver=False, logging_level="ERROR")
+        self._connected = True
+        self._wait_registered(started, timeout)
+        return started
+
+    def _spawn_head(self) -> None:
         self.gcs_port = free_port()
-        temp = self.root / "h"  # the head's sessions: visible to the driver
         self.head = self._spawn("head", {}, False, [
-            "--head", f"--port={self.gcs_port}", f"--temp-dir={temp}",
+            "--head", f"--port={self.gcs_port}", f"--temp-dir={self.root / 'h'}",
             "--include-dashboard=false", f"--dashboard-port={free_port()}",
         ])
-        raylet = temp / "session_latest" / "sockets" / "raylet"
+
+    def _wait_head(self, timeout: float) -> None:
+        """Wait until the head's raylet is up (its socket, in the head's temp dir, which the
+        driver sees)."""
+        assert self.head is not None
+        raylet = self.root / "h" / "session_latest" / "sockets" / "raylet"
         deadline = time.monotonic() + timeout
         while not raylet.exists():
             if self.head.proc.poll() is not None:
@@ -212,20 +234,21 @@ class LoopbackCluster:
                 raise ClusterError(f"the head's raylet was not up in {timeout} s\n{self.head.log_tail()}")
             time.sleep(0.05)
 
-    def add_machines(self, specs: dict[str, dict[str, float]], timeout: float = 60.0) -> list[Machine]:
-        """Start one machine per ``name -> resources`` (in parallel) and wait until each is an
-        alive node of the cluster (needs the driver connected: ``ray.init(address)``)."""
-        started = []
-        for name, resources in specs.items():
-            if name in self.machines and not self.machines[name].dead:
-                raise ClusterError(f"machine {name} is already running")
-            m = self._spawn(name, resources, True, [f"--address={self.address}", "--temp-dir=/tmp/ray"])
-            self.machines[name] = m
-            started.append(m)
+    def _spawn_machine(self, name: str, resources: dict[str, float]) -> Machine:
+        if name in self.machines and not self.machines[name].dead:
+            raise ClusterError(f"machine {name} is already running")
+        m = self._spawn(name, resources, True, [f"--address={self.address}", "--temp-dir=/tmp/ray"])
+        self.machines[name] = m
+        return m
+
+    def add_machines(self, specs: dict[str, dict[str, float]], timeout: float = 90.0) -> list[Machine]:
+        """Start one machine per ``name -> resources`` (in parallel) on the running cluster and
+        wait until each is an alive node."""
+        started = [self._spawn_machine(name, resources) for name, resources in specs.items()]
         self._wait_registered(started, timeout)
         return started
 
-    def add_machine(self, name: str, resources: dict[str, float], timeout: float = 60.0) -> Machine:
+    def add_machine(self, name: str, resources: dict[str, float], timeout: float = 90.0) -> Machine:
         return self.add_machines({name: resources}, timeout)[0]
 
     def _wait_registered(self, machines: list[Machine], timeout: float) -> None:
@@ -297,8 +320,14 @@ class LoopbackCluster:
                               capture_output=True, timeout=30, **kw)
 
     def shutdown(self) -> None:
-        """Stop every machine and the head (SIGKILL: nothing of theirs must survive), remove
-        the harness's directory."""
+        """Disconnect the driver (if ``start`` connected it), stop every machine and the head
+        (SIGKILL: nothing of theirs must survive), remove the harness's directory. Idempotent."""
+        atexit.unregister(self.shutdown)
+        if self._connected:
+            import ray
+
+            ray.shutdown()
+            self._connected = False
         errors = []
         for m in [*self.machines.values(), *([self.head] if self.head else [])]:
             try:
@@ -314,3 +343,61 @@ class LoopbackCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+# -- steps for the machines' node actors (importable there: tests/ is on their PYTHONPATH)
+class WhoAmI:
+    """Puts the pid of the process that runs it into the workspace, as ``pid``."""
+
+    def __call__(self, ws: Any) -> None:
+        import numpy as np
+
+        ws["pid"] = np.int64(os.getpid())
+
+
+class Rendezvous:
+    """Tells whoever listens on 127.0.0.1:``port`` that it has started, then blocks (a node
+    busy mid-run, for the test to kill its machine)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def __call__(self, ws: Any) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as s:
+            s.sendall(b"started")
+            time.sleep(300)
+
+
+class Listener:
+    """The test's end of a ``Rendezvous``: ``step()`` to put in a task, ``wait(run)`` until it
+    runs (``run``: the future of the session's run, whose error is raised if it ends first)."""
+
+    def __init__(self, timeout: float = 120.0) -> None:
+        self.timeout = timeout
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.sock.settimeout(0.2)
+
+    def step(self) -> Rendezvous:
+        return Rendezvous(self.sock.getsockname()[1])
+
+    def wait(self, run: Any) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                break
+            except TimeoutError:
+                if run.done():
+                    run.result()
+                    raise ClusterError("the run ended before its Rendezvous step started") from None
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"no Rendezvous step started in {self.timeout} s") from None
+        with conn:
+            conn.settimeout(30)
+            if conn.recv(16) != b"started":
+                raise ClusterError("a Rendezvous step sent something else")
+
+    def close(self) -> None:
+        self.sock.close()

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ pytest.importorskip("s3fs", reason="the s3 extra is not installed")
 if os.geteuid() != 0 or shutil.which("unshare") is None:
     pytest.skip("the loopback cluster needs root and unshare", allow_module_level=True)
 
-from _cluster import LoopbackCluster, mount_ns, pids_in_namespace  # noqa: E402
+from _cluster import Listener, LoopbackCluster, WhoAmI, mount_ns, pids_in_namespace  # noqa: E402
 
 from epochal import NodeLostError, Task, TaskGroup  # noqa: E402
 from epochal.sessions.ray import RaySession, node_resource  # noqa: E402
@@ -37,12 +35,9 @@ NODES = list(MACHINES.values())
 def cluster(s3: dict[str, Any]):
     c = LoopbackCluster()
     try:
-        c.start_head()
-        ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
-        c.add_machines({m: {node_resource(n): 1} for m, n in MACHINES.items()})
+        c.start({m: {node_resource(n): 1} for m, n in MACHINES.items()})
         yield c
     finally:
-        ray.shutdown()
         c.shutdown()
 
 
@@ -135,40 +130,20 @@ def test_a_lost_machine_is_replaced_by_a_new_one(machines: LoopbackCluster) -> N
     assert got["node_id"] == new.node_id and not got["exists"]
 
 
-class WhoAmI:
-    def __call__(self, ws: Any) -> None:
-        ws["pid"] = np.int64(os.getpid())
-
-
-class Rendezvous:
-    """A step that tells the test (over a socket) it has started, then blocks."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    def __call__(self, ws: Any) -> None:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as s:
-            s.sendall(b"started")
-            time.sleep(300)
-
-
 def test_ray_session_reports_a_lost_machine_and_replaces_the_node(machines: LoopbackCluster) -> None:
     s = RaySession(place_by_resource=True)
     try:
         before = {n: s.node_info(n) for n in NODES}
         assert [before[n]["ray_node_id"] for n in NODES] == [machines.machines[m].node_id for m in MACHINES]
         s.feed_blob("trainer_1", "kept", np.arange(3))
-        with socket.socket() as listener, ThreadPoolExecutor(1) as pool:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(1)
-            listener.settimeout(120)
+        listener = Listener()
+        with ThreadPoolExecutor(1) as pool:
             with TaskGroup() as group:
                 done = [Task(step=WhoAmI(), outputs="pid", node=n) for n in ("trainer_0", "trainer_2")]
-                Task(step=Rendezvous(listener.getsockname()[1]), node="trainer_1")
+                Task(step=listener.step(), node="trainer_1")
             running = pool.submit(s.run, group)
-            conn, _ = listener.accept()  # trainer_1's step is running, on m1
-            assert conn.recv(16) == b"started"
-            conn.close()
+            listener.wait(running)  # trainer_1's step is running, on m1
+            listener.close()
             machines.kill("m1")
             with pytest.raises(NodeLostError) as lost:
                 running.result(timeout=120)
