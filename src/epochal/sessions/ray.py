@@ -204,7 +204,8 @@ class RaySession(Session):
         return lost
 
     def _offered(self, opts: dict[str, Any]) -> bool:
-        """Whether some alive machine has the resources ``opts`` ask for available now."""
+        """Whether some alive machine has, in total, the resources ``opts`` ask for (one still
+        held by an old actor is waited for by the actor's creation)."""
         need = {**opts.get("resources", {})}
         for key, name in (("num_cpus", "CPU"), ("num_gpus", "GPU")):
             if opts.get(key):
