@@ -14,8 +14,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager, Workspace  # noqa: E402
-from epochal.checkpoint.best import best_of_directory  # noqa: E402
-from epochal.checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.directory import (  # noqa: E402
+    CheckpointDirectory,
+    DirectoryMetadataHandler,
+    best_of_directory,  # noqa: E402
+)
 from epochal.checkpoint.retention import RetentionPolicy, best_epochs, epochs_to_delete  # noqa: E402
 
 # a metric per epoch (epoch 0, saved after init, has none): the best are not the newest

@@ -19,6 +19,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
     MissingBlobError,
+    NodeLostError,
     Preempted,
     UnsupportedBlobError,
 )
@@ -60,7 +61,7 @@ __all__ = [
     "CheckpointManager", "CheckpointNotFoundError", "CheckpointVersionError", "Cluster",
     "CopyUploadBuilder", "DbBackend", "DirectoryMetadataHandler", "Job", "JobRunner",
     "LocalSession", "MetadataHandler", "MissingBlobError", "MultiNodeCheckpointManager", "Node",
-    "Preempted", "RNGState", "RunListener", "Session", "Task", "TaskGroup", "TaskOutput",
+    "NodeLostError", "Preempted", "RNGState", "RunListener", "Session", "Task", "TaskGroup", "TaskOutput",
     "UnsupportedBlobError", "UploadTaskGroupBuilder", "Workspace", "WorkspaceType",
     "available_db_types", "db_name", "epoch_limiter", "export_safetensors", "final_output", "get_ckpt_filename",
     "get_db_type", "register_db_type",

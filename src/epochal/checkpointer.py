@@ -38,8 +38,8 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from .checkpoint.best import best_of_directory, metric_number
-from .checkpoint.directory import DirectoryMetadataHandler
+from .checkpoint.best import metric_number
+from .checkpoint.directory import DirectoryMetadataHandler, best_of_directory
 from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
 from .errors import CheckpointError, UnsupportedBlobError
 from .jobs.cadence import Cadence, parse_interval

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,21 +96,16 @@ class BestEpochs:
     values: dict[int, float | None]
 
 
-def best_of_directory(
-    db_prefix: str | os.PathLike[str],
+def best_of(
+    d: Any,
     *,
     metric: str | None = None,
     mode: str | None = None,
     k: int | None = None,
 ) -> BestEpochs | None:
-    """The best committed epochs of the checkpoint directory ``db_prefix``.
-
-    ``metric``/``mode``/``k`` default to the ``keep_best`` settings recorded in the newest
-    committed manifest that has them; ``k=None`` there means every ranked epoch. None when no
-    metric is given or recorded (the directory's job does not rank its checkpoints)."""
-    from .directory import CheckpointDirectory
-
-    d = CheckpointDirectory(db_prefix)
+    """The best committed epochs of ``d`` (a
+    :class:`~epochal.checkpoint.directory.CheckpointDirectory`: ``committed_epochs()`` and
+    ``manifest(epoch)``); see :func:`~epochal.checkpoint.directory.best_of_directory`."""
     committed = d.committed_epochs()
     if metric is None or mode is None or k is None:
         for epoch in reversed(committed):
@@ -133,4 +127,4 @@ def best_of_directory(
     return BestEpochs(metric, mode, k, best, values)
 
 
-__all__ = ["BestEpochs", "best_of_directory", "collect_metrics", "manifest_metric", "metric_number"]
+__all__ = ["BestEpochs", "best_of", "collect_metrics", "manifest_metric", "metric_number"]

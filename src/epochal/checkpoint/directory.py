@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..storage import atomic
 from ..storage.base import get_db_type
+from .best import BestEpochs, best_of, collect_metrics, manifest_metric
 from .lock import LOCK_FILE, WriterLock, pid_alive
 from .manifest import (
     MANIFEST_FORMAT,
@@ -817,8 +818,6 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
     def _metrics_record(self, epoch: int, metrics: dict[str, Any] | None) -> dict[str, Any]:
         """The manifest entries for ``metrics`` (plus the retention metric, read from the
         scalar blob of that name in the epoch's db when ``metrics`` lacks it)."""
-        from .best import collect_metrics
-
         return collect_metrics(self.policy, metrics, [self._dir().db_path(n, epoch) for n in self.node_names],
                                self.db_type)
 
@@ -826,8 +825,6 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         """``{epoch: recorded value of the retention metric}`` (None when not keeping best)."""
         if self.policy.keep_best is None:
             return None
-        from .best import manifest_metric
-
         return {e: manifest_metric(self._dir(), e, str(self.policy.metric)) for e in epochs}
 
     def _problems(self, epoch: int) -> list[str]:
@@ -910,4 +907,19 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
             raise
 
 
-__all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy"]
+def best_of_directory(
+    db_prefix: str | os.PathLike[str],
+    *,
+    metric: str | None = None,
+    mode: str | None = None,
+    k: int | None = None,
+) -> BestEpochs | None:
+    """The best committed epochs of the checkpoint directory ``db_prefix``.
+
+    ``metric``/``mode``/``k`` default to the ``keep_best`` settings recorded in the newest
+    committed manifest that has them; ``k=None`` there means every ranked epoch. None when no
+    metric is given or recorded (the directory's job does not rank its checkpoints)."""
+    return best_of(CheckpointDirectory(db_prefix), metric=metric, mode=mode, k=k)
+
+
+__all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy", "best_of_directory"]

@@ -141,7 +141,7 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
     """
     out = _out(ctx)
     listing = list_prefix(prefix)
-    from ..checkpoint.best import best_of_directory
+    from ..checkpoint.directory import best_of_directory
 
     best = best_of_directory(prefix)
     ranks = {e: i + 1 for i, e in enumerate(best.epochs)} if best is not None else {}

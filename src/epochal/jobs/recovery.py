@@ -50,11 +50,6 @@ class RecoveryPolicy:
         cannot be placed in time."""
         if len(self.failures) >= self.max_failures:
             raise self.give_up(ex, committed) from ex
-        replace = getattr(session, "replace_node", None)
-        if not callable(replace):
-            raise self.give_up(NodeLostError(
-                ex.node, f"{ex.reason}; {type(session).__name__} cannot place a lost node again",
-                nodes=ex.nodes), committed) from ex
         if committed is None:
             raise self.give_up(ex, committed) from ex
         self.failures.extend(ex.nodes)
@@ -66,9 +61,12 @@ class RecoveryPolicy:
                 self.max_failures, self.timeout, committed,
             )
             try:
-                replace(node, timeout=self.timeout)
+                session.replace_node(node, timeout=self.timeout)
             except NodeLostError as again:
                 raise self.give_up(again, committed) from ex
+            except NotImplementedError as why:
+                raise self.give_up(NodeLostError(ex.node, f"{ex.reason}; {why}", nodes=ex.nodes),
+                                   committed) from ex
         if manager is None:
             raise CheckpointError(f"node {ex.node!r} was lost and the job has no checkpoint manager to reload from")
         session.run(manager.reinit(committed))
