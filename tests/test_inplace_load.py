@@ -5,6 +5,7 @@ or a mismatch leaves every live object bit for bit untouched."""
 from __future__ import annotations
 
 import copy
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is not installed")
 
 from epochal.errors import BlobMismatchError, CheckpointCorruptError  # noqa: E402
-from epochal.storage import native  # noqa: E402
-from epochal.storage.native import NativeBackend, NativeFile, write_native  # noqa: E402
+from epochal.storage import tuning  # noqa: E402
+from epochal.storage.native import NativeBackend, NativeFile, inplace, write_native  # noqa: E402
 
 W = 600  # a 600 x 600 float32 weight is 1.4 MiB: big enough to be read in place
 
@@ -23,13 +24,13 @@ W = 600  # a 600 x 600 float32 weight is 1.4 MiB: big enough to be read in place
 def direct_log(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Names of the blobs whose segments went through the in-place path, per read."""
     log: list[list[str]] = []
-    orig = native.NativeFile._read_direct
+    orig = inplace.read_direct
 
-    def spy(self: Any, plan: Any, direct: Any) -> None:
+    def spy(f: Any, plan: Any, direct: Any) -> None:
         log.append([d.name for d in direct])
-        orig(self, plan, direct)
+        orig(f, plan, direct)
 
-    monkeypatch.setattr(native.NativeFile, "_read_direct", spy)
+    monkeypatch.setattr(inplace, "read_direct", spy)
     return log
 
 
@@ -94,7 +95,7 @@ def big_segment(path: Path, blob: str) -> tuple[int, int]:
         i = idx.find(blob)
         assert i is not None
         for k in idx.seg_range(i):
-            if int(idx.segs["length"][k]) >= native.BIG_SEGMENT:
+            if int(idx.segs["length"][k]) >= tuning.BIG_SEGMENT:
                 return int(idx.segs["offset"][k]), int(idx.segs["length"][k])
     raise AssertionError("no big segment")
 
@@ -107,7 +108,7 @@ def test_module_and_optimizer_restored_in_place(tmp_path: Path, direct_log: list
     model, opt = make(1)
     params = [(p, p.data_ptr()) for p in model.parameters()]
     big_state = {(i, k): v for i, st in enumerate(opt.state.values())
-                 for k, v in st.items() if v.numel() * v.element_size() >= native.BIG_SEGMENT}
+                 for k, v in st.items() if v.numel() * v.element_size() >= tuning.BIG_SEGMENT}
     out = NativeBackend().read(str(path), existing={"model": model, "opt": opt})
     assert out["model"] is model and out["opt"] is opt
     assert sorted(set(direct_log[0])) == ["model", "opt"]
@@ -133,7 +134,7 @@ def test_same_result_as_staged_path(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     fast_m, fast_o = make(1)
     fast_t = torch.zeros(W, W)
     NativeBackend().read(str(path), existing={"model": fast_m, "opt": fast_o, "t": fast_t})
-    monkeypatch.setattr(native.NativeFile, "_direct_targets", lambda self, plan, existing: [])
+    monkeypatch.setattr(inplace, "direct_targets", lambda f, plan, existing: [])
     slow_m, slow_o = make(1)
     slow_t = torch.zeros(W, W)
     NativeBackend().read(str(path), existing={"model": slow_m, "opt": slow_o, "t": slow_t})
@@ -174,14 +175,14 @@ def test_damaged_file_leaves_live_objects_untouched(
     if not mapped:  # the streamed verification used when the file cannot be mapped
         def no_map(*a: Any, **k: Any) -> Any:
             raise OSError("no mmap here")
-        monkeypatch.setattr(native._mmap, "mmap", no_map)
+        monkeypatch.setattr(mmap, "mmap", no_map)
     src_model, src_opt = make(0)
     path = tmp_path / "ck.db"
     write_native(path, {"model": src_model, "opt": src_opt, "tensor": torch.randn(W, W)})
     blob = where.split("-")[0]
     if where == "model-small":  # a bias: staged, not read in place
         off, ln = seg_offset(path, "model", 1)
-        assert ln < native.BIG_SEGMENT
+        assert ln < tuning.BIG_SEGMENT
     else:
         off, ln = big_segment(path, blob)
     flip(path, off + ln // 2)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError
-from epochal.storage import native
-from epochal.storage.native import NativeBackend, NativeFile, write_native
+from epochal.storage import codecs as _codecs
+from epochal.storage.native import NativeBackend, NativeFile, batch, write_native
 
 
 def _blobs() -> dict[str, object]:
@@ -42,7 +42,7 @@ def _blobs() -> dict[str, object]:
 
 def _slow_read(path: Path, monkeypatch: pytest.MonkeyPatch, **kw: object) -> dict[str, object]:
     with monkeypatch.context() as m:
-        m.setattr(native, "_builtin_ndarray_codec", lambda: None)
+        m.setattr(_codecs, "plain_ndarray_codec", lambda: None)
         return NativeBackend().read(str(path), **kw)  # type: ignore[arg-type]
 
 
@@ -76,7 +76,7 @@ def test_fast_path_used_and_stats(tmp_path: Path) -> None:
     path = tmp_path / "x.db"
     write_native(path, blobs)
     with NativeFile(path) as f:
-        small, rest, total = f._read_small_arrays(list(range(len(blobs))), True)
+        small, rest, total = batch.read_small_arrays(f._f, list(range(len(blobs))), True)
     assert len(small) > 250 and "big" not in small and "py" not in small
     assert all(a.tobytes() == np.ascontiguousarray(blobs[k]).tobytes() for k, a in small.items())
     stats = ReadStats()
@@ -170,7 +170,7 @@ def test_candidates_that_do_not_fit_go_to_general_path(tmp_path: Path) -> None:
     write_native(path, blobs)
     names = list(blobs)
     with NativeFile(path) as f:
-        small, rest, total = f._read_small_arrays(list(range(len(blobs))), True)
+        small, rest, total = batch.read_small_arrays(f._f, list(range(len(blobs))), True)
     assert rest == sorted(rest)
     assert sorted([names.index(k) for k in small] + rest) == list(range(len(blobs)))
     assert list(small) == [k for k in names if k in small]  # file order
@@ -219,7 +219,7 @@ def test_save_fast_path_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytes
     fast, slow = tmp_path / "fast.db", tmp_path / "slow.db"
     write_native(fast, blobs)
     with monkeypatch.context() as m:
-        m.setattr(native, "_builtin_ndarray_codec", lambda: None)
+        m.setattr(_codecs, "plain_ndarray_codec", lambda: None)
         write_native(slow, blobs)
     assert fast.read_bytes() == slow.read_bytes()
     with NativeFile(fast) as f:

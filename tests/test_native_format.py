@@ -20,11 +20,12 @@ from epochal.errors import (
     MissingBlobError,
     UnsupportedBlobError,
 )
-from epochal.storage import atomic, checksum, native
+from epochal.storage import atomic, checksum, tuning
 from epochal.storage import codecs as C
 from epochal.storage.base import ReadStats, get_db_type
 from epochal.storage.native import (
     NativeBackend,
+    layout,
     open_native,
     stat_native,
     write_native,
@@ -106,7 +107,7 @@ def db(tmp_path: Path) -> tuple[str, dict[str, Any]]:
 def rewrite_index(path: str, edit: Any) -> None:
     """Apply ``edit(bytearray index) -> bytes`` and fix both checksums, as a crafted file would."""
     raw = bytearray(Path(path).read_bytes())
-    sb = native._SUPER.unpack(bytes(raw[:64]))
+    sb = layout.SUPER.unpack(bytes(raw[:64]))
     ioff, ilen = sb[5], sb[6]
     fn = checksum.checksum_function(checksum.ALGORITHM_NAMES[sb[3]])
     index = bytes(edit(bytearray(raw[ioff : ioff + ilen])))
@@ -114,7 +115,7 @@ def rewrite_index(path: str, edit: Any) -> None:
     raw[ioff:] = index
     fields = list(sb)
     fields[11] = fn(index, 0)
-    body = native._SUPER.pack(*fields)[:60]
+    body = layout.SUPER.pack(*fields)[:60]
     raw[:64] = body + struct.pack("<I", fn(body, 0))
     Path(path).write_bytes(bytes(raw))
 
@@ -123,10 +124,10 @@ def rewrite_superblock(path: str, **changes: int) -> None:
     names = ["magic", "major", "minor", "algo", "align", "ioff", "ilen", "fsize", "nblobs",
              "nsegs", "dbytes", "icrc", "scrc"]
     raw = bytearray(Path(path).read_bytes())
-    fields = list(native._SUPER.unpack(bytes(raw[:64])))
+    fields = list(layout.SUPER.unpack(bytes(raw[:64])))
     for k, v in changes.items():
         fields[names.index(k)] = v
-    body = native._SUPER.pack(*fields)[:60]
+    body = layout.SUPER.pack(*fields)[:60]
     raw[:64] = body + struct.pack("<I", checksum.checksum(body, "crc32c"))
     Path(path).write_bytes(bytes(raw))
 
@@ -183,12 +184,12 @@ def test_empty_db(tmp_path: Path) -> None:
 
 def test_big_and_small_segments_with_small_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Exercise chunked big-segment I/O and coalesced small-segment I/O at test sizes."""
-    monkeypatch.setattr(native, "BIG_SEGMENT", 4096)
-    monkeypatch.setattr(native, "CHUNK", 1000)
-    monkeypatch.setattr(native, "BATCH_BYTES", 3000)
-    monkeypatch.setattr(native, "PREFETCH_MIN", 1000)
-    monkeypatch.setattr(native, "PREFETCH_WINDOW", 5000)
-    monkeypatch.setattr(native, "PREFETCH_STEP", 2000)
+    monkeypatch.setattr(tuning, "BIG_SEGMENT", 4096)
+    monkeypatch.setattr(tuning, "CHUNK", 1000)
+    monkeypatch.setattr(tuning, "BATCH_BYTES", 3000)
+    monkeypatch.setattr(tuning, "PREFETCH_MIN", 1000)
+    monkeypatch.setattr(tuning, "PREFETCH_WINDOW", 5000)
+    monkeypatch.setattr(tuning, "PREFETCH_STEP", 2000)
     rng = np.random.default_rng(2)
     blobs: dict[str, Any] = {f"s{i}": rng.integers(0, 255, int(rng.integers(0, 300)), dtype=np.uint8)
                              for i in range(300)}
@@ -508,7 +509,7 @@ def test_absurd_segment_length(db: tuple[str, dict[str, Any]]) -> None:
 
     def edit(index: bytearray) -> bytearray:
         n = stat_native(path).blob_count
-        pos = native._INDEX_HEAD.size + n * native.REC_DTYPE.itemsize + 8  # segment 0 length
+        pos = layout.INDEX_HEAD.size + n * layout.REC_DTYPE.itemsize + 8  # segment 0 length
         index[pos : pos + 8] = struct.pack("<Q", 2**60)
         return index
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError
-from epochal.storage import native
+from epochal.storage import tuning
 from epochal.storage.base import IO_PROGRESS
-from epochal.storage.native import NativeBackend, NativeFile, write_native
+from epochal.storage.native import NativeBackend, NativeFile, parallel, write_native
 
 
 @pytest.fixture(autouse=True)
 def _small_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_PARALLEL_MIN", 4 << 20)
-    monkeypatch.setattr(native, "READ_PIECE", 1 << 20)
+    monkeypatch.setattr(tuning, "PARALLEL_MIN", 4 << 20)
+    monkeypatch.setattr(tuning, "READ_PIECE", 1 << 20)
 
 
 def _blobs() -> dict[str, Any]:
@@ -56,13 +56,13 @@ def test_parallel_path_is_used_and_exact(tmp_path: Path, monkeypatch: pytest.Mon
     path = tmp_path / "x.db"
     write_native(path, blobs)
     calls: list[int] = []
-    real = native.NativeFile._read_parallel
+    real = parallel.read_parallel
 
-    def spy(self: NativeFile, par: Any, verify: bool, got: list[int]) -> None:
+    def spy(f: Any, par: Any, verify: bool, got: list[int]) -> None:
         calls.append(len(par))
-        real(self, par, verify, got)
+        real(f, par, verify, got)
 
-    monkeypatch.setattr(native.NativeFile, "_read_parallel", spy)
+    monkeypatch.setattr(parallel, "read_parallel", spy)
     _check(NativeBackend().read(str(path)), blobs)
     _check(NativeBackend().read(str(path), verify=False), blobs)
     assert calls == [9, 9]

@@ -17,8 +17,7 @@ from hypothesis.extra import numpy as hnp
 from test_native_format import same
 
 from epochal.errors import CheckpointCorruptError
-from epochal.storage import native
-from epochal.storage.native import NativeBackend, open_native, write_native
+from epochal.storage.native import NativeBackend, layout, open_native, write_native
 
 DTYPES = [
     "<f2", "<f4", ">f4", "<f8", ">f8", "|i1", "<i2", ">i2", "<i4", "<i8", ">i8", "|u1", "<u2",
@@ -144,7 +143,7 @@ def test_random_garbage_never_crashes(victim: bytes, data: st.DataObject) -> Non
 
 def test_exhaustive_single_bit_flips_in_header(victim: bytes) -> None:
     """Every bit of the superblock and of the first index bytes, one at a time."""
-    ioff = native._SUPER.unpack(victim[:64])[5]
+    ioff = layout.SUPER.unpack(victim[:64])[5]
     positions = list(range(64)) + list(range(ioff, min(len(victim), ioff + 96)))
     for pos in positions:
         for bit in range(8):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError
-from epochal.storage import native
-from epochal.storage.native import NativeBackend, NativeFile, write_native
+from epochal.storage.io.local import RWF_NOWAIT
+from epochal.storage.native import NativeBackend, NativeFile, inplace, write_native
 
-pytestmark = pytest.mark.skipif(not native._RWF_NOWAIT, reason="RWF_NOWAIT is Linux-only")
+pytestmark = pytest.mark.skipif(not RWF_NOWAIT, reason="RWF_NOWAIT is Linux-only")
 
 
 def _big() -> dict[str, Any]:
@@ -50,7 +50,7 @@ def _not_cached(monkeypatch: pytest.MonkeyPatch, served: int = 0, error: int = e
     real = os.preadv
 
     def preadv(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
-        if flags & native._RWF_NOWAIT:
+        if flags & RWF_NOWAIT:
             calls.append(offset)
             if not served:
                 raise OSError(error, os.strerror(error))
@@ -115,7 +115,7 @@ def test_in_place_load_when_not_cached(tmp_path: Path, monkeypatch: pytest.Monke
     write_native(path, saved)
     live = {k: torch.zeros_like(v) for k, v in saved.items()}
     ptrs = {k: v.data_ptr() for k, v in live.items()}
-    monkeypatch.setattr(native.NativeFile, "_verify_direct", native.NativeFile._verify_direct_streamed)
+    monkeypatch.setattr(inplace, "verify_direct", inplace.verify_direct_streamed)
     hints = _spy_fadvise(monkeypatch)
     _not_cached(monkeypatch)
     got = NativeBackend().read(str(path), existing=live)
@@ -132,7 +132,7 @@ def test_short_file_still_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     real = os.preadv
 
     def preadv(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
-        if flags & native._RWF_NOWAIT:
+        if flags & RWF_NOWAIT:
             return real(fd, [memoryview(buffers[0]).cast("B")[:4096]], offset)
         return 0  # end of file
 

@@ -45,6 +45,7 @@ from .manifest import (
     manifest_name,
     validate_manifest,
 )
+from .metadata import BaseMetadataHandler
 from .naming import RECORDS_DIR, db_name
 from .retention import RetentionPolicy, epochs_to_delete
 
@@ -323,7 +324,7 @@ def _check_db(backend: Any, path: str, entry: dict[str, Any], level: str) -> lis
     return []
 
 
-class DirectoryMetadataHandler:
+class DirectoryMetadataHandler(BaseMetadataHandler):
     """The seed's metadata handler protocol, with its records in the checkpoint directory.
 
     ``keep_last``/``keep_every``/``keep_best``: retention (see
@@ -669,6 +670,10 @@ class DirectoryMetadataHandler:
         """Let the writer lock go (no-op when not held)."""
         if self._lock is not None:
             self._lock.release()
+
+    def location(self) -> str | None:
+        """The checkpoint directory (None before ``set_params``)."""
+        return self.directory.db_dir if self.directory is not None else None
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None:
         """Bytes per db of the save/load that ``report`` is about to describe."""

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
 from ..storage.base import get_db_type
-from .metadata import MetadataHandler, call_optional
+from .metadata import BaseMetadataHandler, MetadataHandler, with_extensions
 from .naming import check_node_name, db_name, epochs_on_disk
 from .steps import (
     INTERNAL_PREFIX,
@@ -63,6 +63,46 @@ class _HandlerCalls:
     def db_type(self) -> str:
         return self._db_type
 
+    @property
+    def _handler(self) -> BaseMetadataHandler | None:
+        """The handler with the full interface (extensions as no-ops where it lacks them)."""
+        h = self._metadata_handler
+        return None if h is None else with_extensions(h)
+
+    # -- epochal's handler extensions, for the runner (no-ops without a handler)
+    def expect_final(self, epoch: int) -> None:
+        """The stop condition holds at ``epoch``, about to be saved (see the handler doc)."""
+        if self._handler is not None:
+            self._handler.expect_final(epoch)
+
+    def mark_final(self, epoch: int) -> None:
+        """Committed ``epoch`` was the job's last."""
+        if self._handler is not None:
+            self._handler.mark_final(epoch)
+
+    def is_final(self, epoch: int) -> bool:
+        """Whether committed ``epoch`` was a finished job's last."""
+        return bool(self._handler.is_final(epoch)) if self._handler is not None else False
+
+    def flush(self) -> None:
+        """Wait for the handler's background work (a mirror's pushes)."""
+        if self._handler is not None:
+            self._handler.flush()
+
+    def acquire_lock(self) -> None:
+        """Take the handler's writer lock for a run (after ``set_params``)."""
+        if self._handler is not None:
+            self._handler.acquire_lock()
+
+    def release_lock(self) -> None:
+        if self._handler is not None:
+            self._handler.release_lock()
+
+    def location(self) -> str:
+        """Where the checkpoints are, for messages: the handler's directory, else db_prefix."""
+        where = self._handler.location() if self._handler is not None else None
+        return where or self._db_prefix
+
     def write_checkpoint_metadata(self, epoch: int) -> None:
         if self._metadata_handler is not None:
             self._metadata_handler.write(epoch=epoch)
@@ -106,7 +146,8 @@ class _HandlerCalls:
         self.last_report_sizes = dict(sizes)
         logger.debug("%s stats: %s", action_name, stats)
         if self._metadata_handler:
-            call_optional(self._metadata_handler, "report_bytes", action_name, sizes)
+            assert self._handler is not None
+            self._handler.report_bytes(action_name, sizes)
             self._metadata_handler.report(action_name, stats)
 
 

@@ -18,8 +18,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import data
-from .data import Problem
+from .dbs import inspect_blob, inspect_db
+from .diff import diff_dbs
+from .export import export_db
+from .names import RECORDS_DIR
+from .problems import Problem
+from .records import list_prefix, stats_prefix, verify_target
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -136,7 +140,7 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
     other db files (a save that was cut short, or written without records) are listed too.
     """
     out = _out(ctx)
-    listing = data.list_prefix(prefix)
+    listing = list_prefix(prefix)
     if as_json:
         out.json(listing)
         return 0
@@ -175,7 +179,7 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
         table.add_row(*row)
     out.console.print(table)
     if not listing["records"]:
-        out.note(f"note: {prefix} has no {data.RECORDS_DIR}/ records (written without "
+        out.note(f"note: {prefix} has no {RECORDS_DIR}/ records (written without "
                  "DirectoryMetadataHandler): commit state unknown")
     return 0
 
@@ -196,13 +200,13 @@ def inspect_cmd(ctx: click.Context, db: str, blob: str | None, db_type: str | No
     """
     out = _out(ctx)
     if blob is not None:
-        info = data.inspect_blob(db, blob, db_type)
+        info = inspect_blob(db, blob, db_type)
         if as_json:
             out.json(info)
             return 0
         _print_blob(out, info)
         return 0
-    info = data.inspect_db(db, db_type)
+    info = inspect_db(db, db_type)
     if as_json:
         out.json(info)
         return 0
@@ -274,7 +278,7 @@ def verify_cmd(ctx: click.Context, target: str, db_type: str | None, as_json: bo
     files are missing or differ from what was recorded. Exit code 1 when anything is damaged.
     """
     out = _out(ctx)
-    result = data.verify_target(target, db_type)
+    result = verify_target(target, db_type)
     if as_json:
         out.json(result)
         return 0 if result["ok"] else 1
@@ -316,7 +320,7 @@ def diff_cmd(ctx: click.Context, db1: str, db2: str, exit_code: bool, db_type: s
     --exit-code.
     """
     out = _out(ctx)
-    result = data.diff_dbs(db1, db2, db_type)
+    result = diff_dbs(db1, db2, db_type)
     code = 1 if exit_code and not result["identical"] else 0
     if as_json:
         out.json(result)
@@ -368,9 +372,9 @@ def stats_cmd(ctx: click.Context, prefix: str, plot: str | None, show_all: bool,
     is none.
     """
     out = _out(ctx)
-    result = data.stats_prefix(prefix)
+    result = stats_prefix(prefix)
     if not result["records"]:
-        raise Problem(f"{prefix}: no save/load stats recorded (the log in {data.RECORDS_DIR}/ is written by DirectoryMetadataHandler)")
+        raise Problem(f"{prefix}: no save/load stats recorded (the log in {RECORDS_DIR}/ is written by DirectoryMetadataHandler)")
     if plot:
         from .plot import plot_stats
 
@@ -418,7 +422,7 @@ def export_cmd(ctx: click.Context, db: str, fmt: str, out_path: str, db_type: st
     hold (strings for safetensors, None, ...) are skipped and listed.
     """
     out = _out(ctx)
-    result = data.export_db(db, fmt, out_path, db_type)
+    result = export_db(db, fmt, out_path, db_type)
     if as_json:
         out.json(result)
         return 0
@@ -464,7 +468,7 @@ def pull_cmd(ctx: click.Context, url: str, directory: str, epoch: int | None,
     epochs = [epoch] if epoch is not None else list(reversed(mirror.epochs()))
     if not epochs:
         raise Problem(f"no committed epoch at {url}")
-    records = os.path.join(directory, data.RECORDS_DIR)
+    records = os.path.join(directory, RECORDS_DIR)
     last_error: Exception | None = None
     for e in epochs:
         try:

@@ -41,7 +41,7 @@ def run(argv: list[str] | None = None) -> int:
 
     from ..errors import CheckpointError
     from .commands import cli
-    from .data import Problem
+    from .problems import Problem
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .data import Problem
+from .problems import Problem
 
 
 def plot_stats(stats: dict[str, Any], path: str) -> None:
-    """Draw ``stats`` (from :func:`epochal.cli.data.stats_prefix`) into the PNG file ``path``:
+    """Draw ``stats`` (from :func:`epochal.cli.records.stats_prefix`) into the PNG file ``path``:
     seconds per epoch (top) and MB/s per epoch (bottom), one line per (action, node)."""
     try:
         import matplotlib

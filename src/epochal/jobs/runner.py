@@ -18,7 +18,6 @@ epochal is loud instead:
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import os
 import sys
@@ -26,7 +25,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..checkpoint.metadata import call_optional
 from ..errors import (
     BlobMismatchError,
     CheckpointError,
@@ -47,14 +45,6 @@ DEFAULT_DISPLAY = "epochal.progress:TerminalProgress"
 
 #: errors about the values themselves: no retry can make such a save succeed
 FATAL_SAVE_ERRORS = (UnsupportedBlobError, MissingBlobError, BlobMismatchError)
-
-
-def _takes(fn: Any, keyword: str) -> bool:
-    """Whether ``fn`` accepts ``keyword`` (a manager of another class may not)."""
-    try:
-        return keyword in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _quiet() -> bool:
@@ -144,25 +134,13 @@ class JobRunner:
         manager = self.checkpoint_manager
         if ok and manager is not None:
             # called right after report_checkpoint_stats: reuse what it collected
-            sizes: dict[str, int] | None = getattr(manager, "last_report_sizes", None)
-            if sizes is None:  # another manager class: collect (it may not take sizes)
-                sizes = {}
-                try:
-                    manager.collect_checkpoint_stats({}, sizes)
-                except TypeError:
-                    pass
+            sizes = manager.last_report_sizes or {}
             nbytes = sum(sizes.values())
         self._emit("on_checkpoint", CheckpointEvent(action, epoch, time.perf_counter() - start, nbytes, ok, error))
 
     def _where(self) -> str:
-        handler = self._handler()
-        directory = getattr(handler, "directory", None)
-        where = getattr(directory, "db_dir", None) or getattr(self.checkpoint_manager, "db_prefix", None)
-        return str(where) if where else "?"
-
-    def _handler(self) -> Any:
         manager = self.checkpoint_manager
-        return getattr(manager, "metadata_handler", None) if manager else None
+        return str(manager.location()) if manager else "?"
 
     def _say(self, message: str) -> None:
         """Log at INFO and, unless quiet, print on stderr (also without a terminal)."""
@@ -183,18 +161,21 @@ class JobRunner:
             display = _auto_progress(force=bool(self.progress))
             if display is not None:
                 self._active.append(display)
-        handler = self._handler()
+        manager = self.checkpoint_manager
         try:
             with SignalGuard(enabled=self.handle_signals) as guard:
                 epoch = self._train(session, guard)
             # a handler that ships commits in the background (a mirror) finishes them here;
             # not after a second signal ("stop at once")
-            call_optional(handler, "flush")
+            if manager:
+                manager.flush()
         except Exception:
-            call_optional(handler, "flush")
+            if manager:
+                manager.flush()
             raise
         finally:
-            call_optional(handler, "release_lock")
+            if manager:
+                manager.release_lock()
             for listener in self._active:
                 listener.close()
         if self.preempted_by is not None and self.raise_on_preempt:
@@ -220,10 +201,9 @@ class JobRunner:
         if not manager:
             return self.resume_from_epoch, False
         manager.set_params(nodes=job.nodes_to_checkpoint())
-        handler = self._handler()
-        call_optional(handler, "acquire_lock")
-        if handler is None and user_epoch is None:
-            found = call_optional(manager, "existing_epochs")
+        manager.acquire_lock()
+        if manager.metadata_handler is None and user_epoch is None:
+            found = manager.existing_epochs()
             if found:
                 logger.warning(
                     "%s already holds this job's checkpoints (newest: epoch %d), and without a "
@@ -233,13 +213,13 @@ class JobRunner:
                 )
         self.resume_from_epoch = manager.get_resume_from_epoch_id(self.resume_from_epoch)
         resume = self.resume_from_epoch
-        limit = getattr(job, "epoch_limit", None)
+        limit = job.epoch_limit
         if resume is None:
             finished = False
         elif limit is not None:  # the limit in the code now decides, not the saved one
             finished = resume >= limit
         else:
-            finished = user_epoch is None and bool(call_optional(handler, "is_final", resume))
+            finished = user_epoch is None and manager.is_final(resume)
         self.last_committed = resume
         if resume is None:
             self._say(f"starting a new job in {self._where()}")
@@ -256,8 +236,7 @@ class JobRunner:
         if manager:
             logger.info("Preparing checkpoints ...")
             nodes = job.nodes_to_checkpoint()
-            kw = {"exclude": self._output_names()} if _takes(manager.init, "exclude") else {}
-            init = manager.init(nodes, retrieve_from_epoch=resume, **kw)
+            init = manager.init(nodes, retrieve_from_epoch=resume, exclude=self._output_names())
             session.run(init)
             if resume is None:
                 self.save_checkpoints(0, session, wait=not self.async_save)
@@ -300,7 +279,7 @@ class JobRunner:
     def _epochs(self, session: Any, guard: SignalGuard, epoch: int, finished: bool) -> int:
         """The epoch loop; returns the last epoch run (``preempted_by`` set if a signal
         stopped it)."""
-        job, manager, handler = self.job, self.checkpoint_manager, self._handler()
+        job, manager = self.job, self.checkpoint_manager
         while not finished:
             if guard.signum is not None:  # a signal arrived during init or the load
                 self.preempted_by = guard.signum
@@ -317,13 +296,13 @@ class JobRunner:
             if manager and (must or self.cadence.due(epoch)):
                 self._finish_pending(session)
                 if stop:  # lets a handler commit "final" in the same write as the epoch
-                    call_optional(handler, "expect_final", epoch)
+                    manager.expect_final(epoch)
                 wait = not self.async_save or must
                 saved = self.save_checkpoints(epoch, session, wait=wait)
             if stop:
                 logger.info("Stopping")
                 if saved:
-                    call_optional(handler, "mark_final", epoch)
+                    manager.mark_final(epoch)
                 break
             if guard.signum is not None:
                 self.preempted_by = guard.signum
@@ -426,7 +405,7 @@ class JobRunner:
 
     # -- blobs outside the checkpoint
     def _warn_added_blobs(self, epoch: int) -> None:
-        for node, names in (call_optional(self.checkpoint_manager, "added_blobs") or {}).items():
+        for node, names in self.checkpoint_manager.added_blobs().items():
             if names:
                 logger.warning(
                     "Node %r holds blobs that the checkpoint of epoch %d lacks: %s. They keep "
@@ -436,7 +415,7 @@ class JobRunner:
     def _warn_untracked(self) -> None:
         """Warn once per run about each global blob a save left out (not in the blob list)."""
         outputs = set(self._output_names())
-        for node, names in (call_optional(self.checkpoint_manager, "untracked_blobs") or {}).items():
+        for node, names in self.checkpoint_manager.untracked_blobs().items():
             new = [n for n in names if n not in outputs and (node, n) not in self._warned]
             if new:
                 self._warned.update((node, n) for n in new)

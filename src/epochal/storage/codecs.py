@@ -20,8 +20,10 @@ must recognise (:func:`same_memory`) that the bytes are already in place. A form
 ignores the capability stays correct: ``decode`` sees fresh buffers and restores as before.
 
 Codecs are picked by ``accepts(value)`` in registration order (newest first) and found again
-by ``kind`` on load. Integrations (torch, state dicts) register their own codecs; kinds with a
-known prefix import their integration lazily, so the core imports with numpy alone.
+by ``kind`` on load. Integrations (torch) register their own codecs; the lazy table
+(:func:`register_lazy_codecs`: kind prefix -> module name, install hint) imports them on first
+use, by name, so the core imports with numpy alone and storage imports no integration. The
+tree codec (state dicts, containers) is registered by ``epochal.storage`` itself.
 """
 
 from __future__ import annotations
@@ -80,6 +82,25 @@ def _bytes_view(obj: Any) -> memoryview:
     if not mv.c_contiguous:
         mv = memoryview(np.ascontiguousarray(obj))  # type: ignore[arg-type]
     return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
+def flat_segment(seg: Any) -> memoryview:
+    """A flat unsigned-byte view of a segment to be written (copied only if it is not
+    contiguous)."""
+    mv = memoryview(seg)
+    if mv.ndim == 1 and mv.format == "B":
+        return mv
+    if not mv.c_contiguous:
+        return memoryview(mv.tobytes())
+    return mv.cast("B")
+
+
+def flat_writable(b: Any) -> memoryview:
+    """A flat unsigned-byte view of a buffer a codec allocated (or a live target)."""
+    mv = memoryview(b)
+    if mv.ndim == 1 and mv.format == "B":
+        return mv
+    return mv.cast("B")
 
 
 def fresh_buffers(sizes: Sequence[int]) -> list[memoryview]:
@@ -338,11 +359,30 @@ class FrozenCodec:
 # ---------------------------------------------------------------- registry
 _codecs: list[Codec] = []
 _by_kind: dict[str, Codec] = {}
-# kind prefix -> module that registers those codecs when imported
-_lazy_modules: dict[str, str] = {
-    "torch.": "epochal.integrations.torch",
-    "tree": "epochal.storage.tree",
+
+
+@dataclass(frozen=True)
+class LazyCodecs:
+    """Where the codecs of some blob kinds live, imported by name on first use (as fsspec's
+    registry names filesystem classes), so storage imports no integration: ``module``
+    registers them when imported; ``install`` says what to install when that fails;
+    ``value_package``: values whose type lives in this top-level package need it to save."""
+
+    module: str
+    install: str
+    value_package: str | None = None
+
+
+#: blob kind prefix -> the module registering those codecs
+_lazy: dict[str, LazyCodecs] = {
+    "torch.": LazyCodecs("epochal.integrations.torch", "pip install 'epochal[torch]'", "torch"),
 }
+
+
+def register_lazy_codecs(prefix: str, module: str, install: str = "", value_package: str | None = None) -> None:
+    """Load kinds starting with ``prefix`` (and save values of ``value_package``'s types) with
+    the codecs that ``module`` registers when it is first needed."""
+    _lazy[prefix] = LazyCodecs(module, install, value_package)
 
 
 def register_codec(codec: Codec, *, first: bool = True) -> None:
@@ -361,15 +401,12 @@ for _c in (FrozenCodec(), NdarrayCodec(), NumpyScalarCodec(), PyScalarCodec()):
 
 
 def _lazy_import_for_value(value: Any) -> bool:
-    mod = type(value).__module__ or ""
-    if mod.split(".")[0] == "torch":
-        importlib.import_module("epochal.integrations.torch")
-        return True
-    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict") or isinstance(
-        value, (dict, list, tuple)
-    ):
-        importlib.import_module("epochal.storage.tree")
-        return True
+    """Import the lazy codecs for the package of ``value``'s type; False when none apply."""
+    package = (type(value).__module__ or "").split(".")[0]
+    for entry in _lazy.values():
+        if entry.value_package == package:
+            importlib.import_module(entry.module)
+            return True
     return False
 
 
@@ -392,17 +429,35 @@ def codec_for_kind(kind: str) -> Codec:
     """The codec that reads ``kind``; ValueError if no codec (or lazy integration) knows it."""
     codec = _by_kind.get(kind)
     if codec is None:
-        for prefix, module in _lazy_modules.items():
+        for prefix, entry in _lazy.items():
             if kind.startswith(prefix):
                 try:
-                    importlib.import_module(module)
+                    importlib.import_module(entry.module)
                 except ImportError as e:
-                    raise ValueError(f"blob kind {kind!r} needs {module}: {e}") from e
+                    hint = f" ({entry.install})" if entry.install else ""
+                    raise ValueError(f"blob kind {kind!r} needs {entry.module}: {e}{hint}") from e
                 codec = _by_kind.get(kind)
                 break
     if codec is None:
         raise ValueError(f"unknown blob kind {kind!r}")
     return codec
+
+
+_PROBE = np.zeros(1, dtype=np.float32)
+
+
+def plain_ndarray_codec() -> NdarrayCodec | None:
+    """The built-in NdarrayCodec when it is the codec for plain arrays (both ways), else None
+    (someone registered their own: the formats' fast paths for plain arrays then step aside)."""
+    codec = _by_kind.get("ndarray")
+    if type(codec) is not NdarrayCodec:
+        return None
+    for c in _codecs:
+        if c is codec:
+            return codec
+        if c.accepts(_PROBE):  # a codec ahead of it claims plain arrays
+            return None
+    return None
 
 
 def encode(value: Any, name: str = "?") -> Encoded:

@@ -15,8 +15,8 @@ the tensor bytes back to back):
   damage to data or to the blob list is detected on load (safetensors itself has no checksums).
   ``"format": "pt"`` is set so transformers accepts the file.
 
-The file is written by epochal itself, streaming from the arrays' memory through
-:mod:`.atomic` (temp name, fsync, rename, directory fsync), so the safetensors package is not
+The file is written by epochal itself, streaming from the arrays' memory through the byte
+store of :mod:`epochal.storage.io` (local: temp name, fsync, rename, directory fsync), so the safetensors package is not
 needed to write or read; files written by other tools (no ``epochal.blobs``) are read too, one
 ndarray blob per tensor. Nothing is pickled or evaluated.
 """
@@ -35,14 +35,16 @@ import numpy as np
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
     MissingBlobError,
     UnsupportedBlobError,
 )
-from . import atomic
+from . import atomic, tuning
 from . import codecs as _codecs
-from .base import BlobInfo, DbBackend, ReadStats, register_db_type, report_progress
+from .base import BlobInfo, DbBackend, DbStat, ReadStats, register_db_type, report_progress
 from .checksum import Checksummer, checksum_function, default_algorithm, format_checksum
+from .codecs import flat_segment
+from .io.reads import read_exact
+from .io.seam import ByteSource, committed, store_for
 
 __all__ = ["SafetensorsBackend", "SAFETENSORS_DTYPES"]
 
@@ -83,7 +85,7 @@ class SafetensorsBackend(DbBackend):
             if not isinstance(name, str):
                 raise UnsupportedBlobError(f"blob name {name!r} is not a str")
             enc = _codecs.encode(value, name)
-            segs = [_flat(s) for s in enc.segments]
+            segs = [flat_segment(s) for s in enc.segments]
             rec: dict[str, Any] = {"name": name, "kind": enc.kind, "meta": enc.meta, "segs": []}
             st_dtype = (
                 SAFETENSORS_DTYPES.get(enc.meta.get("dtype", ""))
@@ -137,8 +139,8 @@ class SafetensorsBackend(DbBackend):
         head = header_bytes()
         data_len = sum(t[3].nbytes for t in tensors)
         total = 8 + len(head) + data_len
-        with atomic.AtomicFile(path, size=total) as out:
-            out.seek(8 + len(head))
+        with committed(store_for(path).create(path, size=total)) as out:
+            out.write(struct.pack("<Q", len(head)) + head)  # placeholder, same length as the final
             with Checksummer(fn, len(tensors)) as ck:
                 batch: list[Any] = []
                 todo: list[tuple[int, Any]] = []
@@ -147,7 +149,7 @@ class SafetensorsBackend(DbBackend):
                     batch.append(seg)
                     todo.append((k, seg))
                     nbytes += seg.nbytes
-                    if nbytes >= 8 << 20 or len(batch) >= atomic.IOV_MAX:
+                    if nbytes >= tuning.STREAM_BATCH or len(batch) >= atomic.IOV_MAX:
                         ck.submit(todo)
                         out.write(batch)
                         report_progress(nbytes)
@@ -162,25 +164,21 @@ class SafetensorsBackend(DbBackend):
             final = header_bytes()
             if len(final) != len(head):  # pragma: no cover - crcs are fixed width
                 raise AssertionError("safetensors header changed size")
-            out.seek(0)
-            out.write(struct.pack("<Q", len(final)) + final)
+            out.patch(0, struct.pack("<Q", len(final)) + final)
         return total
 
     # ------------------------------------------------------------------ read
-    def _open(self, path: str) -> tuple[int, _Header]:
+    def _open(self, path: str) -> tuple[ByteSource, _Header]:
+        src = store_for(path).open_read(path, what="safetensors db")
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(2, "no such safetensors db file", path) from None
-        try:
-            return fd, _Header(path, fd)
+            return src, _Header(path, src)
         except BaseException:
-            os.close(fd)
+            src.close()
             raise
 
     def describe(self, path: str) -> list[BlobInfo]:
-        fd, h = self._open(path)
-        os.close(fd)
+        src, h = self._open(path)
+        src.close()
         out = []
         for rec in h.records:
             sizes = [h.seg_size(rec, s) for s in rec["segs"]]
@@ -201,9 +199,26 @@ class SafetensorsBackend(DbBackend):
 
     def digest(self, path: str) -> str | None:
         """CRC of the header (which holds every segment's CRC) plus the file size."""
-        fd, h = self._open(path)
-        os.close(fd)
-        return f"safetensors:{h.header_crc:08x}:{h.file_size}"
+        src, h = self._open(path)
+        src.close()
+        return h.digest
+
+    def stat(self, path: str) -> DbStat:
+        """From the header alone; the checksum algorithm only for files epochal wrote."""
+        src, h = self._open(path)
+        src.close()
+        data = sum(h.seg_size(rec, seg) for rec in h.records for seg in rec["segs"])
+        return DbStat(
+            path, self.name, h.file_size, len(h.records), data, h.digest,
+            None, h.algorithm if h.has_crcs else None,
+        )
+
+    def sniff(self, head: bytes, size: int) -> bool:
+        """An 8-byte little-endian header length that fits the file, then a JSON object."""
+        if len(head) <= 8 or head[8:9] != b"{":
+            return False
+        n = int.from_bytes(head[:8], "little")
+        return 0 < n < MAX_HEADER and n + 8 <= size
 
     def read(
         self,
@@ -216,7 +231,7 @@ class SafetensorsBackend(DbBackend):
         stats: ReadStats | None = None,
     ) -> dict[str, Any]:
         path = os.fspath(path)
-        fd, h = self._open(path)
+        src, h = self._open(path)
         try:
             if names is None:
                 recs = list(h.records)
@@ -244,7 +259,7 @@ class SafetensorsBackend(DbBackend):
                 sizes = [h.seg_size(rec, s) for s in rec["segs"]]
                 try:
                     codec = _codecs.codec_for_kind(kind)
-                    bufs = [_flat(b) for b in codec.allocate(meta, sizes)]
+                    bufs = [flat_segment(b) for b in codec.allocate(meta, sizes)]
                 except CheckpointError:
                     raise
                 except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError) as e:
@@ -264,8 +279,7 @@ class SafetensorsBackend(DbBackend):
                         buf[:] = raw
                     else:
                         begin, _end = h.tensor_range(seg["tensor"], rec["name"])
-                        _pread_into(path, fd, buf, h.data_start + begin, rec["name"])
-                        report_progress(buf.nbytes)
+                        read_exact(src, [buf], h.data_start + begin, rec["name"])
                     if verify and h.has_crcs:
                         if fn is None or fn(buf, 0) != int(seg.get("crc", "0"), 16):
                             raise _corrupt(path, "data checksum mismatch (blob damaged)", rec["name"])
@@ -285,43 +299,26 @@ class SafetensorsBackend(DbBackend):
                     stats.nbytes += sum(b.nbytes for b in bufs)
             return out
         finally:
-            os.close(fd)
-
-
-def _flat(seg: Any) -> memoryview:
-    mv = memoryview(seg)
-    if mv.ndim == 1 and mv.format == "B":
-        return mv
-    if not mv.c_contiguous:
-        return memoryview(mv.tobytes())
-    return mv.cast("B")
-
-
-def _pread_into(path: str, fd: int, buf: memoryview, offset: int, blob: str) -> None:
-    done = 0
-    while done < buf.nbytes:
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise _corrupt(path, "file is truncated", blob)
-        done += n
+            src.close()
 
 
 class _Header:
     """The parsed, validated header of a safetensors file."""
 
-    def __init__(self, path: str, fd: int) -> None:
+    def __init__(self, path: str, src: ByteSource) -> None:
         self.path = path
-        self.file_size = os.fstat(fd).st_size
-        raw = os.pread(fd, 8, 0)
+        self.file_size = src.size()
+        raw = src.read(8, 0)
         if len(raw) < 8:
             raise _corrupt(path, "file is truncated: no safetensors header")
         (n,) = struct.unpack("<Q", raw)
         if n > MAX_HEADER or 8 + n > self.file_size:
             raise _corrupt(path, f"absurd safetensors header length {n}")
-        text = os.pread(fd, n, 8)
+        text = src.read(n, 8)
         if len(text) != n:
             raise _corrupt(path, "file is truncated inside the header")
         self.header_crc = checksum_function("crc32")(text, 0)
+        self.digest = f"safetensors:{self.header_crc:08x}:{self.file_size}"
         try:
             header = json.loads(text)
         except (ValueError, RecursionError):

@@ -1,0 +1,200 @@
+"""A checkpoint directory as the commands see it: epochs, files, commit records, pins and
+the save/load stats log (``epochal ls``, ``verify PREFIX``, ``stats``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CheckpointError
+from .dbs import verify_file
+from .names import RECORDS_DIR, parse_db_name
+from .problems import Problem, one_line
+from .values import iso_time
+
+__all__ = ["Records", "list_prefix", "stats_prefix", "verify_target"]
+
+
+class Records:
+    """The CLI's view of a checkpoint directory: the records of
+    :class:`epochal.checkpoint.directory.CheckpointDirectory` when that module is present,
+    else what the file names alone tell (``<node>.<epoch>``, nothing committed)."""
+
+    def __init__(self, prefix: str) -> None:
+        if not os.path.isdir(prefix):
+            if os.path.exists(prefix):
+                raise Problem(f"{prefix}: not a directory (give the db_prefix directory of a job)")
+            raise Problem(f"{prefix}: no such directory")
+        self.prefix = prefix
+        self.has_records = os.path.isdir(os.path.join(prefix, RECORDS_DIR))
+        self._dir: Any = None
+        try:
+            from ..checkpoint.directory import CheckpointDirectory
+        except ImportError:
+            return
+        try:
+            self._dir = CheckpointDirectory(prefix)
+        except (CheckpointError, OSError, ValueError) as e:
+            raise Problem(one_line(e, prefix)) from None
+
+    def _call(self, method: str, *args: Any, default: Any = None) -> Any:
+        fn = getattr(self._dir, method, None) if self._dir is not None else None
+        if fn is None:
+            return default
+        try:
+            return fn(*args)
+        except (CheckpointError, OSError, ValueError) as e:
+            raise Problem(one_line(e, self.prefix)) from None
+
+    def scan(self) -> dict[int, dict[str, str]]:
+        """epoch -> {node: db path} of every db file present, committed or not."""
+        found = self._call("scan")
+        if found is not None:
+            return {int(e): dict(nodes) for e, nodes in found.items()}
+        out: dict[int, dict[str, str]] = {}
+        for entry in sorted(os.listdir(self.prefix)):
+            full = os.path.join(self.prefix, entry)
+            parsed = parse_db_name(entry)
+            if parsed is None or not os.path.isfile(full):
+                continue
+            out.setdefault(parsed[1], {})[parsed[0]] = full
+        return out
+
+    def committed(self) -> list[int]:
+        return sorted(int(e) for e in self._call("committed_epochs", default=[]) or [])
+
+    def manifest(self, epoch: int) -> dict[str, Any] | None:
+        try:
+            m = self._call("manifest", epoch)
+        except Problem:
+            return None
+        return m if isinstance(m, dict) else None
+
+    def pins(self) -> set[int]:
+        return {int(e) for e in self._call("pins", default=set()) or set()}
+
+    def stats(self) -> list[dict[str, Any]]:
+        return list(self._call("stats", default=[]) or [])
+
+    def verify_epoch(self, epoch: int) -> list[str]:
+        """Problems of a committed epoch's records (missing files, sizes, digests)."""
+        return [str(p) for p in self._call("verify_epoch", epoch, False, default=[]) or []]
+
+
+def _file_record(path: str | None) -> dict[str, Any]:
+    if path is None or not os.path.exists(path):
+        return {"path": path, "present": False, "size": None, "modified": None}
+    st = os.stat(path)
+    return {"path": path, "present": True, "size": st.st_size, "modified": iso_time(st.st_mtime)}
+
+
+def list_prefix(prefix: str) -> dict[str, Any]:
+    """``epochal ls``: every epoch with its db files per node, commit state, sizes, times, pins."""
+    rec = Records(prefix)
+    present = rec.scan()
+    committed = set(rec.committed())
+    pins = rec.pins()
+    manifests = {e: rec.manifest(e) for e in sorted(committed)}
+    nodes: list[str] = []
+    for e in sorted(set(present) | committed):
+        m = manifests.get(e) or {}
+        for n in list((m.get("nodes") or {}).keys()) + sorted(present.get(e, {})):
+            if n not in nodes:
+                nodes.append(n)
+    epochs = []
+    for e in sorted(set(present) | committed):
+        m = manifests.get(e) or {}
+        mnodes: dict[str, Any] = m.get("nodes") or {}
+        files: dict[str, Any] = {}
+        for n in nodes:
+            path = present.get(e, {}).get(n)
+            if path is None and n in mnodes:
+                path = os.path.join(prefix, str(mnodes[n].get("file") or f"{n}.{e}"))
+            if path is None:
+                continue
+            files[n] = _file_record(path)
+            if n in mnodes:
+                files[n]["recorded_size"] = mnodes[n].get("size")
+        is_committed = e in committed
+        final = bool(m.get("final")) if is_committed else False
+        missing = [n for n, f in files.items() if not f["present"]]
+        if is_committed and missing:
+            state = "missing files"
+        elif is_committed:
+            state = "final" if final else "committed"
+        elif rec.has_records:
+            state = "uncommitted"
+        else:
+            state = "unknown"
+        times = [f["modified"] for f in files.values() if f["modified"]]
+        epochs.append({
+            "epoch": e,
+            "state": state,
+            "committed": is_committed if rec.has_records else None,
+            "final": final,
+            "pinned": e in pins,
+            "db_type": m.get("db_type"),
+            "created": m.get("created") or (max(times) if times else None),
+            "size": sum(f["size"] or 0 for f in files.values()),
+            "files": files,
+            "missing": missing,
+        })
+    return {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs}
+
+
+def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
+    """``epochal verify PREFIX|DB``: every db file of a prefix (or the one db), and every
+    committed epoch's records (files missing, sizes and digests not as recorded)."""
+    if not os.path.isdir(target):
+        f = verify_file(target, db_type)
+        return {"target": target, "ok": f["ok"], "files": [f], "epochs": []}
+    rec = Records(target)
+    present = rec.scan()
+    files = []
+    for e in sorted(present):
+        for node in sorted(present[e]):
+            files.append(verify_file(present[e][node], db_type))
+    epochs = []
+    for e in rec.committed():
+        probs = rec.verify_epoch(e)
+        epochs.append({"epoch": e, "ok": not probs, "problems": probs})
+    ok = all(f["ok"] for f in files) and all(e["ok"] for e in epochs)
+    return {"target": target, "ok": ok, "files": files, "epochs": epochs}
+
+
+def stats_prefix(prefix: str) -> dict[str, Any]:
+    """``epochal stats PREFIX``: every save/load record of the stats log with seconds and
+    throughput, and a summary per (action, node)."""
+    rec = Records(prefix)
+    rows = []
+    for r in rec.stats():
+        ns = int(r.get("ns") or 0)
+        nbytes = r.get("bytes")
+        seconds = ns / 1e9
+        rows.append({
+            "time": r.get("time"),
+            "action": str(r.get("action")),
+            "epoch": r.get("epoch"),
+            "node": r.get("node"),
+            "db": r.get("db"),
+            "seconds": seconds,
+            "bytes": nbytes,
+            "mb_per_s": (nbytes / 1e6 / seconds) if nbytes and seconds > 0 else None,
+        })
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["action"], str(r["node"])), []).append(r)
+    summary = []
+    for (action, node), rs in sorted(groups.items()):
+        secs = [r["seconds"] for r in rs]
+        total_bytes = sum(int(r["bytes"] or 0) for r in rs)
+        summary.append({
+            "action": action,
+            "node": node,
+            "count": len(rs),
+            "mean_seconds": sum(secs) / len(secs),
+            "max_seconds": max(secs),
+            "total_bytes": total_bytes,
+            "mb_per_s": (total_bytes / 1e6 / sum(secs)) if total_bytes and sum(secs) > 0 else None,
+        })
+    return {"prefix": prefix, "records": rows, "summary": summary}

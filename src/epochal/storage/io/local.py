@@ -1,0 +1,125 @@
+"""The local file as the first :mod:`byte store <epochal.storage.io.seam>`.
+
+Reads are ``preadv`` on one file descriptor (thread-safe, no shared position), with
+``RWF_NOWAIT`` to learn whether the page cache can serve a read, ``posix_fadvise(WILLNEED)``
+hints and ``mmap``. Writes go through :class:`epochal.storage.atomic.AtomicFile`: a temp
+name in the same directory, write-behind (``sync_file_range``) as the stream goes, then
+fsync, rename and directory fsync at commit; an abort removes the temp file.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap as _mmap
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import CheckpointNotFoundError
+from .. import atomic
+
+__all__ = ["RWF_NOWAIT", "LocalSink", "LocalSource", "LocalStore"]
+
+#: ``preadv`` flag: fail (EAGAIN) rather than wait for the disk (Linux 4.14+); 0 elsewhere
+RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
+
+_O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class LocalSource:
+    """A local file open for reading (see :class:`~epochal.storage.io.seam.ByteSource`)."""
+
+    def __init__(self, path: str, what: str = "db") -> None:
+        self.name = path
+        try:
+            self.fd = os.open(path, _O_READ)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(errno.ENOENT, f"no such {what} file", path) from None
+        self.nowait = bool(RWF_NOWAIT)
+        self._hints = hasattr(os, "posix_fadvise")
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def read_into(self, views: Sequence[memoryview], offset: int, *, nowait: bool = False) -> int:
+        if nowait:
+            return os.preadv(self.fd, views, offset, RWF_NOWAIT)
+        return os.preadv(self.fd, views, offset)
+
+    def read(self, nbytes: int, offset: int) -> bytes:
+        """Up to ``nbytes`` bytes at ``offset`` (fewer at the end of the file)."""
+        return os.pread(self.fd, nbytes, offset)
+
+    def map(self, *, sequential: bool = False) -> Any | None:
+        try:
+            mm = _mmap.mmap(self.fd, 0, access=_mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None
+        if sequential and hasattr(mm, "madvise") and hasattr(_mmap, "MADV_SEQUENTIAL"):
+            mm.madvise(_mmap.MADV_SEQUENTIAL)
+        return mm
+
+    def hint(self, offset: int, nbytes: int) -> bool:
+        if not self._hints:
+            return False
+        try:
+            os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        try:
+            if self.fd >= 0:
+                os.close(self.fd)
+        except (AttributeError, OSError):
+            pass
+
+
+class LocalSink:
+    """A new local file through :class:`~epochal.storage.atomic.AtomicFile` (see
+    :class:`~epochal.storage.io.seam.ByteSink`)."""
+
+    def __init__(self, path: str, size: int | None = None) -> None:
+        self.name = path
+        self._file = atomic.AtomicFile(path, size=size)
+        self._file.__enter__()
+
+    def write(self, buffer: Any) -> int:
+        return self._file.write(buffer)
+
+    def patch(self, offset: int, data: Any) -> None:
+        self._file.seek(offset)
+        self._file.write(data)
+
+    def commit(self) -> None:
+        try:
+            self._file.commit()
+        except BaseException:
+            self._file.abort()
+            raise
+
+    def abort(self) -> None:
+        self._file.abort()
+
+
+class LocalStore:
+    """Files on the local disk (see :class:`~epochal.storage.io.seam.ByteStore`)."""
+
+    def open_read(self, path: str, *, what: str = "db") -> LocalSource:
+        return LocalSource(path, what)
+
+    def create(self, path: str, size: int | None = None) -> LocalSink:
+        return LocalSink(path, size)
+
+    def exists(self, path: str) -> bool:
+        try:
+            with open(path, "rb"):
+                return True
+        except OSError:
+            return False

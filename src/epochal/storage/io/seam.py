@@ -1,0 +1,174 @@
+"""The byte-level seam under every format: where a db file's bytes come from and go to.
+
+A format (``native``, ``safetensors``) decides *what* the bytes are; a byte store decides
+*where* they live and *how* they are moved. Formats only ever call these methods, never
+``os.*``, so a second kind of store (object storage through fsspec) goes behind the same
+seam without touching a format. Style after PyTorch DCP's ``StorageWriter``/``StorageReader``
+(the docstrings give the call order) and torchsnapshot's ``StoragePlugin``.
+
+Reading — a :class:`ByteSource` is expected to see this sequence of calls::
+
+    src = store.open_read(path)     # CheckpointNotFoundError naming the path when absent
+    src.size()                      # total bytes, once, before any read
+    src.read(nbytes, offset)        # } any number, any order, from several threads at once
+    src.read_into(views, offset)    # }
+    src.map()                       # optional: a read-only map of the whole file, or None
+    src.hint(offset, nbytes)        # optional: "these bytes are wanted soon"
+    src.close()                     # once; maps already handed out stay valid
+
+Writing — a :class:`ByteSink` is expected to see::
+
+    sink = store.create(path, size)  # nothing is visible under ``path`` yet
+    sink.write(buffer_or_buffers)    # any number: an append-only stream, in file order
+    sink.patch(offset, data)         # optional, after the last write: fill in a header
+    sink.commit()                    # durable: ``path`` is now the whole new file
+    # or sink.abort() on any error:  ``path`` keeps its old content (or stays absent)
+
+A crash or an exception anywhere before ``commit`` returns leaves the previous file (or
+none) under ``path``, never a partial one.
+
+An fsspec store (next): ``open_read`` wraps ``fs.open(path, "rb")``; ``size`` is
+``fs.info(path)["size"]``; ``read`` and ``read_into`` are ranged reads (``fs.cat_file(path, start, end)``
+copied into the views; thread-safe because each call is its own request); ``map`` returns
+None and ``hint`` may prefetch ranges into a cache or do nothing; ``nowait`` is False.
+``create`` stages the stream to a local temp file (or a multipart upload, buffering the
+first part until ``patch``), and ``commit`` uploads to a temporary key, checks its size and
+moves it into place (what :func:`epochal.storage.remote.upload_file` does today), so a
+reader of the final key never sees a partial object. Register it for its URL schemes with
+:func:`register_store`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol, runtime_checkable
+
+from .local import LocalStore
+
+__all__ = [
+    "ByteSink",
+    "ByteSource",
+    "ByteStore",
+    "committed",
+    "register_store",
+    "store_for",
+]
+
+
+@runtime_checkable
+class ByteSource(Protocol):
+    """Random-access reads of one stored file (see the module docstring for the call order)."""
+
+    #: the file's name in error messages (a path or a URL)
+    name: str
+    #: True when ``read_into(..., nowait=True)`` can tell "not cached" from "read" (a local
+    #: file on Linux); a source without it is treated as never cached
+    nowait: bool
+
+    def size(self) -> int:
+        """The file's length in bytes."""
+        ...
+
+    def read(self, nbytes: int, offset: int) -> bytes:
+        """Up to ``nbytes`` bytes at ``offset`` (fewer only at the end of the file, or on an
+        interrupted call); for small reads such as headers. Thread-safe."""
+        ...
+
+    def read_into(self, views: Sequence[memoryview], offset: int, *, nowait: bool = False) -> int:
+        """Fill ``views`` in order with the bytes from ``offset`` on; return how many bytes
+        were read (fewer only at the end of the file, or on an interrupted call: the caller
+        continues). ``nowait``: read only what is at hand without waiting for the device
+        (raises OSError, e.g. EAGAIN, or returns a short count when it would wait).
+        Thread-safe."""
+        ...
+
+    def map(self, *, sequential: bool = False) -> Any | None:
+        """A read-only memory map of the whole file (an ``mmap.mmap``: buffer protocol,
+        ``close()``), or None when the store cannot map. ``sequential``: it will be read
+        front to back once. The caller closes it."""
+        ...
+
+    def hint(self, offset: int, nbytes: int) -> bool:
+        """Ask the store to start fetching ``[offset, offset + nbytes)``; False when the
+        store takes no hints (then none are given again)."""
+        ...
+
+    def close(self) -> None:
+        """Release the file (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class ByteSink(Protocol):
+    """One new file, streamed then committed durably (see the module docstring)."""
+
+    #: the final name in error messages
+    name: str
+
+    def write(self, buffer: Any) -> int:
+        """Append one bytes-like object, or a list of them in order (written without copies
+        where the store can: ``writev``); return the bytes appended."""
+        ...
+
+    def patch(self, offset: int, data: Any) -> None:
+        """Overwrite bytes already written at ``offset`` (a header filled in at the end).
+        Only after the last :meth:`write`."""
+        ...
+
+    def commit(self) -> None:
+        """Make the whole file durable under its final name (atomically replacing any old one)."""
+        ...
+
+    def abort(self) -> None:
+        """Drop everything written; the final name is untouched. Never raises."""
+        ...
+
+
+class ByteStore(Protocol):
+    """Where files live: opens sources and creates sinks by path."""
+
+    def open_read(self, path: str, *, what: str = "db") -> ByteSource:
+        """An open source for ``path``; CheckpointNotFoundError naming it when absent
+        (``what``: the kind of file, for that message)."""
+        ...
+
+    def create(self, path: str, size: int | None = None) -> ByteSink:
+        """A sink that becomes ``path`` on commit. ``size`` (when known) is checked against
+        the free space first (OSError(ENOSPC) naming the file); a missing parent directory
+        raises FileNotFoundError."""
+        ...
+
+    def exists(self, path: str) -> bool:
+        """True when ``path`` can be opened for reading."""
+        ...
+
+
+_stores: dict[str, Callable[[], ByteStore]] = {}
+_LOCAL = LocalStore()  # stateless: one for the process
+
+
+def register_store(scheme: str, factory: Callable[[], ByteStore]) -> None:
+    """Make paths ``scheme://...`` use the store ``factory()`` builds (e.g. an fsspec store)."""
+    _stores[scheme] = factory
+
+
+def store_for(path: str | os.PathLike[str]) -> ByteStore:
+    """The store of ``path``: a registered one for ``scheme://`` URLs, else the local disk."""
+    scheme, sep, _ = os.fspath(path).partition("://")
+    if sep and scheme in _stores:
+        return _stores[scheme]()
+    return _LOCAL
+
+
+@contextmanager
+def committed(sink: ByteSink) -> Iterator[ByteSink]:
+    """``with committed(store.create(path, size)) as sink:``: commit on a clean exit, abort
+    (and re-raise) on any exception."""
+    try:
+        yield sink
+    except BaseException:
+        sink.abort()
+        raise
+    sink.commit()

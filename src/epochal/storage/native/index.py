@@ -1,0 +1,282 @@
+"""The native index: parsing and structural validation from bytes alone.
+
+The index is the file's table of contents (docs/format.md): blob and segment tables, the
+name-sorted order, the names heap and one JSON array of the distinct ``[kind, meta]`` pairs.
+:class:`Index` checks its checksum and that every length and offset stays inside the file
+and tiles it (so a crafted or buggy file cannot point anywhere else), then answers lookups.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import codecs as _codecs
+from ..base import BlobInfo
+from ..checksum import checksum_function, format_checksum
+from .layout import (
+    ALIGN,
+    INDEX_HEAD,
+    INDEX_MAGIC,
+    MOFF_DTYPE,
+    ORDER_DTYPE,
+    REC_DTYPE,
+    SEG_DTYPE,
+    SUPERBLOCK_SIZE,
+    Header,
+    corrupt,
+)
+
+__all__ = ["Columns", "Index"]
+
+
+@dataclass
+class Columns:
+    seg_first: list[int]
+    seg_count: list[int]
+    offsets: list[int]
+    lengths: list[int]
+    pads: list[int]
+    crcs: list[int]
+
+
+class Index:
+    """The parsed, verified index of one file, from its bytes alone (no file is read here).
+
+    Tables are numpy views of the index bytes; names and metas are decoded lazily (a few
+    by bisection, or all at once for a bulk load) and cached."""
+
+    def __init__(self, path: str, header: Header, raw: bytes) -> None:
+        self.path = path
+        self.header = header
+        self.fn = checksum_function(header.algorithm)
+        if len(raw) != header.index_length:
+            raise corrupt(path, "file is truncated inside the index")
+        if self.fn(raw, 0) != header.index_crc:
+            raise corrupt(path, "index checksum mismatch (header damaged)")
+        magic, _flags, names_len, metas_len, nmetas, _ = INDEX_HEAD.unpack_from(raw, 0)
+        n, nseg = header.blob_count, header.seg_count
+        if magic != INDEX_MAGIC:
+            raise corrupt(path, "bad index magic")
+        expect = (
+            INDEX_HEAD.size + n * REC_DTYPE.itemsize + nseg * SEG_DTYPE.itemsize
+            + nmetas * MOFF_DTYPE.itemsize + n * 4 + names_len + metas_len
+        )
+        if expect != len(raw):
+            raise corrupt(path, f"absurd index counts ({n} blobs, {nseg} segments, {nmetas} metas)")
+        pos = INDEX_HEAD.size
+
+        def table(dtype: np.dtype, count: int) -> np.ndarray:
+            nonlocal pos
+            arr = np.frombuffer(raw, dtype=dtype, count=count, offset=pos)
+            pos += arr.nbytes
+            return arr
+
+        self.recs = table(REC_DTYPE, n)
+        self.segs = table(SEG_DTYPE, nseg)
+        self.moffs = table(MOFF_DTYPE, nmetas)
+        self.order = table(ORDER_DTYPE, n)
+        self.names_heap = raw[pos : pos + names_len]
+        self.metas_text = raw[pos + names_len :]
+        self._validate()
+        self._names: list[str] | None = None
+        self._ids: dict[str, int] | None = None
+        self._metas: list[Any] | None = None
+        self._meta_cache: dict[int, tuple[str, dict[str, Any]]] = {}
+        self._cols: Columns | None = None
+        self._entries: list[tuple[str, dict[str, Any]]] | None = None
+        self._meta_id_list: list[int] | None = None
+
+    def _validate(self) -> None:
+        """Structural checks (the checksum catches damage; these catch a writer bug or a
+        crafted file, so that no length can point outside the file or overlap)."""
+        path, recs, segs = self.path, self.recs, self.segs
+        n, nseg = len(recs), len(segs)
+        off = segs["offset"].astype(np.int64)
+        length = segs["length"].astype(np.int64)
+        pad = segs["pad"].astype(np.int64)
+        if nseg:
+            ends = off + length + pad
+            if (
+                off[0] != SUPERBLOCK_SIZE
+                or np.any(off % ALIGN)
+                or np.any(pad >= ALIGN)
+                or np.any(length < 0)
+                or np.any(ends[:-1] != off[1:])
+                or ends[-1] != self.header.index_offset
+            ):
+                raise corrupt(path, "segment table does not tile the data area")
+        elif self.header.index_offset != SUPERBLOCK_SIZE:
+            raise corrupt(path, "data area without segments")
+        if int(length.sum()) != self.header.data_bytes:
+            raise corrupt(path, "segment lengths do not add up to the data size")
+        if n:
+            cnt = recs["seg_count"].astype(np.int64)
+            first = recs["seg_first"].astype(np.int64)
+            noff = recs["name_off"].astype(np.int64)
+            nlen = recs["name_len"].astype(np.int64)
+            if (
+                first[0] != 0
+                or np.any(first[1:] != (first + cnt)[:-1])
+                or first[-1] + cnt[-1] != nseg
+                or np.any(noff + nlen > len(self.names_heap))
+                or np.any(recs["meta_id"] >= len(self.moffs))
+                or np.any(self.order >= n)
+            ):
+                raise corrupt(path, "blob table is inconsistent")
+        elif nseg:
+            raise corrupt(path, "segments without blobs")
+        mo = self.moffs["off"].astype(np.int64) + self.moffs["len"].astype(np.int64)
+        if len(mo) and np.any(mo > len(self.metas_text)):
+            raise corrupt(path, "meta table points outside the index")
+
+    # ---- names
+    def name(self, i: int) -> str:
+        if self._names is not None:
+            return self._names[i]
+        r = self.recs[i]
+        return self._decode_name(int(r["name_off"]), int(r["name_len"]))
+
+    def _decode_name(self, off: int, ln: int) -> str:
+        try:
+            return self.names_heap[off : off + ln].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            raise corrupt(self.path, "blob name is not UTF-8") from None
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            heap = self.names_heap
+            try:
+                self._names = [
+                    heap[o : o + ln].decode("utf-8", "surrogatepass")
+                    for o, ln in zip(self.recs["name_off"].tolist(), self.recs["name_len"].tolist())
+                ]
+            except UnicodeDecodeError:
+                raise corrupt(self.path, "blob name is not UTF-8") from None
+        return self._names
+
+    def find(self, name: str) -> int | None:
+        """The blob index of ``name``: a dict once all names are decoded, else a bisection of
+        the name-sorted table that touches only ~log2(n) names."""
+        if self._ids is not None:
+            return self._ids.get(name)
+        key = name.encode("utf-8", "surrogatepass")
+        heap, order = self.names_heap, self.order
+        offs, lens = self.recs["name_off"], self.recs["name_len"]
+        lo, hi = 0, len(order)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            i = int(order[mid])
+            o = int(offs[i])
+            cand = heap[o : o + int(lens[i])]
+            if cand < key:
+                lo = mid + 1
+            elif cand > key:
+                hi = mid
+            else:
+                return i
+        return None
+
+    def build_ids(self) -> dict[str, int]:
+        if self._ids is None:
+            self._ids = {nm: i for i, nm in enumerate(self.names())}
+        return self._ids
+
+    # ---- metas
+    def entry(self, i: int) -> tuple[str, dict[str, Any]]:
+        """``(kind, meta)`` of blob ``i``, parsed from only that blob's JSON when few are used."""
+        mid = int(self.recs["meta_id"][i])
+        got = self._meta_cache.get(mid)
+        if got is not None:
+            return got
+        try:
+            if self._metas is not None:
+                item = self._metas[mid]
+            else:
+                o, ln = int(self.moffs["off"][mid]), int(self.moffs["len"][mid])
+                item = json.loads(self.metas_text[o : o + ln])
+        except (ValueError, RecursionError, IndexError):
+            raise corrupt(self.path, "blob meta is not valid JSON", self.name(i)) from None
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], dict)
+        ):
+            raise corrupt(self.path, "blob meta is not a [kind, meta] pair", self.name(i))
+        got = (item[0], item[1])
+        self._meta_cache[mid] = got
+        return got
+
+    def all_entries(self) -> list[tuple[str, dict[str, Any]]]:
+        """``(kind, meta)`` of every distinct meta entry, by meta id (validated once each)."""
+        if self._entries is None:
+            self.parse_all_metas()
+            assert self._metas is not None
+            out = []
+            for item in self._metas:
+                if (
+                    not isinstance(item, list)
+                    or len(item) != 2
+                    or not isinstance(item[0], str)
+                    or not isinstance(item[1], dict)
+                ):
+                    raise corrupt(self.path, "blob meta is not a [kind, meta] pair")
+                out.append((item[0], item[1]))
+            self._entries = out
+        return self._entries
+
+    def parse_all_metas(self) -> None:
+        """Parse the whole metas array at once (faster than one by one for full loads)."""
+        if self._metas is None:
+            try:
+                metas = json.loads(self.metas_text)
+            except (ValueError, RecursionError):
+                raise corrupt(self.path, "index metas are not valid JSON") from None
+            if not isinstance(metas, list) or len(metas) != len(self.moffs):
+                raise corrupt(self.path, "index metas do not match the meta table")
+            self._metas = metas
+
+    def meta_ids(self) -> list[int]:
+        """Every blob's meta id, as a list (cached)."""
+        if self._meta_id_list is None:
+            self._meta_id_list = self.recs["meta_id"].tolist()
+        return self._meta_id_list
+
+    def columns(self) -> Columns:
+        """The tables as Python lists (fast per-blob access when many blobs are loaded)."""
+        if self._cols is None:
+            r, g = self.recs, self.segs
+            self._cols = Columns(
+                r["seg_first"].tolist(), r["seg_count"].tolist(), g["offset"].tolist(),
+                g["length"].tolist(), g["pad"].tolist(), g["crc"].tolist(),
+            )
+        return self._cols
+
+    def seg_range(self, i: int) -> range:
+        r = self.recs[i]
+        first = int(r["seg_first"])
+        return range(first, first + int(r["seg_count"]))
+
+    def info(self, i: int) -> BlobInfo:
+        kind, meta = self.entry(i)
+        segs = self.seg_range(i)
+        lengths = self.segs["length"][segs.start : segs.stop]
+        crcs = self.segs["crc"][segs.start : segs.stop].tolist()
+        dtype = meta.get("dtype")
+        if dtype is not None and not isinstance(dtype, str):
+            dtype = json.dumps(dtype, separators=(",", ":"))
+        shape = meta.get("shape")
+        try:
+            shape_t = _codecs.check_shape(shape) if shape is not None else None
+        except ValueError:
+            shape_t = None
+        checksum = (
+            format_checksum(self.header.algorithm, crcs[0]) + "".join(f"+{c:08x}" for c in crcs[1:])
+            if crcs
+            else None
+        )
+        return BlobInfo(self.name(i), kind, dtype, shape_t, int(lengths.sum()), checksum, meta)

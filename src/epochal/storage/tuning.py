@@ -1,0 +1,49 @@
+"""The tuning thresholds of the formats' I/O, named once (each measured; see bench/RESULTS.md).
+
+Modules read them as ``tuning.NAME`` at call time (never ``from tuning import NAME``), so a
+test can shrink one with ``monkeypatch.setattr(tuning, "NAME", ...)`` and every read path
+sees it. None of them changes a file's bytes: only how the bytes are moved.
+"""
+
+from __future__ import annotations
+
+#: a load of more than this many blobs takes the bulk paths: the small-array batch, name
+#: lookups through one dict, tables as Python lists, the cyclic GC paused for the load
+MANY_BLOBS = 64
+
+#: segments at least this big are read/written on their own, in pieces
+BIG_SEGMENT = 1 << 20
+#: piece size for big segments written (checksum of piece i, on a thread, overlaps the I/O of
+#: piece i+1; small enough that the piece is still in cache when it is checksummed), and of
+#: the ring buffers that verify in-place segments when mapping fails
+CHUNK = 2 << 20
+#: piece size for big segments read into fresh buffers (cold 2 GiB loads, paired: 8 MiB
+#: pieces 1.16x and 1.00x the speed of 2 MiB pieces in two runs of N=6 and 8; fewer calls)
+READ_PIECE = 8 << 20
+#: in-place segments are read into live memory in pieces of this size (progress reports)
+DIRECT_PIECE = 8 * CHUNK
+#: scratch buffers of CHUNK bytes in the ring that verifies in-place segments
+RING = 4
+
+#: small segments are coalesced into one writev/preadv of about this many bytes (small
+#: enough to stay in the CPU cache between the copy and the inline checksum)
+BATCH_BYTES = 1 << 20
+#: loads of many small plain arrays read adjacent segments in groups of about this many
+#: bytes, one ``preadv`` into one buffer per group (the arrays are views of it)
+GROUP_BYTES = 16 << 20
+#: the safetensors writer hands the kernel its tensors in writev batches of about this size
+STREAM_BATCH = 8 << 20
+
+#: a load of at least this many bytes asks the kernel to read PREFETCH_WINDOW bytes ahead
+PREFETCH_MIN = 4 << 20
+PREFETCH_WINDOW = 64 << 20
+PREFETCH_STEP = 16 << 20
+
+#: in-place reads, and loads of big segments, of at least this many bytes are split over a
+#: few threads
+PARALLEL_MIN = 64 << 20
+#: threads reading big segments into fresh buffers: for requests in flight, not for cores
+#: (cold 2 GiB, paired, N=8: 4 threads 1.27x one thread's speed, and steady: 0.99-1.12 s)
+IO_THREADS = 4
+#: at most this many threads for the CPU-bound in-place passes (checksums of mapped pages)
+CPU_THREADS = 4
