@@ -21,6 +21,7 @@ from epochal import (
     JobRunner,
     MultiNodeCheckpointManager,
     Node,
+    Preempted,
     Task,
     epoch_limiter,
 )
@@ -64,7 +65,12 @@ def main(directory: str) -> None:
                 epoch_limiter(job, 10)
         session = RaySession(init_kwargs={"include_dashboard": False})
         manager = MultiNodeCheckpointManager(directory, metadata_handler=DirectoryMetadataHandler(keep_last=3))
-        last = JobRunner(job, manager, progress=True).train(session)
+        try:
+            last = JobRunner(job, manager, progress=True).train(session)
+        except Preempted as ex:  # the epoch is committed: exit non-zero so it is rerun
+            session.close()
+            print(ex, flush=True)
+            raise SystemExit(ex.exit_code) from None
         losses = [session.fetch_blob(f"node_{i}", f"loss{i}") for i in range(NODES)]
         print(f"finished at epoch {last}; per-node losses: {', '.join(f'{v:.2e}' for v in losses)}")
         session.close()

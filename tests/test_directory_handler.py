@@ -83,8 +83,11 @@ def test_fresh_run_commits_every_epoch_with_contract_manifests(tmp_path):
     d = CheckpointDirectory(str(tmp_path))
     assert d.records_dir == os.path.join(str(tmp_path), ".epochal")
     m = d.manifest(4)
-    assert set(m) == {"format", "version", "epoch", "db_type", "created", "final", "nodes"}
-    assert m["format"] == "epochal-manifest" and m["version"] == 1 and m["epoch"] == 4
+    assert set(m) == {"format", "version", "epoch", "db_type", "created", "final", "nodes", "checksum"}
+    assert m["format"] == "epochal-manifest" and m["version"] == 2 and m["epoch"] == 4
+    from epochal.checkpoint.manifest import content_checksum
+
+    assert m["checksum"] == content_checksum(m) and m["checksum"].startswith("crc32c:")
     assert m["db_type"] == "native" and m["final"] is True and d.manifest(3)["final"] is False
     assert m["created"].endswith("+00:00")
     assert set(m["nodes"]) == set(NODES)
@@ -187,7 +190,9 @@ def test_a_legacy_mark_final_only_path_works(tmp_path):
     d = CheckpointDirectory(str(tmp_path))
     m = d.manifest(2)
     m["final"] = False
-    atomic.atomic_write_bytes(d.manifest_path(2), json.dumps(m).encode())
+    from epochal.checkpoint.manifest import encode_manifest
+
+    atomic.atomic_write_bytes(d.manifest_path(2), encode_manifest(m))  # re-checksummed: valid
     h = DirectoryMetadataHandler()
     h.set_params(db_prefix=str(tmp_path), db_type="native", node_names=list(NODES), path_prefix=None, path_type=None)
     assert not h.is_final(2)
@@ -197,7 +202,7 @@ def test_a_legacy_mark_final_only_path_works(tmp_path):
     h.mark_final(99)  # never raises: a warning
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest_json", "manifest_digest"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest_json", "manifest_digest", "manifest_edit"])
 def test_damaged_newest_epoch_falls_back_to_the_previous_one(tmp_path, reference, caplog, damage):
     with pytest.raises(Interrupt):
         run(tmp_path, hook=crash_at(4))  # epochs 0..3 committed
@@ -215,10 +220,17 @@ def test_damaged_newest_epoch_falls_back_to_the_previous_one(tmp_path, reference
         with open(manifest, "r+b") as f:
             f.truncate(20)
         named = manifest
-    else:
+    elif damage == "manifest_digest":  # a consistent manifest whose digest does not match
+        from epochal.checkpoint.manifest import encode_manifest
+
         m = json.load(open(manifest))
         m["nodes"]["trainer_1"]["digest"] = "native1:crc32c:00000000:1"
+        open(manifest, "wb").write(encode_manifest(m))
+    else:  # an edit that leaves the manifest's own checksum stale
+        m = json.load(open(manifest))
+        m["nodes"]["trainer_1"]["size"] += 1
         open(manifest, "w").write(json.dumps(m))
+        named = manifest
     with caplog.at_level(logging.WARNING, logger="epochal"):
         last, blobs, counts, _ = run(tmp_path)
     assert counts.epochs == [3, 4] and last == 4
@@ -407,8 +419,10 @@ def test_checkpoint_directory_reports_damage_naming_file_and_blob(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="epoch is 0"):
         d.manifest(8)
     evil = {**d.manifest(0), "epoch": 9, "nodes": {"trainer_0": {"file": "../x", "size": 1, "digest": None}}}
-    (tmp_path / ".epochal" / "manifest.9.json").write_text(json.dumps(evil))
-    with pytest.raises(CheckpointCorruptError, match="not a file name"):
+    from epochal.checkpoint.manifest import encode_manifest
+
+    (tmp_path / ".epochal" / "manifest.9.json").write_bytes(encode_manifest(evil))  # checksum valid
+    with pytest.raises(CheckpointCorruptError, match="'../x' is not the name of its db of epoch 9"):
         d.manifest(9)
     assert d.committed_epochs() == [0, 1]
     assert d.pins() == set()

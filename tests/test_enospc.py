@@ -24,13 +24,16 @@ SIZE = 20000  # ~400 KB per db: a 2 MiB filesystem holds four
 EPOCHS = 8
 
 
-def run(directory, nodes=("trainer_0",), handler="default", hook=None, epochs=EPOCHS, size=SIZE):
+def run(directory, nodes=("trainer_0",), handler="default", hook=None, epochs=EPOCHS, size=SIZE,
+        max_failed_saves=None):
+    """Train; by default with the seed's policy (every storage failure only a warning, however
+    many in a row), which these tests exercise; ``max_failed_saves`` bounds it."""
     if handler == "default":
         handler = DirectoryMetadataHandler()
     job, counts = cj.build_job(epochs, nodes=nodes, hook=hook, size=size)
     manager = MultiNodeCheckpointManager(str(directory), "native", metadata_handler=handler)
     ws = Workspace()
-    last = JobRunner(job, manager, progress=False).train(LocalSession(ws))
+    last = JobRunner(job, manager, progress=False, max_failed_saves=max_failed_saves).train(LocalSession(ws))
     return last, cj.model_blobs(ws), counts
 
 
@@ -98,6 +101,24 @@ def test_tmpfs_full_disk_skips_saves_and_keeps_every_earlier_checkpoint(small_fs
     assert counts.epochs == list(range(committed[-1] + 1, EPOCHS + 1))
     cj.assert_same_blobs(blobs, reference["one"])
     assert assert_sound(small_fs) == committed
+
+
+def test_tmpfs_full_disk_raises_after_max_failed_saves_in_a_row(small_fs, caplog):
+    """The default bound: three failed saves in a row end train() with CheckpointError naming
+    the directory, the epochs and the newest committed one; every committed epoch survives."""
+    from epochal import CheckpointError
+
+    with caplog.at_level(logging.WARNING, logger="epochal"), pytest.raises(CheckpointError) as info:
+        run(small_fs, max_failed_saves=3)
+    committed = assert_sound(small_fs)
+    assert committed and committed == list(range(len(committed)))
+    msg = str(info.value)
+    assert "3 checkpoint saves in a row failed" in msg and str(small_fs) in msg, msg
+    first = committed[-1] + 1
+    assert f"epochs {first}, {first + 1}, {first + 2}" in msg, msg
+    assert f"newest committed checkpoint is epoch {committed[-1]}" in msg, msg
+    failed = [w for w in warnings_of(caplog) if "Unable to write checkpoint" in w]
+    assert len(failed) == 2, failed  # the third raises instead of warning
 
 
 def test_tmpfs_real_enospc_in_the_middle_of_a_write(small_fs, reference, caplog, monkeypatch):

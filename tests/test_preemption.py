@@ -55,8 +55,9 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_first_signal_finishes_and_commits_the_epoch_then_returns(tmp_path, reference, signum):
+    """With raise_on_preempt=False, train() returns the preempted epoch."""
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    runner, counts = make(tmp_path, hook=signal_at(3, signum))
+    runner, counts = make(tmp_path, hook=signal_at(3, signum), raise_on_preempt=False)
     assert runner.train(LocalSession(Workspace())) == 3
     assert counts.epochs == [1, 2, 3] and counts.downloads == 0 and counts.exits == 0
     assert runner.preempted_by == signum
@@ -71,12 +72,41 @@ def test_first_signal_finishes_and_commits_the_epoch_then_returns(tmp_path, refe
     cj.assert_same_blobs(cj.model_blobs(ws), reference)
 
 
-def test_raise_on_preempt_raises_the_documented_exception(tmp_path):
-    runner, _ = make(tmp_path, hook=signal_at(2), raise_on_preempt=True)
+def test_preemption_raises_by_default_saying_what_is_committed(tmp_path):
+    runner, counts = make(tmp_path, hook=signal_at(2))
     with pytest.raises(Preempted) as info:
         runner.train(LocalSession(Workspace()))
     assert info.value.epoch == 2 and info.value.signum == signal.SIGTERM
+    assert info.value.committed == 2 and info.value.exit_code == 128 + signal.SIGTERM
+    msg = str(info.value)
+    assert "SIGTERM after epoch 2" in msg and f"epoch 2 is committed in {tmp_path}" in msg, msg
+    assert "run the same script again to resume" in msg, msg
     assert assert_intact(tmp_path)[-1] == 2
+    assert counts.downloads == 0 and counts.exits == 0
+
+
+def test_preemption_when_the_save_failed_names_the_last_committed_epoch(tmp_path, monkeypatch):
+    """The preempted epoch's save fails (disk error): Preempted says which epoch is committed."""
+    real = atomic.write_all
+    state = {}
+
+    def hook(e, ws):
+        if e == 3:
+            state["fail"] = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def write_all(fd, buf):
+        if state.get("fail"):
+            raise OSError(5, "Input/output error")
+        return real(fd, buf)
+
+    monkeypatch.setattr(atomic, "write_all", write_all)
+    runner, _ = make(tmp_path, hook=hook)
+    with pytest.raises(Preempted) as info:
+        runner.train(LocalSession(Workspace()))
+    assert info.value.epoch == 3 and info.value.committed == 2
+    assert "epoch 2 is committed" in str(info.value)
+    assert assert_intact(tmp_path) == [0, 1, 2]
 
 
 def test_signal_in_the_final_epoch_still_finishes_the_job(tmp_path):
@@ -118,18 +148,22 @@ def test_sigterm_from_outside_mid_epoch_commits_that_epoch(tmp_path):
     ref = cj.reference_run(str(tmp_path / "ref"), args)
     env = {**os.environ, "EPOCHAL_QUIET": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "_crash_job.py"), str(tmp_path / "d"), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines = []
     for line in proc.stdout:
         lines.append(line.split())
         if lines[-1][:2] == ["SAVED", "1"]:
             time.sleep(0.05)  # now inside epoch 2's 150 ms of training
             proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    done = [ln for ln in lines if ln[0] == "DONE"]
-    assert done == [["DONE", "2", ref.epochs[2]]]
+    # a script that does nothing special exits non-zero, so a scheduler restarts it
+    assert proc.wait(timeout=60) == 1
+    assert not [ln for ln in lines if ln[0] == "DONE"]
+    assert [ln for ln in lines if ln[0] == "SAVED"][-1] == ["SAVED", "2"]
+    assert ["EPOCH", "2", ref.epochs[2]] in lines
     d = CheckpointDirectory(str(tmp_path / "d"))
     assert d.committed_epochs() == [0, 1, 2] and all(not d.verify_epoch(e) for e in (0, 1, 2))
+    err = proc.stderr.read()
+    assert "epochal.errors.Preempted: training preempted by SIGTERM after epoch 2" in err, err
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0
     assert out.stdout.split("\n")[-2].split() == ["DONE", str(ref.done[0]), ref.done[1]]

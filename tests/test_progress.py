@@ -117,7 +117,8 @@ def test_auto_display_stays_quiet_off_a_terminal(tmp_path: Any, capsys: Any, mon
     monkeypatch.delenv("CI", raising=False)
     JobRunner(_job(1), CheckpointManager(str(tmp_path), "trainer")).train(LocalSession())
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == ""
+    # no display: only the one line every start prints (also without a terminal)
+    assert captured.out == "" and captured.err == f"epochal: starting a new job in {tmp_path}\n"
 
 
 def test_io_progress_bar_over_threshold() -> None:

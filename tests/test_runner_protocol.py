@@ -9,6 +9,7 @@ import pytest
 from _pipeline import EXPECTED_TOTALS, build_pipeline
 
 from epochal import (
+    CheckpointError,
     CheckpointManager,
     Cluster,
     Job,
@@ -124,14 +125,21 @@ def test_inaccessible_checkpoints_skip_save_with_warning(tmp_path, caplog):
     with Cluster():
         with Job() as job:
             build_pipeline(0)
-        with caplog.at_level("WARNING", logger="epochal"):
-            assert JobRunner(job, MultiNodeCheckpointManager(str(tmp_path), metadata_handler=h)).train(
-                LocalSession()
-            ) == 4
+        with caplog.at_level("WARNING", logger="epochal"):  # the seed's unbounded policy
+            assert JobRunner(job, MultiNodeCheckpointManager(str(tmp_path), metadata_handler=h),
+                             max_failed_saves=None).train(LocalSession()) == 4
     assert "write" not in _names(h.calls) and "report" not in _names(h.calls)
     assert _names(h.calls).count("cp_accessible") == 5
     assert os.listdir(tmp_path) == []
     assert sum("cannot be accessed" in r.getMessage() for r in caplog.records) == 5
+    # epochal's default: the third refusal in a row ends the run
+    h2 = RecordingHandler(accessible=False)
+    with Cluster():
+        with Job() as job:
+            build_pipeline(0)
+        with pytest.raises(CheckpointError, match="3 checkpoint saves in a row failed"):
+            JobRunner(job, MultiNodeCheckpointManager(str(tmp_path), metadata_handler=h2)).train(LocalSession())
+    assert _names(h2.calls).count("cp_accessible") == 3 and "write" not in _names(h2.calls)
 
 
 def test_failed_save_skips_write_and_report(tmp_path):
@@ -140,7 +148,7 @@ def test_failed_save_skips_write_and_report(tmp_path):
         with Job() as job:
             build_pipeline(0)
         mgr = MultiNodeCheckpointManager(str(tmp_path / "missing"), metadata_handler=h)
-        assert JobRunner(job, mgr).train(LocalSession()) == 4
+        assert JobRunner(job, mgr, max_failed_saves=None).train(LocalSession()) == 4  # the seed's policy
     assert _names(h.calls)[2:] == ["cp_accessible"] * 5
 
 

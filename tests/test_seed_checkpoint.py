@@ -9,6 +9,7 @@ import pytest
 from _pipeline import EXPECTED_TOTALS, build_pipeline
 
 from epochal import (
+    CheckpointError,
     CheckpointManager,
     CheckpointNotFoundError,
     Cluster,
@@ -197,12 +198,19 @@ def test_ckpt_save_failure(tmp_path, caplog):
                 outputs = build_pipeline(node_id)
             job.compile(LocalSession)
             with caplog.at_level("WARNING", logger="epochal"):
-                num_epochs = JobRunner(job, checkpoint).train(session)
+                # the seed's unbounded policy; epochal's default stops after 3 in a row (below)
+                num_epochs = JobRunner(job, checkpoint, max_failed_saves=None).train(session)
         assert num_epochs == len(EXPECTED_TOTALS)
         assert session.ws[outputs[0]].tolist() == [EXPECTED_TOTALS[-1]]
     warnings = [r.getMessage() for r in caplog.records if "Unable to write checkpoint" in r.getMessage()]
     assert len(warnings) == 3 * 5 and "epoch 0" in warnings[0]
     assert not os.path.exists(missing)
+    # by default the third failure in a row ends the run, naming the cause
+    with Cluster():
+        with Job() as job:
+            build_pipeline(0)
+        with pytest.raises(CheckpointError, match="3 checkpoint saves in a row failed.*epochs 0, 1, 2.*does not exist"):
+            JobRunner(job, MultiNodeCheckpointManager(missing, "native")).train(LocalSession(Workspace()))
 
 
 class _Fill:

@@ -46,13 +46,70 @@ class BlobMismatchError(CheckpointError, ValueError):
     """A saved blob does not fit the live object it is restored into (shape, dtype, keys)."""
 
 
-class Preempted(Exception):
-    """Raised by ``JobRunner.train(raise_on_preempt=True)`` after a signal stopped training.
+class NodeLostError(CheckpointError):
+    """A node's process or machine was lost mid-run, and the node's workspace with it.
 
-    ``epoch`` is the last epoch that was run and committed.
+    ``node`` is the node at fault, ``nodes`` every node found lost at the same time (``node``
+    first); ``epoch`` is the last committed epoch when the raiser knows it (None otherwise);
+    ``reason`` what was seen.
     """
 
-    def __init__(self, epoch: int, signum: int) -> None:
+    def __init__(self, node: str, message: str, *, nodes: list[str] | None = None,
+                 epoch: int | None = None) -> None:
+        self.node = str(node)
+        self.nodes = [self.node, *(str(n) for n in (nodes or []) if str(n) != self.node)]
+        self.epoch = epoch
+        self.reason = message
+        others = f" (lost too: {', '.join(self.nodes[1:])})" if len(self.nodes) > 1 else ""
+        last = f"; last committed epoch: {epoch}" if epoch is not None else ""
+        super().__init__(f"node {self.node!r} was lost: {message}{others}{last}")
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another live process holds the checkpoint directory's writer lock.
+
+    ``path`` is the lock file; ``holder`` what it says of its holder (host, pid, since).
+    """
+
+    def __init__(self, path: str, holder: dict[str, object]) -> None:
+        self.path = str(path)
+        self.holder = dict(holder)
+        who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "since") if k in holder)
+        super().__init__(
+            f"{self.path}: another job is writing checkpoints in this directory ({who or 'holder unknown'}); "
+            "stop it first, or use another directory"
+        )
+
+
+class Preempted(Exception):
+    """Raised by ``JobRunner.train()`` (unless ``raise_on_preempt=False``) after a signal
+    stopped training, once the epoch in progress is committed.
+
+    ``epoch`` is the last epoch run; ``committed`` the newest committed epoch (None when none
+    is); ``signum`` the signal; ``where`` the checkpoint location. Uncaught, it makes the
+    script exit non-zero, so a scheduler (Kubernetes, Slurm) restarts the job instead of
+    counting it as complete; ``exit_code`` (128 + signum) is the conventional status.
+    """
+
+    def __init__(self, epoch: int, signum: int, committed: int | None = None, where: str | None = None) -> None:
+        import signal as _signal
+
         self.epoch = epoch
         self.signum = signum
-        super().__init__(f"training preempted by signal {signum} after epoch {epoch}")
+        self.committed = committed
+        self.where = where
+        try:
+            name = _signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        place = f" in {where}" if where else ""
+        if committed is None:
+            state = f"no epoch is committed{place}: rerunning starts the job anew"
+        else:
+            state = (f"epoch {committed} is committed{place}: run the same script again to resume "
+                     "from it")
+        super().__init__(f"training preempted by {name} after epoch {epoch}; {state}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signum)

@@ -19,10 +19,11 @@ docs/reliability.md for the guarantees and how they are tested.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
-import re
+import stat
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
@@ -31,53 +32,78 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointVersionError,
 )
 from ..storage import atomic
 from ..storage.base import get_db_type
-from .naming import db_name
+from .best import BestEpochs, best_of, collect_metrics, manifest_metric
+from .lock import LOCK_FILE, WriterLock, pid_alive
+from .manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_RE,
+    MANIFEST_VERSION,
+    decode_manifest,
+    encode_manifest,
+    manifest_name,
+    validate_manifest,
+)
+from .metadata import BaseMetadataHandler
+from .naming import RECORDS_DIR, db_name
 from .retention import RetentionPolicy, epochs_to_delete
 
 logger = logging.getLogger("epochal")
 
-MANIFEST_FORMAT = "epochal-manifest"
-MANIFEST_VERSION = 1
 PINS_FORMAT = "epochal-pins"
-#: the directory, beside the dbs, that holds the handler's records
-RECORDS_DIR = ".epochal"
 STATS_FILE = "stats.jsonl"
 PINS_FILE = "pins.json"
 VERIFY_LEVELS = ("full", "quick", "none")
 STATS_ACTIONS = ("checkpoint_save", "checkpoint_load", "checkpoint_partial_load")
 
-_MANIFEST_RE = re.compile(r"^manifest\.(0|[1-9][0-9]*)\.json$")
+# the manifest's own module has these; kept here for code that imported them from here
+_MANIFEST_RE = MANIFEST_RE
+_manifest_name = manifest_name
+_validate_manifest = validate_manifest
 
 
 def _utcnow() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-def _manifest_name(epoch: int) -> str:
-    return f"manifest.{int(epoch)}.json"
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists on this machine (zombies count as alive)."""
-    if pid <= 0:
-        return True  # never treat a nonsense pid as dead
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+#: records are small; anything bigger is not one of ours
+MAX_RECORD_BYTES = 64 << 20
+
+
+def read_record(path: str) -> bytes:
+    """The bytes of a record file (manifest, pins, stats), opened without following a symlink
+    and only when it is a regular file (a FIFO would block, a device never end); OSError
+    naming the path otherwise, FileNotFoundError when it does not exist."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True
-    return True
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except OSError as ex:
+        if ex.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symlink (records are never read through one)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if st.st_size > MAX_RECORD_BYTES:
+            raise OSError(errno.EFBIG, f"{path} is {st.st_size} bytes, too big for a record")
+        chunks, left = [], st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> bool:
@@ -158,29 +184,24 @@ class CheckpointDirectory:
         """
         path = self.manifest_path(epoch)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_record(path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"epoch {epoch} is not committed: manifest {path} does not exist"
             ) from None
         except OSError as ex:
             raise CheckpointCorruptError(path, f"cannot read manifest: {ex}") from ex
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as ex:
-            raise CheckpointCorruptError(path, f"manifest is not valid JSON ({ex})") from None
-        _validate_manifest(path, data, epoch)
-        return data  # type: ignore[no-any-return]
+        return decode_manifest(raw, path, epoch)
 
     def pins(self) -> set[int]:
         """Pinned epochs (empty when there is no pins file); CheckpointCorruptError if unreadable."""
         path = self.pins_path
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_record(path)
         except FileNotFoundError:
             return set()
+        except OSError as ex:
+            raise CheckpointCorruptError(path, f"cannot read the pins file: {ex}") from ex
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as ex:
@@ -193,10 +214,11 @@ class CheckpointDirectory:
     def stats(self) -> list[dict[str, Any]]:
         """Every stats line, parsed, in order; a torn (incomplete) line is skipped."""
         try:
-            with open(self.stats_path, "rb") as f:
-                raw = f.read()
+            raw = read_record(self.stats_path)
         except FileNotFoundError:
             return []
+        except OSError as ex:
+            raise CheckpointCorruptError(self.stats_path, f"cannot read the stats log: {ex}") from ex
         out = []
         for line in raw.split(b"\n"):
             if not line.strip():
@@ -273,42 +295,6 @@ class CheckpointDirectory:
         return problems
 
 
-def _validate_manifest(path: str, data: Any, epoch: int) -> None:
-    def bad(message: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(path, f"invalid manifest: {message}")
-
-    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-        raise bad(f"format is not {MANIFEST_FORMAT!r}")
-    version = data.get("version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise bad("no version")
-    if version > MANIFEST_VERSION:
-        raise CheckpointVersionError(
-            path, f"manifest version {version} is newer than this epochal reads ({MANIFEST_VERSION})"
-        )
-    if data.get("epoch") != epoch or not _is_int(data.get("epoch")):
-        raise bad(f"epoch is {data.get('epoch')!r}, the file name says {epoch}")
-    if not isinstance(data.get("db_type"), str) or not data["db_type"]:
-        raise bad("db_type is missing")
-    if not isinstance(data.get("final", False), bool):
-        raise bad("final is not a boolean")
-    nodes = data.get("nodes")
-    if not isinstance(nodes, dict) or not nodes:
-        raise bad("nodes is missing or empty")
-    for node, entry in nodes.items():
-        if not isinstance(entry, dict):
-            raise bad(f"node {node!r} has no entry")
-        file = entry.get("file")
-        if not isinstance(file, str) or not file or "/" in file or os.sep in file or file in (".", ".."):
-            raise bad(f"node {node!r}: file {file!r} is not a file name")
-        size = entry.get("size")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise bad(f"node {node!r}: size {size!r}")
-        digest = entry.get("digest")
-        if digest is not None and not isinstance(digest, str):
-            raise bad(f"node {node!r}: digest {digest!r}")
-
-
 def _check_db(backend: Any, path: str, entry: dict[str, Any], level: str) -> list[str]:
     try:
         size = os.stat(path).st_size
@@ -339,11 +325,14 @@ def _check_db(backend: Any, path: str, entry: dict[str, Any], level: str) -> lis
     return []
 
 
-class DirectoryMetadataHandler:
+class DirectoryMetadataHandler(BaseMetadataHandler):
     """The seed's metadata handler protocol, with its records in the checkpoint directory.
 
-    ``keep_last``/``keep_every``: retention (see :mod:`epochal.checkpoint.retention`; the
-    defaults keep every epoch), applied after each commit. ``verify``: how a candidate resume
+    ``keep_last``/``keep_every``/``keep_best``: retention (see
+    :mod:`epochal.checkpoint.retention`; the defaults keep every epoch), applied after each
+    commit. ``keep_best`` ranks epochs by ``metric`` (``mode`` ``"min"`` or ``"max"``): the
+    value given to ``write(epoch, metrics=...)``, else the scalar blob of that name in the
+    epoch's db; it is recorded in the manifest (``"metrics"``). ``verify``: how a candidate resume
     epoch is checked: ``"full"`` (every checksum, the default), ``"quick"`` (size and digest)
     or ``"none"`` (trust the manifest). ``clean_temp``: remove temp files of dead processes of
     this host on start (in ``set_params``). ``space_margin``: the fraction added to the previous
@@ -366,6 +355,9 @@ class DirectoryMetadataHandler:
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: str = "min",
         verify: str = "full",
         clean_temp: bool = True,
         space_margin: float = 0.05,
@@ -375,7 +367,9 @@ class DirectoryMetadataHandler:
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
-        self.policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        self.policy = RetentionPolicy(
+            keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric, mode=mode
+        )
         self.verify = verify
         self.clean_temp = clean_temp
         self.space_margin = float(space_margin)
@@ -393,6 +387,7 @@ class DirectoryMetadataHandler:
         self.mirror = mirror
         self.mirror_background = bool(mirror_background)
         self._unpushed: set[int] = set()  # committed here, not yet at the mirror (worker-owned)
+        self._lock: WriterLock | None = None
         self._mirror_queue: Any = None
 
     def __repr__(self) -> str:
@@ -560,13 +555,15 @@ class DirectoryMetadataHandler:
         assert self.mirror is not None
         remote = self.mirror.epochs()
         newer = {e for e in remote if e > newest}
-        for epoch in epochs_to_delete(remote, newest, self._dir().pins(), self.policy, protect=newer):
+        metrics = self._metrics(self._dir().committed_epochs())
+        for epoch in epochs_to_delete(remote, newest, self._dir().pins(), self.policy, protect=newer, metrics=metrics):
             self.mirror.delete(epoch)
             logger.info("Retention: deleted the checkpoint of epoch %d at %s", epoch, self.mirror.url)
 
-    def write(self, epoch: int) -> None:
-        """Commit ``epoch``: make every node's db durable, then write its manifest atomically;
-        then apply retention. Raises (so the runner logs a failed save) when a db is missing."""
+    def write(self, epoch: int, metrics: dict[str, Any] | None = None) -> None:
+        """Commit ``epoch``: make every node's db durable, then write its manifest atomically
+        (with ``metrics``, and the retention metric, see the class doc); then apply retention.
+        Raises (so the runner logs a failed save) when a db is missing."""
         d = self._dir()
         epoch = int(epoch)
         backend = get_db_type(self.db_type)
@@ -595,8 +592,9 @@ class DirectoryMetadataHandler:
             "final": self._expect_final == epoch,  # see expect_final
             "nodes": nodes,
         }
+        manifest.update(self._metrics_record(epoch, metrics))
         os.makedirs(d.records_dir, exist_ok=True)
-        self._write_json(d.manifest_path(epoch), manifest)
+        self._write_manifest(d.manifest_path(epoch), manifest)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
         try:
             self.apply_retention(epoch)
@@ -655,6 +653,29 @@ class DirectoryMetadataHandler:
         return True
 
     # -- epochal's optional extensions
+    def acquire_lock(self) -> None:
+        """Take the directory's writer lock (``.epochal/lock``) for a run: JobRunner.train
+        calls this right after ``set_params`` and :meth:`release_lock` when it ends. A second
+        writer gets CheckpointLockedError naming the holder; see :mod:`.lock`."""
+        d = self._dir()
+        path = os.path.join(d.records_dir, LOCK_FILE)
+        if self._lock is not None and self._lock.path != path:
+            self._lock.release()
+            self._lock = None
+        if self._lock is None:
+            self._lock = WriterLock(path)
+        os.makedirs(d.records_dir, exist_ok=True)
+        self._lock.acquire()
+
+    def release_lock(self) -> None:
+        """Let the writer lock go (no-op when not held)."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def location(self) -> str | None:
+        """The checkpoint directory (None before ``set_params``)."""
+        return self.directory.db_dir if self.directory is not None else None
+
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None:
         """Bytes per db of the save/load that ``report`` is about to describe."""
         self._pending_bytes = dict(sizes)
@@ -672,7 +693,7 @@ class DirectoryMetadataHandler:
             manifest = d.manifest(int(epoch))
             if manifest.get("final") is not True:
                 manifest["final"] = True
-                self._write_json(d.manifest_path(int(epoch)), manifest)
+                self._write_manifest(d.manifest_path(int(epoch)), manifest)
                 if self.mirror is not None:
                     self._mirror_call(self._push_final, int(epoch))
         except Exception as ex:
@@ -732,13 +753,21 @@ class DirectoryMetadataHandler:
         manifests = d.manifest_epochs()
         committed = d.committed_epochs()
         newer = {e for e in manifests if e > newest}
-        doomed = epochs_to_delete(committed, newest, pins, self.policy, protect=newer)
-        on_disk = d.scan()
+        doomed = epochs_to_delete(committed, newest, pins, self.policy, protect=newer, metrics=self._metrics(committed))
+        # only files named exactly as an epoch's dbs of a known node are ever deleted (a
+        # README.1 beside the dbs is not one; nor a file a damaged manifest names: refused)
+        known = set(self.node_names)
+        for epoch in committed:
+            known.update(d.manifest(epoch)["nodes"])
+        on_disk = {e: {n: p for n, p in dbs.items() if n in known and os.path.basename(p) ==
+                       os.path.basename(d.db_path(n, e))} for e, dbs in d.scan().items()}
         for epoch in doomed:
             try:
-                files = [os.path.join(d.db_dir, n["file"]) for n in d.manifest(epoch)["nodes"].values()]
+                nodes = d.manifest(epoch)["nodes"]
             except CheckpointError:
-                files = []
+                nodes = {}
+            files = [d.db_path(n, epoch) for n, entry in nodes.items()
+                     if entry["file"] == os.path.basename(d.db_path(n, epoch))]
             _unlink(d.manifest_path(epoch))
             atomic.fsync_dir(d.records_dir)
             for path in {*files, *on_disk.get(epoch, {}).values()}:
@@ -773,7 +802,7 @@ class DirectoryMetadataHandler:
                 if parsed is None:
                     continue
                 _, host, pid = parsed
-                if host != me or pid == os.getpid() or _pid_alive(pid):
+                if host != me or pid == os.getpid() or pid_alive(pid):
                     continue
                 path = os.path.join(folder, name)
                 try:
@@ -786,6 +815,18 @@ class DirectoryMetadataHandler:
         return removed
 
     # -- internals
+    def _metrics_record(self, epoch: int, metrics: dict[str, Any] | None) -> dict[str, Any]:
+        """The manifest entries for ``metrics`` (plus the retention metric, read from the
+        scalar blob of that name in the epoch's db when ``metrics`` lacks it)."""
+        return collect_metrics(self.policy, metrics, [self._dir().db_path(n, epoch) for n in self.node_names],
+                               self.db_type)
+
+    def _metrics(self, epochs: Iterable[int]) -> dict[int, Any] | None:
+        """``{epoch: recorded value of the retention metric}`` (None when not keeping best)."""
+        if self.policy.keep_best is None:
+            return None
+        return {e: manifest_metric(self._dir(), e, str(self.policy.metric)) for e in epochs}
+
     def _problems(self, epoch: int) -> list[str]:
         d = self._dir()
         problems = d.check_epoch(epoch, self.verify, nodes=self.node_names or None)
@@ -826,7 +867,11 @@ class DirectoryMetadataHandler:
     def _append_stats(self, data: bytes) -> None:
         d = self._dir()
         os.makedirs(d.records_dir, exist_ok=True)
-        fd = os.open(d.stats_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # never through a symlink: the log must not be appended to a file outside the directory
+        fd = os.open(d.stats_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{d.stats_path} is not a regular file")
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -841,9 +886,19 @@ class DirectoryMetadataHandler:
         os.makedirs(d.records_dir, exist_ok=True)
         self._write_json(d.pins_path, {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)})
 
+    @classmethod
+    def _write_manifest(cls, path: str, manifest: dict[str, Any]) -> None:
+        """Write a manifest atomically, with its content checksum (``manifest`` gets it too)."""
+        raw = encode_manifest(manifest)
+        manifest.update(json.loads(raw))
+        cls._write_raw(path, raw)
+
+    @classmethod
+    def _write_json(cls, path: str, data: dict[str, Any]) -> None:
+        cls._write_raw(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
+
     @staticmethod
-    def _write_json(path: str, data: dict[str, Any]) -> None:
-        raw = (json.dumps(data, indent=1) + "\n").encode("utf-8")
+    def _write_raw(path: str, raw: bytes) -> None:
         try:
             atomic.atomic_write_bytes(path, raw)
         except OSError as ex:
@@ -852,4 +907,19 @@ class DirectoryMetadataHandler:
             raise
 
 
-__all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy"]
+def best_of_directory(
+    db_prefix: str | os.PathLike[str],
+    *,
+    metric: str | None = None,
+    mode: str | None = None,
+    k: int | None = None,
+) -> BestEpochs | None:
+    """The best committed epochs of the checkpoint directory ``db_prefix``.
+
+    ``metric``/``mode``/``k`` default to the ``keep_best`` settings recorded in the newest
+    committed manifest that has them; ``k=None`` there means every ranked epoch. None when no
+    metric is given or recorded (the directory's job does not rank its checkpoints)."""
+    return best_of(CheckpointDirectory(db_prefix), metric=metric, mode=mode, k=k)
+
+
+__all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy", "best_of_directory"]

@@ -11,17 +11,20 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ..errors import CheckpointError
 from ..execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
 from ..storage.base import get_db_type
-from .metadata import MetadataHandler, call_optional
-from .naming import check_node_name, db_name
+from .metadata import BaseMetadataHandler, MetadataHandler, with_extensions
+from .naming import check_node_name, db_name, epochs_on_disk
 from .steps import (
     INTERNAL_PREFIX,
     DbExists,
     GetBlobNames,
     JoinSave,
     LoadBlobs,
+    ResumeBlobNames,
     SaveBlobs,
     SnapshotAndSave,
     Timed,
@@ -60,6 +63,46 @@ class _HandlerCalls:
     def db_type(self) -> str:
         return self._db_type
 
+    @property
+    def _handler(self) -> BaseMetadataHandler | None:
+        """The handler with the full interface (extensions as no-ops where it lacks them)."""
+        h = self._metadata_handler
+        return None if h is None else with_extensions(h)
+
+    # -- epochal's handler extensions, for the runner (no-ops without a handler)
+    def expect_final(self, epoch: int) -> None:
+        """The stop condition holds at ``epoch``, about to be saved (see the handler doc)."""
+        if self._handler is not None:
+            self._handler.expect_final(epoch)
+
+    def mark_final(self, epoch: int) -> None:
+        """Committed ``epoch`` was the job's last."""
+        if self._handler is not None:
+            self._handler.mark_final(epoch)
+
+    def is_final(self, epoch: int) -> bool:
+        """Whether committed ``epoch`` was a finished job's last."""
+        return bool(self._handler.is_final(epoch)) if self._handler is not None else False
+
+    def flush(self) -> None:
+        """Wait for the handler's background work (a mirror's pushes)."""
+        if self._handler is not None:
+            self._handler.flush()
+
+    def acquire_lock(self) -> None:
+        """Take the handler's writer lock for a run (after ``set_params``)."""
+        if self._handler is not None:
+            self._handler.acquire_lock()
+
+    def release_lock(self) -> None:
+        if self._handler is not None:
+            self._handler.release_lock()
+
+    def location(self) -> str:
+        """Where the checkpoints are, for messages: the handler's directory, else db_prefix."""
+        where = self._handler.location() if self._handler is not None else None
+        return where or self._db_prefix
+
     def write_checkpoint_metadata(self, epoch: int) -> None:
         if self._metadata_handler is not None:
             self._metadata_handler.write(epoch=epoch)
@@ -73,6 +116,14 @@ class _HandlerCalls:
         if self._metadata_handler is not None:
             return self._metadata_handler.cp_accessible(epoch)  # type: ignore[no-any-return]
         return True
+
+    def existing_epochs(self) -> list[int]:
+        """Epochs whose db of one of this manager's nodes is in the (local) checkpoint
+        directory, committed or not; [] for a URL."""
+        return epochs_on_disk(self._db_prefix, list(self.node_names()), self._path_prefix)
+
+    def node_names(self) -> list[str]:
+        raise NotImplementedError
 
     def _keep_paths(self, path_prefix: str | None, path_type: str | None) -> None:
         if path_prefix:
@@ -95,8 +146,19 @@ class _HandlerCalls:
         self.last_report_sizes = dict(sizes)
         logger.debug("%s stats: %s", action_name, stats)
         if self._metadata_handler:
-            call_optional(self._metadata_handler, "report_bytes", action_name, sizes)
+            assert self._handler is not None
+            self._handler.report_bytes(action_name, sizes)
             self._metadata_handler.report(action_name, stats)
+
+
+def _fetch_names(output: TaskOutput | None) -> list[str]:
+    if output is None:
+        return []
+    try:
+        value = output.fetch()
+    except (RuntimeError, KeyError):
+        return []
+    return [] if value is None else [str(n) for n in np.asarray(value).tolist()]
 
 
 class CheckpointManager(_HandlerCalls):
@@ -127,6 +189,8 @@ class CheckpointManager(_HandlerCalls):
         self._map_location, self._verify = map_location, verify
         self._blob_names = self.BLOB_NAMES
         self._names_output: TaskOutput | None = None
+        self._added_output: TaskOutput | None = None
+        self._untracked_output: TaskOutput | None = None
         self._path_prefix: str | None = None
         self._path_type: str | None = None
         self._current_db_name: str | None = None
@@ -157,24 +221,48 @@ class CheckpointManager(_HandlerCalls):
         retrieve_from_epoch: int | None = None,
         path_prefix: str | None = None,
         path_type: str | None = None,
+        *,
+        exclude: Sequence[str] = (),
     ) -> Task:
         """A Task whose output ``blob_names`` fixes the blob list: every blob of the node's
         global workspace now (run it right after init_group), or the list stored in the
-        checkpoint of ``retrieve_from_epoch``."""
+        checkpoint of ``retrieve_from_epoch`` plus the blobs the workspace holds now that the
+        checkpoint lacks (see :meth:`added_blobs`; ``exclude``: names never added, such as
+        the job's task outputs)."""
         if nodes and len(nodes) != 1:  # None or [] (a job whose init group has no task)
             raise AssertionError("CheckpointManager only supports single node.")
+        added = f"{INTERNAL_PREFIX}{self._node_name}/added_blobs"
         if retrieve_from_epoch is None:
             step: Any = GetBlobNames(self._blob_names)
+            outputs = [self._blob_names]
         else:
             full = self._db(retrieve_from_epoch, path_prefix)
             logger.info("Initializing checkpoints from = %s", full)
-            step = LoadBlobs(
-                full, path_type or self._db_type, [self._blob_names], node=self._node_name,
-                epoch=retrieve_from_epoch, keep_device=True, verify=self._verify,
+            step = ResumeBlobNames(
+                full, path_type or self._db_type, self._blob_names, added, exclude=exclude,
+                node=self._node_name, epoch=retrieve_from_epoch, keep_device=True, verify=self._verify,
             )
-        task = Task(step=step, outputs=[self._blob_names], node=self._node_name, name="checkpoint_init")
+            outputs = [self._blob_names, added]
+        task = Task(step=step, outputs=outputs, node=self._node_name, name="checkpoint_init")
         self._names_output = task.outputs()[0]
+        self._added_output = task.outputs()[1] if len(outputs) > 1 else None
         return task
+
+    def reinit(self, epoch: int) -> Task:
+        """The init task again, from the checkpoint of ``epoch``: after a node was lost and
+        placed anew (its workspace is empty), it fixes the blob list from that checkpoint
+        before the load."""
+        return self.init([self._node_name], retrieve_from_epoch=epoch)
+
+    def added_blobs(self) -> dict[str, list[str]]:
+        """``{node: names}`` of the blobs the resume init added to the stored blob list
+        (empty when none, or when the job did not resume)."""
+        return {self._node_name: _fetch_names(self._added_output)} if self._added_output else {}
+
+    def untracked_blobs(self) -> dict[str, list[str]]:
+        """``{node: names}`` of the global-workspace blobs the last save left out (not in the
+        blob list); empty before a save."""
+        return {self._node_name: _fetch_names(self._untracked_output)} if self._untracked_output else {}
 
     def blob_list(self) -> list[str]:
         """The current blob list (init must have been built and run)."""
@@ -219,8 +307,12 @@ class CheckpointManager(_HandlerCalls):
         """A timed Task loading every blob of the blob list from the db of ``epoch``."""
         self._current_db_name = self._db(epoch, path_prefix)
         logger.info("Loading checkpoints from = %s", self._current_db_name)
+        added = set(self.added_blobs().get(self._node_name, ()))  # not in that checkpoint
+        if added:  # and the list itself is the one init extended, not the stored one
+            added.add(self._blob_names)
+        names = [n for n in self.blob_list() if n not in added]
         return self._timed_task("checkpoint_load", LoadBlobs(
-            self._current_db_name, path_type or self._db_type, self.blob_list(),
+            self._current_db_name, path_type or self._db_type, names,
             node=self._node_name, epoch=epoch, keep_device=True,
             map_location=self._map_location, verify=self._verify,
         ))
@@ -251,9 +343,13 @@ class CheckpointManager(_HandlerCalls):
         self._current_db_name = self._db(epoch)
         logger.info("Saving to %s%s", self._current_db_name, " (background)" if background else "")
         step = SnapshotAndSave if background else SaveBlobs
-        return self._timed_task("checkpoint_save", step(
+        untracked = f"{INTERNAL_PREFIX}{self._node_name}/untracked_blobs"
+        task = self._timed_task("checkpoint_save", step(
             self._current_db_name, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
+            untracked_output=untracked,
         ))
+        self._untracked_output = task.add_output(untracked)
+        return task
 
     def join_save(self, epoch: int) -> Task:
         """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
@@ -342,6 +438,8 @@ class MultiNodeCheckpointManager(_HandlerCalls):
         retrieve_from_epoch: int | None = None,
         path_prefix: str | None = None,
         path_type: str | None = None,
+        *,
+        exclude: Sequence[str] = (),
     ) -> TaskGroup:
         """Per-node init tasks; a no-op group if already initialized (the blob lists are kept)."""
         if self._node_managers is not None:
@@ -350,8 +448,21 @@ class MultiNodeCheckpointManager(_HandlerCalls):
         self._create_managers(nodes)
         return self._task_group(
             CheckpointManager.init, nodes=[nodes[-1]], retrieve_from_epoch=retrieve_from_epoch,
-            path_prefix=path_prefix, path_type=path_type,
+            path_prefix=path_prefix, path_type=path_type, exclude=exclude,
         )
+
+    def reinit(self, epoch: int) -> TaskGroup:
+        """Every node's init task again, from the checkpoint of ``epoch`` (after a lost node
+        was placed anew: see :meth:`CheckpointManager.reinit`)."""
+        return self._task_group(CheckpointManager.reinit, epoch)
+
+    def added_blobs(self) -> dict[str, list[str]]:
+        """``{node: names}`` the resume init added to each node's blob list."""
+        return {n: v for _, m in self._node_managers or [] for n, v in m.added_blobs().items()}
+
+    def untracked_blobs(self) -> dict[str, list[str]]:
+        """``{node: names}`` of the global-workspace blobs each node's last save left out."""
+        return {n: v for _, m in self._node_managers or [] for n, v in m.untracked_blobs().items()}
 
     def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> TaskGroup:
         return self._task_group(CheckpointManager.load, epoch, path_prefix=path_prefix, path_type=path_type)

@@ -51,6 +51,9 @@ class MetadataHandlerExtensions(Protocol):
       explicit resume epoch loads it and runs no further epoch.
     - ``flush()``: wait for work the handler does in the background (a mirror's pushes);
       called when ``train`` ends (normally or with an exception).
+    - ``acquire_lock()``: take the exclusive writer lock of the checkpoint location for a run
+      (called right after ``set_params``; raises ``CheckpointLockedError`` when another live
+      writer holds it); ``release_lock()``: let it go (called when ``train`` ends, always).
     """
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
@@ -62,6 +65,97 @@ class MetadataHandlerExtensions(Protocol):
     def is_final(self, epoch: int) -> bool: ...
 
     def flush(self) -> None: ...
+
+    def acquire_lock(self) -> None: ...
+
+    def release_lock(self) -> None: ...
+
+
+class BaseMetadataHandler:
+    """A handler with every optional extension as a no-op: subclass it and implement the
+    seed's five methods (and whichever extensions you need). ``DirectoryMetadataHandler`` is
+    one. A handler that is not a subclass is wrapped by :func:`with_extensions`, so callers
+    never look methods up themselves."""
+
+    def set_params(self, db_prefix: str, db_type: str, node_names: list[str],
+                   path_prefix: str | None, path_type: str | None) -> None:
+        raise NotImplementedError
+
+    def last_epoch(self, user_epoch: int | None = None) -> int | None:
+        raise NotImplementedError
+
+    def write(self, epoch: int) -> None:
+        raise NotImplementedError
+
+    def report(self, action_name: str, stats: dict[str, int]) -> None:
+        raise NotImplementedError
+
+    def cp_accessible(self, epoch: int | None = None) -> bool:
+        raise NotImplementedError
+
+    # the extensions (see MetadataHandlerExtensions): no-ops
+    def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None:
+        return None
+
+    def expect_final(self, epoch: int) -> None:
+        return None
+
+    def mark_final(self, epoch: int) -> None:
+        return None
+
+    def is_final(self, epoch: int) -> bool:
+        return False
+
+    def flush(self) -> None:
+        return None
+
+    def acquire_lock(self) -> None:
+        return None
+
+    def release_lock(self) -> None:
+        return None
+
+    def location(self) -> str | None:
+        """Where the checkpoints are, for messages (None: unknown)."""
+        return None
+
+
+class _Extended(BaseMetadataHandler):
+    """A five-method (seed) handler seen through the full interface: each extension it has is
+    forwarded, each it lacks is the base's no-op."""
+
+    _EXTENSIONS = ("report_bytes", "expect_final", "mark_final", "is_final", "flush",
+                   "acquire_lock", "release_lock", "location")
+
+    def __init__(self, handler: Any) -> None:
+        self.handler = handler
+        for name in self._EXTENSIONS:
+            fn = getattr(handler, name, None)
+            if callable(fn):
+                setattr(self, name, fn)
+
+    def set_params(self, db_prefix: str, db_type: str, node_names: list[str],
+                   path_prefix: str | None, path_type: str | None) -> None:
+        self.handler.set_params(db_prefix=db_prefix, db_type=db_type, node_names=node_names,
+                                path_prefix=path_prefix, path_type=path_type)
+
+    def last_epoch(self, user_epoch: int | None = None) -> int | None:
+        return self.handler.last_epoch(user_epoch=user_epoch)  # type: ignore[no-any-return]
+
+    def write(self, epoch: int) -> None:
+        self.handler.write(epoch=epoch)
+
+    def report(self, action_name: str, stats: dict[str, int]) -> None:
+        self.handler.report(action_name, stats)
+
+    def cp_accessible(self, epoch: int | None = None) -> bool:
+        return self.handler.cp_accessible(epoch)  # type: ignore[no-any-return]
+
+
+def with_extensions(handler: Any) -> BaseMetadataHandler:
+    """``handler`` itself when it is a :class:`BaseMetadataHandler`, else a wrapper that
+    gives it the full interface (its own extensions where it has them, no-ops otherwise)."""
+    return handler if isinstance(handler, BaseMetadataHandler) else _Extended(handler)
 
 
 def call_optional(handler: Any, method: str, *args: Any) -> Any:

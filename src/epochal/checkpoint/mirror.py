@@ -21,7 +21,6 @@ Requires the ``s3`` extra (fsspec, plus s3fs for S3).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -33,7 +32,8 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from ..storage import atomic
 from ..storage.base import get_db_type
 from ..storage.remote import filesystem, upload_file
-from .directory import _MANIFEST_RE, RECORDS_DIR, _manifest_name, _validate_manifest
+from .manifest import decode_manifest, encode_manifest, manifest_name, parse_manifest_name
+from .naming import RECORDS_DIR
 
 logger = logging.getLogger("epochal")
 
@@ -69,7 +69,7 @@ class RemoteMirror:
 
     @staticmethod
     def manifest_name(epoch: int) -> str:
-        return f"{RECORDS_DIR}/{_manifest_name(epoch)}"
+        return f"{RECORDS_DIR}/{manifest_name(epoch)}"
 
     # -- reading the remote side
     def epochs(self) -> list[int]:
@@ -82,9 +82,9 @@ class RemoteMirror:
             return []
         out = []
         for name in names:
-            m = _MANIFEST_RE.match(str(name).rstrip("/").rsplit("/", 1)[-1])
-            if m is not None:
-                out.append(int(m.group(1)))
+            epoch = parse_manifest_name(str(name).rstrip("/").rsplit("/", 1)[-1])
+            if epoch is not None:
+                out.append(epoch)
         return sorted(out)
 
     def manifest(self, epoch: int) -> dict[str, Any]:
@@ -98,12 +98,7 @@ class RemoteMirror:
             raw = self.fs.cat_file(self._key(name))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"epoch {epoch} is not committed at {url}") from None
-        try:
-            data = json.loads(bytes(raw).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as ex:
-            raise CheckpointCorruptError(url, f"manifest is not valid JSON ({ex})") from None
-        _validate_manifest(url, data, int(epoch))
-        return data  # type: ignore[no-any-return]
+        return decode_manifest(bytes(raw), url, int(epoch))
 
     # -- writing the remote side
     def push(self, db_dir: str, epoch: int, manifest: dict[str, Any]) -> int:
@@ -120,7 +115,7 @@ class RemoteMirror:
 
     def put_manifest(self, epoch: int, manifest: dict[str, Any]) -> None:
         """Write the remote manifest of ``epoch`` (one object: it appears whole or not)."""
-        raw = (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
+        raw = encode_manifest(manifest)
         fs = self.fs
         fs.makedirs(self._key(RECORDS_DIR), exist_ok=True)
         fs.pipe_file(self._key(self.manifest_name(epoch)), raw)
@@ -194,8 +189,7 @@ class RemoteMirror:
                     os.unlink(tmp)
         atomic.fsync_dir(db_dir)
         os.makedirs(records_dir, exist_ok=True)
-        raw = (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
-        atomic.atomic_write_bytes(os.path.join(records_dir, _manifest_name(epoch)), raw)
+        atomic.atomic_write_bytes(os.path.join(records_dir, manifest_name(epoch)), encode_manifest(manifest))
         return manifest
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+#: the directory, beside the dbs, that holds a checkpoint directory's records (manifests,
+#: stats, pins, the writer lock)
+RECORDS_DIR = ".epochal"
+
 
 def get_ckpt_filename(node_name: str, epoch: int) -> str:
     """``"<node_name>.<epoch>"``, no padding: ``("trainer_0", 5)`` -> ``"trainer_0.5"``."""
@@ -27,3 +31,36 @@ def check_node_name(node_name: str) -> str:
     if not name or name in (".", "..") or "/" in name or "\0" in name or os.sep in name:
         raise ValueError(f"node name {name!r} cannot name a checkpoint file")
     return name
+
+
+def parse_db_file(filename: str, node_names: list[str], file_prefix: str = "") -> tuple[str, int] | None:
+    """``(node, epoch)`` when ``filename`` (a base name) is exactly the db name of one of
+    ``node_names`` at some epoch (``<file_prefix><node>.<epoch>``, no padding); else None.
+    The longest matching node name wins (``a.b`` before ``a``)."""
+    if not filename.startswith(file_prefix):
+        return None
+    rest = filename[len(file_prefix):]
+    for node in sorted(node_names, key=len, reverse=True):
+        head = f"{node}."
+        ep = rest[len(head):]
+        if rest.startswith(head) and ep.isascii() and ep.isdigit() and (ep == "0" or ep[0] != "0"):
+            return node, int(ep)
+    return None
+
+
+def epochs_on_disk(db_prefix: str, node_names: list[str], path_prefix: str | None = None) -> list[int]:
+    """Epochs for which a db file of any of ``node_names`` exists in a local directory, oldest
+    first ([] for a URL or a missing directory). Only names exactly as :func:`db_name` builds
+    them count; temp files of interrupted saves do not."""
+    if "://" in (path_prefix or db_prefix):
+        return []
+    if path_prefix:
+        folder, prefix = os.path.dirname(path_prefix) or ".", os.path.basename(path_prefix)
+    else:
+        folder, prefix = db_prefix or ".", ""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = {hit[1] for n in names if (hit := parse_db_file(n, node_names, prefix)) is not None}
+    return sorted(found)

@@ -13,9 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, CheckpointNotFoundError, MissingBlobError
+from ..errors import (
+    BlobMismatchError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    MissingBlobError,
+    UnsupportedBlobError,
+)
 from ..storage.base import ReadStats, get_db_type
-from ..storage.codecs import LOAD_OPTIONS
+from ..storage.codecs import LOAD_OPTIONS, check_live
 
 logger = logging.getLogger("epochal")
 
@@ -35,6 +41,17 @@ class GetBlobNames:
             names = sorted([*names, self.output])
         ws[self.output] = np.array(names, dtype=str)
         return 0
+
+
+def _own_names(ws: Any, exclude: Sequence[str] = ()) -> list[str]:
+    """The workspace's own blob names (not a parent's), without epochal's bookkeeping and
+    ``exclude`` (task outputs: values recomputed every epoch, not state)."""
+    skip = set(exclude)
+    return [n for n in ws.blobs if not n.startswith(INTERNAL_PREFIX) and n not in skip]
+
+
+#: values a load replaces rather than restores in place (nothing to check against)
+_PLAIN = (np.ndarray, np.generic, int, float, complex, str, bytes, bool, type(None))
 
 
 class LoadBlobs:
@@ -71,6 +88,7 @@ class LoadBlobs:
             )
         names = self.names
         existing = {n: ws[n] for n in (names or []) if n in ws}
+        self._check_live(backend, existing)
         stats = ReadStats()
         opts = {"keep_device": self.keep_device, "map_location": self.map_location}
         token = LOAD_OPTIONS.set(opts)
@@ -85,13 +103,71 @@ class LoadBlobs:
             ws[name] = value
         return stats.nbytes
 
+    def _check_live(self, backend: Any, existing: dict[str, Any]) -> None:
+        """Refuse the load before anything is written when any blob does not fit its live
+        object (keys, shapes, dtypes, parameter groups): a mismatch in one blob must not leave
+        the others half-restored. Plain values are replaced, not restored: no check."""
+        live = {n: v for n, v in existing.items() if not isinstance(v, _PLAIN)}
+        if not live:
+            return
+        problems = []
+        for info in backend.describe(self.db):
+            if info.name in live:
+                try:
+                    check_live(info.kind, info.meta, live[info.name])
+                except BlobMismatchError as ex:
+                    problems.append(f"blob {info.name!r}: {ex}")
+        if problems:
+            raise BlobMismatchError(
+                f"checkpoint {self.db} (node {self.node!r}, epoch {self.epoch}) does not fit the "
+                "live objects; nothing was restored: " + "; ".join(problems)
+            )
+
+
+class ResumeBlobNames(LoadBlobs):
+    """At resume: load the blob list stored in the checkpoint into ``names[0]``, and add to it
+    every blob the workspace holds now that the checkpoint lacks (the code put it there
+    before ``train``): it keeps its current value and is saved from then on. The names added
+    go to ``added_output`` (an array, empty when none), so the driver can say so."""
+
+    def __init__(self, db: str, db_type: str, output: str, added_output: str, *,
+                 exclude: Sequence[str] = (), **kw: Any) -> None:
+        super().__init__(db, db_type, [output], **kw)
+        self.output, self.added_output, self.exclude = output, added_output, list(exclude)
+
+    def __call__(self, ws: Any) -> int:
+        before = _own_names(ws, self.exclude)
+        nbytes = super().__call__(ws)
+        stored = [str(n) for n in np.asarray(ws[self.output]).tolist()]
+        known = set(stored)
+        added = sorted(n for n in before if n not in known)
+        if added:
+            ws[self.output] = np.array([*stored, *added], dtype=str)
+        ws[self.added_output] = np.array(added, dtype=str)
+        return nbytes
+
 
 class SaveBlobs:
-    """Save ``names`` from the workspace to one db (created or replaced, atomically)."""
+    """Save ``names`` from the workspace to one db (created or replaced, atomically).
 
-    def __init__(self, db: str, db_type: str, names: Sequence[str], *, node: str, epoch: int) -> None:
+    ``untracked_output``, when given, receives the names of the workspace's own blobs that are
+    not in the list (they are not saved; the driver warns about them once)."""
+
+    def __init__(self, db: str, db_type: str, names: Sequence[str], *, node: str, epoch: int,
+                 untracked_output: str | None = None) -> None:
         self.db, self.db_type, self.names = db, db_type, list(names)
         self.node, self.epoch = node, epoch
+        self.untracked_output = untracked_output
+
+    def _where(self) -> str:
+        return f"node {self.node!r}, epoch {self.epoch} ({self.db})"
+
+    def _note_untracked(self, ws: Any) -> None:
+        if self.untracked_output is not None:
+            listed = set(self.names)
+            ws[self.untracked_output] = np.array(
+                [n for n in _own_names(ws) if n not in listed], dtype=str
+            )
 
     def _gather(self, ws: Any) -> dict[str, Any]:
         """The listed blobs, in list order; an error naming the first one missing."""
@@ -108,7 +184,12 @@ class SaveBlobs:
         return blobs
 
     def __call__(self, ws: Any) -> int:
-        return int(get_db_type(self.db_type).write(self.db, self._gather(ws)))
+        blobs = self._gather(ws)
+        self._note_untracked(ws)
+        try:
+            return int(get_db_type(self.db_type).write(self.db, blobs))
+        except UnsupportedBlobError as ex:  # a value no format stores: name where it is
+            raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
 
 
 class DbExists:
@@ -170,7 +251,12 @@ class SnapshotAndSave(SaveBlobs):
         started = time.perf_counter_ns()
         if self.db in _pending:
             raise CheckpointError(f"checkpoint {self.db}: a background save of it is still running")
-        frozen = {name: Frozen(value, name) for name, value in self._gather(ws).items()}
+        blobs = self._gather(ws)
+        self._note_untracked(ws)
+        try:
+            frozen = {name: Frozen(value, name) for name, value in blobs.items()}
+        except UnsupportedBlobError as ex:
+            raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochal-save")
         _pending[self.db] = _Pending(_executor.submit(_write_in_background, self.db_type, self.db, frozen), started)

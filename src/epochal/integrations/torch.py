@@ -45,14 +45,32 @@ __all__ = [
 ]
 
 
+#: every dtype torch defines, by name: what a checkpoint may name (never a getattr on torch,
+#: which would import whatever submodule a forged name says, ``onnx`` say)
+_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+
+
 def dtype_from_name(name: Any) -> torch.dtype:
     """The torch dtype called ``name`` (``"bfloat16"``); ValueError for anything else."""
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
-        raise ValueError(f"bad torch dtype name {name!r}")
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
+    if not isinstance(name, str) or len(name) > 64:
+        raise ValueError(f"bad torch dtype name {str(name)[:80]!r}")
+    dt = _DTYPES.get(name)
+    if dt is None:
         raise ValueError(f"unknown torch dtype {name!r}")
     return dt
+
+
+def parse_device(text: Any) -> torch.device:
+    """``torch.device(text)`` for a string a checkpoint holds; ValueError (not torch's raw
+    RuntimeError) for anything torch does not parse."""
+    if not isinstance(text, str) or len(text) > 64:
+        raise ValueError(f"bad device {str(text)[:80]!r}")
+    try:
+        return torch.device(text)
+    except (RuntimeError, TypeError, ValueError) as ex:
+        raise ValueError(f"bad device {text!r}: {ex}") from None
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -231,6 +249,12 @@ class TensorCodec:
                 f"shape {tuple(existing.shape)} and dtype {existing.dtype}"
             )
 
+    def check(self, meta: dict[str, Any], existing: Any) -> None:
+        """BlobMismatchError when a live tensor has another shape or dtype than the blob."""
+        if isinstance(existing, torch.Tensor):
+            dt, shape, _ = self._layout(meta)
+            self._check_live(existing, dt, shape)
+
     def inplace_targets(
         self, meta: dict[str, Any], sizes: Sequence[int], existing: Any
     ) -> list[memoryview | None] | None:
@@ -320,10 +344,7 @@ class TorchDeviceCodec:
     def decode(
         self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
     ) -> Any:
-        dev = meta.get("device")
-        if not isinstance(dev, str) or len(dev) > 64:
-            raise ValueError(f"bad device {dev!r}")
-        return torch.device(dev)
+        return parse_device(meta.get("device"))
 
 
 class GeneratorCodec:
@@ -376,6 +397,52 @@ def _inplace_stateful(obj: Any) -> bool:
     return False
 
 
+def _names(keys: Any, limit: int = 8) -> str:
+    keys = sorted(map(str, keys))
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def _module_problems(module: Any, saved: Any, live: Any) -> list[str]:
+    """What a strict ``Module.load_state_dict`` would refuse: missing and unexpected keys
+    (shapes are compared by the tree codec)."""
+    if not isinstance(saved, dict) or not isinstance(live, dict):
+        return []
+    out = []
+    missing, unexpected = set(live) - set(saved), set(saved) - set(live)
+    if missing:
+        out.append(f"keys missing from the checkpoint: {_names(missing)}")
+    if unexpected:
+        out.append(f"keys the live module lacks: {_names(unexpected)}")
+    return out
+
+
+def _optimizer_problems(opt: Any, saved: Any, live: Any) -> list[str]:
+    """What ``Optimizer.load_state_dict`` would refuse: another number of parameter groups,
+    or groups of other sizes."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, (list, tuple)):
+        return ["the checkpoint holds no param_groups"]
+    if len(groups) != len(opt.param_groups):
+        return [f"checkpoint has {len(groups)} parameter groups, the live optimizer {len(opt.param_groups)}"]
+    out = []
+    for i, (g, mine) in enumerate(zip(groups, opt.param_groups)):
+        params = g.get("params") if isinstance(g, dict) else None
+        n = len(params) if isinstance(params, (list, tuple)) else None
+        if n != len(mine["params"]):
+            out.append(f"parameter group {i} has {n} parameters in the checkpoint, "
+                       f"{len(mine['params'])} in the live optimizer")
+    return out
+
+
+_tree.register_state_check(lambda o: isinstance(o, torch.nn.Module), _module_problems)
+_tree.register_state_check(lambda o: isinstance(o, torch.optim.Optimizer), _optimizer_problems)
+
 for _codec in (TorchDtypeCodec(), TorchDeviceCodec(), GeneratorCodec(), TensorCodec()):
     register_codec(_codec)
 _tree.register_inplace_stateful(_inplace_stateful)
+_tree.register_fixed_shapes(lambda obj: isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)))
+
+from .torch_data import ResumableSampler  # noqa: E402  (epochal.integrations.torch.ResumableSampler)
+
+__all__ += ["ResumableSampler"]

@@ -33,6 +33,9 @@ class Job(Managed):
         self.stop_conditions: list[TaskOutput] = list(stop_conditions or [])
         self._nodes_to_checkpoint = nodes_to_checkpoint
         self._limiters = 0  # epoch_limiters added so far (they name their counters by it)
+        #: the smallest ``num_epochs`` of the job's epoch_limiters (None without one): the
+        #: limit in force is the one the code gives now, also when the job resumes
+        self.epoch_limit: int | None = None
 
     def nodes_to_checkpoint(self) -> list[str]:
         """The given node list, else the nodes of the init group's tasks, in order."""
@@ -77,41 +80,55 @@ class Job(Managed):
 
 
 class _CreateCounter:
-    """Step: create an int64 counter blob (checkpointed as its current count)."""
+    """Step: create the limiter's counter: epochs run so far, as a 1-element int64 array."""
 
     def __init__(self, name: str, init_count: int) -> None:
         self.name, self.init_count = name, init_count
 
     def __call__(self, ws: Any) -> None:
-        ws[self.name] = np.array(self.init_count, dtype=np.int64)
+        ws[self.name] = np.array([0], dtype=np.int64)
 
 
 class _CountDown:
-    """Step: decrement the counter; the output is True when the count before was <= 0."""
+    """Step: count one more epoch; the output is True once ``limit`` epochs have run.
 
-    def __init__(self, counter: str, output: str) -> None:
+    The counter counts epochs run (a 1-element array), so the limit is the one in the code
+    now, whatever it was when the checkpoint was saved. A counter from an older epochal (a
+    0-d count down from ``limit - 1``) is read as if the limit had not changed.
+    """
+
+    def __init__(self, counter: str, output: str, limit: int | None = None) -> None:
         self.counter, self.output = counter, output
+        self.limit = limit
 
     def __call__(self, ws: Any) -> None:
-        before = int(ws[self.counter])
-        ws[self.counter] = np.array(before - 1, dtype=np.int64)
-        ws[self.output] = np.bool_(before <= 0)
+        saved = np.asarray(ws[self.counter])
+        limit = self.limit if self.limit is not None else 0
+        done = int(saved.reshape(-1)[0]) if saved.ndim == 1 else limit - 1 - int(saved)
+        done += 1
+        ws[self.counter] = np.array([done], dtype=np.int64)
+        ws[self.output] = np.bool_(done >= limit)
 
 
 def epoch_limiter(job: Job, num_epochs: int) -> TaskOutput:
-    """Stop ``job`` after ``num_epochs`` epochs in all (the count is checkpointed, so a resumed
-    run does not restart it)."""
+    """Stop ``job`` once its absolute epoch reaches ``num_epochs``.
+
+    The number of epochs run is checkpointed, the limit is not: a job resumed with a higher
+    limit trains on to it; with a limit it has already reached, it runs no further epoch
+    (load, download, exit). (The seed checkpointed a countdown, so the first limit stayed.)
+    """
     if num_epochs < 1:
         raise ValueError(f"num_epochs must be >= 1, got {num_epochs}")
     # Names depend only on the job's structure, so a job rebuilt by a new process (or the
     # same one) finds its saved counter again when it resumes.
     n = job._limiters
     job._limiters += 1
+    job.epoch_limit = num_epochs if job.epoch_limit is None else min(job.epoch_limit, num_epochs)
     node = Node.current()
     suffix = f":{n}" if n else ""
     counter, flag = f"epoch_limiter{suffix}/{node}/counter", f"epoch_limiter{suffix}/{node}/stop"
     with job.init_group:
         Task(step=_CreateCounter(counter, num_epochs - 1), node=node, name="epoch_limiter_init")
     with job.epoch_group:
-        task = Task(step=_CountDown(counter, flag), outputs=[flag], node=node, name="epoch_limiter")
+        task = Task(step=_CountDown(counter, flag, num_epochs), outputs=[flag], node=node, name="epoch_limiter")
     return job.add_stop_condition(task.outputs()[0])

@@ -467,3 +467,14 @@ def encode(value: Any, name: str = "?") -> Encoded:
         return codec.encode(value)
     except UnsupportedBlobError as e:
         raise UnsupportedBlobError(f"blob {name!r}: {e}") from None
+
+
+def check_live(kind: str, meta: dict[str, Any], existing: Any) -> None:
+    """Raise :class:`BlobMismatchError` when a saved blob (``kind``, ``meta``) cannot be
+    restored into the live object ``existing`` (keys, shapes, dtypes, layout), without
+    touching it. Loaders call this for every blob before any live object is written, so a
+    mismatch in one blob never leaves another half-restored. Codecs opt in with a
+    ``check(meta, existing)`` method; the others accept anything."""
+    fn = getattr(codec_for_kind(kind), "check", None)
+    if fn is not None:
+        fn(meta, existing)

@@ -10,30 +10,55 @@ from typing import Any
 from ..errors import BlobMismatchError
 from .skeleton import MAX_DEPTH, Decoder, check_leaves, is_stateful, path_str, type_name
 
-__all__ = ["live_pairs", "register_inplace_stateful", "restore_into"]
+__all__ = ["live_pairs", "register_fixed_shapes", "register_inplace_stateful", "register_state_check", "restore_into",
+           "skeleton", "state_problems"]
 
 
 # ---------------------------------------------------------------- shape check
-def _shape_mismatches(saved: Any, live: Any, path: tuple[Any, ...], out: list[str]) -> None:
+def _shape_mismatches(saved: Any, live: Any, path: tuple[Any, ...], out: list[str], strict: bool = True) -> None:
     """Collect 'path: checkpoint shape A, live shape B' for leaves both sides have."""
     if len(out) >= 5 or len(path) > MAX_DEPTH:
         return
     if isinstance(saved, dict) and isinstance(live, dict):
         for k, v in saved.items():
             if k in live:
-                _shape_mismatches(v, live[k], (*path, k), out)
+                _shape_mismatches(v, live[k], (*path, k), out, strict)
         return
     if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)):
         for i, (a, b) in enumerate(zip(saved, live)):
-            _shape_mismatches(a, b, (*path, i), out)
+            _shape_mismatches(a, b, (*path, i), out, strict)
         return
     a, b = getattr(saved, "shape", None), getattr(live, "shape", None)
-    if a is not None and b is not None and tuple(a) != tuple(b):
+    if a is not None and b is not None and not _fits(tuple(a), tuple(b), strict):
         where = str(path[0]) if len(path) == 1 and isinstance(path[0], str) else path_str(path)
         out.append(f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}")
 
 
 _SHAPED_KINDS = ("torch.tensor", "ndarray")
+
+
+def _fits(saved: tuple[Any, ...], live: tuple[Any, ...], strict: bool) -> bool:
+    """Whether a saved leaf of shape ``saved`` may replace a live one of shape ``live``: the
+    same shape, or, unless ``strict``, either side empty (a live placeholder not filled yet,
+    such as a sampler's permutation before the first epoch, or state saved before it grew):
+    ``load_state_dict`` then gets the saved value and judges it. Objects whose tensors have
+    fixed shapes (models, optimizers: see :func:`register_fixed_shapes`) are strict."""
+    return saved == live or (not strict and (0 in saved or 0 in live))
+
+
+#: predicates naming live stateful objects whose state tensors have fixed shapes
+_fixed_shapes: list[Callable[[Any], bool]] = []
+
+
+def register_fixed_shapes(predicate: Callable[[Any], bool]) -> None:
+    """Declare that the live objects ``predicate`` accepts only take state of their own shapes
+    (an empty tensor in their state is not a placeholder)."""
+    if predicate not in _fixed_shapes:
+        _fixed_shapes.append(predicate)
+
+
+def _strict(existing: Any) -> bool:
+    return any(p(existing) for p in _fixed_shapes)
 
 
 class _LiveMatch:
@@ -42,8 +67,9 @@ class _LiveMatch:
     leaf (first reference wins, in the decoder's order) and whether both have exactly the
     same structure (dict keys, list lengths, containers against containers)."""
 
-    def __init__(self, leaves: list[tuple[str, dict[str, Any], int]]) -> None:
+    def __init__(self, leaves: list[tuple[str, dict[str, Any], int]], strict: bool = True) -> None:
         self.leaves = leaves
+        self.strict = strict
         self.keys = Decoder([], [])
         self.pairs: dict[int, Any] = {}
         self.same = True
@@ -92,7 +118,7 @@ class _LiveMatch:
             kind, meta, _ = self.leaves[n[1]]
             a, b = meta.get("shape"), getattr(live, "shape", None)
             if kind in _SHAPED_KINDS and isinstance(a, list) and b is not None:
-                if tuple(a) != tuple(b) and len(self.problems) < 5:
+                if not _fits(tuple(a), tuple(b), self.strict) and len(self.problems) < 5:
                     where = str(path[0]) if len(path) == 1 and isinstance(path[0], str) else path_str(path)
                     self.problems.append(
                         f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}"
@@ -126,7 +152,7 @@ def live_pairs(meta: dict[str, Any], existing: Any) -> dict[int, Any] | None:
         live = existing.state_dict()
     except Exception:
         return None
-    match = _LiveMatch(check_leaves(meta.get("leaves")))
+    match = _LiveMatch(check_leaves(meta.get("leaves")), _strict(existing))
     match.walk(meta.get("root"), live, ())
     if match.problems:
         raise BlobMismatchError(
@@ -135,6 +161,92 @@ def live_pairs(meta: dict[str, Any], existing: Any) -> dict[int, Any] | None:
     if not match.same or not any(ok(existing) for ok in _inplace_ok):
         return None
     return match.pairs
+
+
+class _Stub:
+    """A leaf of a saved state, known from its meta alone (no data read): kind and shape."""
+
+    def __init__(self, kind: str, meta: dict[str, Any]) -> None:
+        self.kind, self.meta = kind, meta
+        shape = meta.get("shape") if kind in _SHAPED_KINDS else None
+        self.shape = tuple(shape) if isinstance(shape, list) else None
+
+    def __repr__(self) -> str:
+        return f"<saved {self.kind} {self.shape}>"
+
+
+class _SkeletonDecoder(Decoder):
+    """Decodes a tree's structure with every leaf as a :class:`_Stub` (reads no buffer)."""
+
+    def __init__(self, leaves: Any) -> None:
+        super().__init__(leaves, [None] * sum(n for _, _, n in check_leaves(leaves)))  # type: ignore[list-item]
+
+    def leaf(self, i: int, existing: Any) -> Any:
+        if not 0 <= i < len(self.leaves):
+            raise ValueError(f"tree leaf {i} out of range")
+        kind, meta, _ = self.leaves[i]
+        return _Stub(kind, meta)
+
+
+def skeleton(meta: dict[str, Any]) -> Any:
+    """The saved state of a tree blob with its leaves as stubs (``.kind``, ``.shape``,
+    ``.meta``): what a check can know before any data is read."""
+    return _SkeletonDecoder(meta.get("leaves")).node(meta.get("root"), 0)
+
+
+#: (predicate, check) pairs: ``check(live_object, saved_skeleton, live_state_dict)`` returns
+#: the problems that object's ``load_state_dict`` would refuse (see register_state_check)
+_state_checks: list[tuple[Callable[[Any], bool], Callable[[Any, Any, Any], list[str]]]] = []
+
+
+def register_state_check(predicate: Callable[[Any], bool], check: Callable[[Any, Any, Any], list[str]]) -> None:
+    """For live stateful objects ``predicate`` accepts, ``check(obj, saved, live_state)``
+    lists what their ``load_state_dict`` would refuse (missing or unexpected keys, another
+    parameter-group layout); ``saved`` is the :func:`skeleton` of the blob. Integrations
+    register these so a load can refuse before it writes anything."""
+    _state_checks.append((predicate, check))
+
+
+def state_problems(meta: dict[str, Any], existing: Any) -> list[str]:
+    """Why the saved tree blob ``meta`` cannot be restored into ``existing``: shapes of the
+    leaves both have, plus the registered checks of its type; [] when it fits (or when
+    nothing is known about it). Nested stateful values of a plain container are checked
+    against their live counterparts."""
+    if meta.get("v") != 1:
+        return []
+    saved = skeleton(meta)
+    if meta.get("stateful") is not True:
+        return _nested_problems(saved, existing, ())
+    if not is_stateful(existing):
+        return []
+    try:
+        live = existing.state_dict()
+    except Exception:
+        return []
+    problems: list[str] = []
+    _shape_mismatches(saved, live, (), problems, _strict(existing))
+    for predicate, check in _state_checks:
+        if predicate(existing):
+            problems.extend(check(existing, saved, live))
+    return problems
+
+
+def _nested_problems(saved: Any, live: Any, path: tuple[Any, ...]) -> list[str]:
+    if len(path) > MAX_DEPTH:
+        return []
+    if isinstance(saved, _Stub):
+        if saved.kind == "tree" and saved.meta.get("stateful") is True and is_stateful(live):
+            return [f"{path_str(path)}: {p}" for p in state_problems(saved.meta, live)]
+        return []
+    out: list[str] = []
+    if isinstance(saved, dict) and isinstance(live, dict):
+        for k, v in saved.items():
+            if k in live:
+                out.extend(_nested_problems(v, live[k], (*path, k)))
+    elif isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(saved) == len(live):
+        for i, (a, b) in enumerate(zip(saved, live)):
+            out.extend(_nested_problems(a, b, (*path, i)))
+    return out
 
 
 def restore_into(existing: Any, state: Any) -> Any:
@@ -149,7 +261,7 @@ def restore_into(existing: Any, state: Any) -> Any:
     except Exception:  # an object that cannot report its state yet: let load_state_dict judge
         live = None
     problems: list[str] = []
-    _shape_mismatches(state, live, (), problems)
+    _shape_mismatches(state, live, (), problems, _strict(existing))
     what = type_name(existing)
     if problems:
         raise BlobMismatchError(f"state dict does not fit the live {what}: " + "; ".join(problems))

@@ -62,10 +62,18 @@ from typing import Any
 from ..errors import BlobMismatchError, UnsupportedBlobError
 from . import codecs
 from .codecs import Encoded, register_codec
-from .live import live_pairs, register_inplace_stateful, restore_into
+from .live import (
+    live_pairs,
+    register_fixed_shapes,
+    register_inplace_stateful,
+    register_state_check,
+    restore_into,
+    state_problems,
+)
 from .skeleton import MAX_DEPTH, TREE_KIND, Decoder, Encoder, check_leaves, is_stateful, type_name
 
-__all__ = ["MAX_DEPTH", "TreeCodec", "is_stateful", "register_inplace_stateful", "restore_into"]
+__all__ = ["MAX_DEPTH", "TreeCodec", "is_stateful", "register_fixed_shapes", "register_inplace_stateful", "register_state_check",
+           "restore_into"]
 
 
 # ---------------------------------------------------------------- the codec
@@ -138,6 +146,15 @@ class TreeCodec:
                     out[off : off + n] = got
             off += n
         return out if any(t is not None for t in out) else None
+
+    def check(self, meta: dict[str, Any], existing: Any) -> None:
+        """BlobMismatchError when the blob cannot be restored into ``existing`` (see
+        :func:`~epochal.storage.live.state_problems`); nothing is written."""
+        problems = state_problems(meta, existing)
+        if problems:
+            raise BlobMismatchError(
+                f"state dict does not fit the live {type_name(existing)}: " + "; ".join(problems)
+            )
 
     def decode(
         self, meta: dict[str, Any], buffers: Sequence[memoryview], existing: Any = None
