@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -50,13 +51,38 @@ GCS_ENV = {
 
 # What a machine mounts before it starts its raylet: its own /tmp, /dev/shm (the object
 # store's mmap files) and home, and a working directory inside its /tmp.
+# The code (this checkout, its venv, the Python install) stays visible at its own path even
+# when it lives under /tmp (a CI clone there, say): it is bind-mounted aside first and back
+# into the new /tmp after (mounts in this namespace only; the host sees none of them).
 _MACHINE_SH = """set -e
+{keep}
 mount -t tmpfs -o size={tmp_mib}m,mode=1777 epochal-tmp /tmp
 mount -t tmpfs -o size={shm_mib}m epochal-shm /dev/shm
+{restore}
 mkdir -p /tmp/home /tmp/work
 cd /tmp/work
 exec "$@"
 """
+
+
+def _code_under_tmp() -> list[str]:
+    """The code paths a machine needs that a private /tmp would hide (outermost first)."""
+    paths = sorted({str(p) for p in (TESTS.parent, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve())
+                    if str(p) == "/tmp" or str(p).startswith("/tmp/")})
+    out: list[str] = []
+    for p in paths:  # a path inside one already kept comes along with it
+        if not any(p == q or p.startswith(q + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def _keep_scripts() -> tuple[str, str]:
+    keep, restore = [], []
+    for i, path in enumerate(_code_under_tmp()):
+        aside = f"/run/epochal-keep-{os.getpid()}-{i}"
+        keep.append(f"mkdir -p {aside} && mount --bind {shlex.quote(path)} {aside}")
+        restore.append(f"mkdir -p {shlex.quote(path)} && mount --bind {aside} {shlex.quote(path)}")
+    return "\n".join(keep), "\n".join(restore)
 
 
 def free_port() -> int:
@@ -175,7 +201,9 @@ class LoopbackCluster:
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback addresses stay loopback
         if private:
             env.update(HOME="/tmp/home", TMPDIR="/tmp")
-            script = _MACHINE_SH.format(tmp_mib=self.tmp_mib, shm_mib=self.object_store_mib + 64)
+            keep, restore = _keep_scripts()
+            script = _MACHINE_SH.format(tmp_mib=self.tmp_mib, shm_mib=self.object_store_mib + 64,
+                                        keep=keep, restore=restore)
             cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "machine", *argv]
         else:
             cmd = ["unshare", "-m", "--propagation", "private", *argv]

@@ -363,7 +363,9 @@ def test_the_lock_without_flock_falls_back_to_the_holder_record(tmp_path, monkey
 
     monkeypatch.setattr(lockmod.fcntl, "flock", no_flock)
     path = str(tmp_path / "lock")
-    (tmp_path / "lock").write_text('{"host": "%s", "pid": 999999999, "since": "x"}' % lockmod.atomic.hostname())
+    import json
+
+    (tmp_path / "lock").write_text(json.dumps({"host": lockmod.atomic.hostname(), "pid": 999999999, "since": "x"}))
     a = lockmod.WriterLock(path)
     a.acquire()  # a dead pid of this host: taken over
     (tmp_path / "lock").write_text('{"host": "other-host", "pid": 1, "since": "2026-01-01"}')
