@@ -462,3 +462,56 @@ def test_duplicate_keys_in_a_manifest_are_refused(tmp_path):
     open(d.manifest_path(1), "wb").write(raw)
     with pytest.raises(CheckpointCorruptError, match="duplicate key 'final'"):
         d.manifest(1)
+
+
+# ----------------------------------------------------------------- cadence (issue 15)
+def test_save_every_k_epochs_and_always_the_last(tmp_path):
+    ws = Workspace()
+    assert runner(build(epochs=7), tmp_path, save_every=3).train(LocalSession(ws)) == 7
+    assert CheckpointDirectory(str(tmp_path)).committed_epochs() == [0, 3, 6, 7]
+    assert float(ws["w"][0]) == 7.0
+    # a rerun with a higher limit resumes from the last one, and trains on
+    ws = Workspace()
+    assert runner(build(epochs=9), tmp_path, save_every=3).train(LocalSession(ws)) == 9
+    assert CheckpointDirectory(str(tmp_path)).committed_epochs() == [0, 3, 6, 7, 9]
+    assert float(ws["w"][0]) == 9.0
+
+
+def test_save_interval_saves_once_the_time_has_passed(tmp_path, monkeypatch):
+    from epochal.jobs import cadence
+
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(cadence.time, "monotonic", lambda: clock["t"])
+
+    class Tick(Step):
+        def __call__(self, ws):
+            super().__call__(ws)
+            clock["t"] += 25.0  # each epoch takes 25 s
+
+    assert runner(build(epochs=8, step=Tick()), tmp_path, save_interval="1m").train(LocalSession(Workspace())) == 8
+    # saved at 0, then once 60 s have passed since the last save (epochs 3 and 6), and the last
+    assert CheckpointDirectory(str(tmp_path)).committed_epochs() == [0, 3, 6, 8]
+
+
+def test_a_preempted_epoch_is_saved_whatever_the_cadence(tmp_path):
+    import signal
+
+    from epochal import Preempted
+
+    class Stop(Step):
+        def __call__(self, ws):
+            super().__call__(ws)
+            if float(ws["w"][0]) == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Preempted) as info:
+        runner(build(epochs=9, step=Stop()), tmp_path, save_every=3).train(LocalSession(Workspace()))
+    assert info.value.committed == 4
+    assert CheckpointDirectory(str(tmp_path)).committed_epochs() == [0, 3, 4]
+
+
+def test_bad_cadence_values_are_refused():
+    with pytest.raises(ValueError, match="save_every"):
+        JobRunner(build(), save_every=0)
+    with pytest.raises(ValueError, match="not a duration"):
+        JobRunner(build(), save_interval="soon")
