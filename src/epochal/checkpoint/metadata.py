@@ -7,7 +7,17 @@ the five keeps working.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class DbReport:
+    """What a node says of the db it just wrote: its size in bytes and its digest (see
+    :meth:`epochal.storage.base.DbBackend.digest`; None when the format has none)."""
+
+    size: int
+    digest: str | None
 
 
 @runtime_checkable
@@ -51,12 +61,17 @@ class MetadataHandlerExtensions(Protocol):
       explicit resume epoch loads it and runs no further epoch.
     - ``flush()``: wait for work the handler does in the background (a mirror's pushes);
       called when ``train`` ends (normally or with an exception).
+    - ``report_dbs(epoch, {node: DbReport})``: size and digest of each node's db of
+      ``epoch``, as the nodes reported them (called just before ``write``): a handler can
+      commit without opening a node's file (which may be on another machine).
     - ``acquire_lock()``: take the exclusive writer lock of the checkpoint location for a run
       (called right after ``set_params``; raises ``CheckpointLockedError`` when another live
       writer holds it); ``release_lock()``: let it go (called when ``train`` ends, always).
     """
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
+
+    def report_dbs(self, epoch: int, dbs: dict[str, DbReport]) -> None: ...
 
     def expect_final(self, epoch: int) -> None: ...
 
@@ -97,6 +112,9 @@ class BaseMetadataHandler:
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None:
         return None
 
+    def report_dbs(self, epoch: int, dbs: dict[str, DbReport]) -> None:
+        return None
+
     def expect_final(self, epoch: int) -> None:
         return None
 
@@ -124,7 +142,7 @@ class _Extended(BaseMetadataHandler):
     """A five-method (seed) handler seen through the full interface: each extension it has is
     forwarded, each it lacks is the base's no-op."""
 
-    _EXTENSIONS = ("report_bytes", "expect_final", "mark_final", "is_final", "flush",
+    _EXTENSIONS = ("report_bytes", "report_dbs", "expect_final", "mark_final", "is_final", "flush",
                    "acquire_lock", "release_lock", "location")
 
     def __init__(self, handler: Any) -> None:
