@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +76,22 @@ class Place:
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
-def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Place]:
     """The folder each test writes in: local, memory:// or moto S3."""
     if request.param == "local":
-        return Place(str(tmp_path), True)
+        yield Place(str(tmp_path), True)
+        return
     if request.param == "memory":
         pytest.importorskip("fsspec", reason="the s3 extra is not installed")
-        return Place(f"memory://conformance-{secrets.token_hex(4)}", False)
+        yield Place(f"memory://conformance-{secrets.token_hex(4)}", False)
+        return
     opts = request.getfixturevalue("s3")
     from epochal.storage.io.fsspec_store import set_storage_options
 
-    set_storage_options("s3://ckpts", opts)
-    return Place(f"s3://ckpts/conformance-{secrets.token_hex(4)}", False)
+    root = f"s3://ckpts/conformance-{secrets.token_hex(4)}"
+    set_storage_options(root, opts)
+    yield Place(root, False)
+    set_storage_options(root, None)
 
 
 def _blobs() -> dict[str, Any]:

@@ -185,3 +185,38 @@ def test_db_name_joins_urls_with_a_slash() -> None:
     assert db_name(3, "trainer_0", "s3://b/run") == "s3://b/run/trainer_0.3"
     assert db_name(3, "trainer_0", "s3://b/run/") == "s3://b/run/trainer_0.3"
     assert db_name(3, "t", "", "s3://b/run/pre_") == "s3://b/run/pre_t.3"
+
+
+def test_resume_at_a_url_reads_headers_only_and_a_damaged_db_is_named_by_the_load(
+    where: tuple[str, dict[str, Any] | None], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from epochal.storage.io import fsspec_store
+
+    url, opts = where
+    assert _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts) == LAST
+    _forget_after(url, 2)
+    sizes = sum(len(_cat(f"{url}/{n}.2")) for n in NODES)
+    asked: list[int] = []
+    real = fsspec_store.FsspecSource.read
+
+    def read(self: Any, nbytes: int, offset: int) -> bytes:
+        data = real(self, nbytes, offset)
+        asked.append(len(data))
+        return data
+
+    monkeypatch.setattr(fsspec_store.FsspecSource, "read", read)
+    h = ep.DirectoryMetadataHandler(storage_options=opts)  # verify="full" by default
+    h.set_params(url, "native", list(NODES))
+    assert h.last_epoch() == 2
+    assert 0 < sum(asked) < sizes // 4  # size and digest from headers, not every byte
+    monkeypatch.undo()
+
+    fs, path = filesystem_for(f"{url}/trainer_1.2")
+    data = bytearray(fs.cat_file(path))
+    at = data.find(np.arange(10, dtype=np.int64).tobytes())  # trainer_1/data's bytes
+    assert at > 0
+    data[at + 3] ^= 0x01  # same size, same header: only the checksums can tell
+    fs.pipe_file(path, bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts)
+    assert f"{url}/trainer_1.2" in str(e.value)

@@ -298,6 +298,13 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
     ``mirror_background`` (default True): pushes run in order on a background thread, so
     training does not wait for the network; ``flush()`` waits for them (JobRunner calls it
     when ``train`` ends, and it runs at interpreter exit).
+
+    The checkpoint location may be an fsspec URL (``db_prefix="s3://bucket/run"``; see
+    docs/remote.md): ``storage_options`` go to fsspec; the records are objects at the URL
+    (one per stats report), the commit uses the sizes and digests the nodes reported
+    (:meth:`report_dbs`), resume checks sizes and digests only (each node's load verifies
+    every checksum), and the writer lock is a lease of ``lease_seconds``, renewed at each
+    commit (:mod:`.lease`).
     """
 
     def __init__(

@@ -179,6 +179,8 @@ class CheckpointManager(_HandlerCalls):
 
     ``map_location`` and ``verify`` are epochal's additions: where loaded torch tensors go
     (default: back to their saved device when it exists), and whether loads check checksums.
+    ``db_prefix`` may be an fsspec URL (``s3://bucket/run``); ``storage_options`` then go to
+    fsspec, here and in the node's process (the steps carry them; see docs/remote.md).
     """
 
     BLOB_NAMES = "blob_names"
