@@ -44,7 +44,7 @@ from .manifest import (
     manifest_name,
     validate_manifest,
 )
-from .metadata import BaseMetadataHandler, DbReport
+from .metadata import BaseMetadataHandler, DbReport, PushTarget
 from .naming import RECORDS_DIR, db_name
 from .records import STATS_FILE, RecordLock, RecordStore, records_for
 from .records import read_local_record as read_record  # noqa: F401 - its old home
@@ -304,7 +304,9 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
     (one per stats report), the commit uses the sizes and digests the nodes reported
     (:meth:`report_dbs`), resume checks sizes and digests only (each node's load verifies
     every checksum), and the writer lock is a lease of ``lease_seconds``, renewed at each
-    commit (:mod:`.lease`).
+    commit (:mod:`.lease`). ``mirror_from_nodes`` (default False): each node uploads its own
+    db to the mirror in its save task, the driver only the manifest (for machines that share
+    no disk; the save then waits for the upload), see :meth:`node_push_target`.
     """
 
     def __init__(
@@ -320,6 +322,7 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         mirror_background: bool = True,
         storage_options: dict[str, Any] | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        mirror_from_nodes: bool = False,
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
@@ -347,6 +350,8 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         self.storage_options = dict(storage_options or {})
         self.lease_seconds = float(lease_seconds)
         self._reported: dict[int, dict[str, DbReport]] = {}  # epoch -> what the nodes said
+        self._node_pushed: set[int] = set()  # epochs whose every db its node pushed itself
+        self.mirror_from_nodes = bool(mirror_from_nodes)
 
     def __repr__(self) -> str:
         where = self.directory.db_dir if self.directory is not None else None
@@ -494,7 +499,11 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
                 self._unpushed.discard(e)  # no longer committed here (retention)
                 continue
             try:
-                self.mirror.push(d.db_dir, e, m)
+                if e in self._node_pushed:  # each node uploaded its own db: the manifest, last
+                    self.mirror.put_manifest(e, m)
+                else:
+                    self.mirror.push(d.db_dir, e, m)
+                self._node_pushed.discard(e)
             except Exception as ex:
                 self._unpushed.add(e)
                 logger.warning(
@@ -526,6 +535,8 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         epoch = int(epoch)
         backend = get_db_type(self.db_type)
         reported = self._reported.pop(epoch, {})
+        if self.node_names and all(n in reported and reported[n].pushed for n in self.node_names):
+            self._node_pushed.add(epoch)  # the mirror push is the manifest alone
         nodes: dict[str, dict[str, Any]] = {}
         for node in self.node_names:
             path = d.db_path(node, epoch)
@@ -840,6 +851,17 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
 
     def _write_json(self, path: str, data: dict[str, Any]) -> None:
         self._dir().records.write(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
+
+    def node_push_target(self) -> PushTarget | None:
+        """With ``mirror_from_nodes`` and a mirror (a :class:`~.mirror.RemoteMirror`): each
+        node uploads the db it saves there from its own process, inside its save task
+        (machines need not share a disk); the driver then pushes only the manifest. An upload
+        a node could not make is pushed by the driver (if it sees the file)."""
+        from .mirror import RemoteMirror
+
+        if self.mirror_from_nodes and isinstance(self.mirror, RemoteMirror):
+            return PushTarget(self.mirror.url, dict(self.mirror.storage_options))
+        return None
 
     # -- records at a URL
     def report_dbs(self, epoch: int, dbs: dict[str, DbReport]) -> None:

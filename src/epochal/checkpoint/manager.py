@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
 from ..storage.base import get_db_type
-from .metadata import BaseMetadataHandler, DbReport, MetadataHandler, with_extensions
+from .metadata import BaseMetadataHandler, DbReport, MetadataHandler, PushTarget, with_extensions
 from .naming import check_node_name, db_name, epochs_on_disk
 from .steps import (
     INTERNAL_PREFIX,
@@ -214,6 +214,7 @@ class CheckpointManager(_HandlerCalls):
         self._current_checkpoint_duration: TaskOutput | None = None
         self._current_checkpoint_bytes: TaskOutput | None = None
         self._current_checkpoint_digest: TaskOutput | None = None
+        self._current_checkpoint_pushed: TaskOutput | None = None
 
     # -- accessors
     @property
@@ -294,7 +295,7 @@ class CheckpointManager(_HandlerCalls):
         task = Task(step=Timed(op, f"{base}.ns", f"{base}.bytes"), node=self._node_name, name=cp_op_name)
         self._current_checkpoint_duration = task.add_output(f"{base}.ns")
         self._current_checkpoint_bytes = task.add_output(f"{base}.bytes")
-        self._current_checkpoint_digest = None
+        self._current_checkpoint_digest = self._current_checkpoint_pushed = None
         return task
 
     def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
@@ -349,7 +350,14 @@ class CheckpointManager(_HandlerCalls):
         return Task(step=DbExists(path, self._db_type, flag, self._storage_options), outputs=[flag], node=self._node_name,
                     name="check_db_exists")
 
-    def save(self, epoch: int, background: bool = False) -> Task:
+    def _push_target(self, push: PushTarget | None) -> PushTarget | None:
+        """``push`` when given (a multi-node manager asked its handler), else this manager's
+        handler's (None without one)."""
+        if push is not None or self._handler is None:
+            return push
+        return self._handler.node_push_target()
+
+    def save(self, epoch: int, background: bool = False, *, push: PushTarget | None = None) -> Task:
         """A timed Task saving the blob list, in order, to the db of ``epoch``.
 
         With ``background``, the task only snapshots the blobs and starts the write on a
@@ -360,26 +368,31 @@ class CheckpointManager(_HandlerCalls):
         step = SnapshotAndSave if background else SaveBlobs
         untracked = f"{INTERNAL_PREFIX}{self._node_name}/untracked_blobs"
         digest = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save.digest"
+        pushed = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save.pushed"
         task = self._timed_task("checkpoint_save", step(
             self._current_db_name, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
             untracked_output=untracked, digest_output=None if background else digest,
-            storage_options=self._storage_options,
+            storage_options=self._storage_options, push=None if background else self._push_target(push),
+            pushed_output=None if background else pushed,
         ))
         self._untracked_output = task.add_output(untracked)
         self._current_checkpoint_digest = None if background else task.add_output(digest)
+        self._current_checkpoint_pushed = None if background else task.add_output(pushed)
         return task
 
-    def join_save(self, epoch: int) -> Task:
+    def join_save(self, epoch: int, *, push: PushTarget | None = None) -> Task:
         """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
         and its stats are the whole save's (snapshot until the file is durable)."""
         self._current_db_name = self._db(epoch)
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
         task = Task(step=JoinSave(self._current_db_name, f"{base}.ns", f"{base}.bytes",
-                                  db_type=self._db_type, digest_output=f"{base}.digest"),
+                                  db_type=self._db_type, digest_output=f"{base}.digest",
+                                  push=self._push_target(push), pushed_output=f"{base}.pushed"),
                     node=self._node_name, name="checkpoint_join")
         self._current_checkpoint_duration = task.add_output(f"{base}.ns")
         self._current_checkpoint_bytes = task.add_output(f"{base}.bytes")
         self._current_checkpoint_digest = task.add_output(f"{base}.digest")
+        self._current_checkpoint_pushed = task.add_output(f"{base}.pushed")
         return task
 
     def db_reports(self) -> dict[str, DbReport]:
@@ -391,7 +404,8 @@ class CheckpointManager(_HandlerCalls):
             return {}
         if size is None or digest is None:
             return {}
-        return {self._node_name: DbReport(int(size), str(digest) or None)}
+        pushed = self._current_checkpoint_pushed.fetch() if self._current_checkpoint_pushed is not None else None
+        return {self._node_name: DbReport(int(size), str(digest) or None, bool(pushed))}
 
     def set_params(self, nodes: Any, path_prefix: str | None = None, path_type: str | None = None) -> None:
         self._keep_paths(path_prefix, path_type)
@@ -497,10 +511,12 @@ class MultiNodeCheckpointManager(_HandlerCalls):
         return self._task_group(CheckpointManager.load, epoch, path_prefix=path_prefix, path_type=path_type)
 
     def save(self, epoch: int, background: bool = False) -> TaskGroup:
-        return self._task_group(CheckpointManager.save, epoch, background=background)
+        push = self._handler.node_push_target() if self._handler is not None else None
+        return self._task_group(CheckpointManager.save, epoch, background=background, push=push)
 
     def join_save(self, epoch: int) -> TaskGroup:
-        return self._task_group(CheckpointManager.join_save, epoch)
+        push = self._handler.node_push_target() if self._handler is not None else None
+        return self._task_group(CheckpointManager.join_save, epoch, push=push)
 
     def load_blobs_locally(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int, session: Any) -> bool:
         """Load ``blob_names`` from every node's db of ``epoch``, node by node; False (after

@@ -18,6 +18,17 @@ class DbReport:
 
     size: int
     digest: str | None
+    #: the node also uploaded it to the handler's mirror (see ``node_push_target``)
+    pushed: bool = False
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Where each node uploads the db it just saved (a handler's mirror): the URL of the
+    mirror's root and the fsspec options that reach it."""
+
+    url: str
+    storage_options: dict[str, Any]
 
 
 @runtime_checkable
@@ -64,6 +75,8 @@ class MetadataHandlerExtensions(Protocol):
     - ``report_dbs(epoch, {node: DbReport})``: size and digest of each node's db of
       ``epoch``, as the nodes reported them (called just before ``write``): a handler can
       commit without opening a node's file (which may be on another machine).
+    - ``node_push_target() -> PushTarget | None``: where each node should upload the db it
+      saves (a mirror), so that the driver only pushes the manifest; None: nowhere.
     - ``acquire_lock()``: take the exclusive writer lock of the checkpoint location for a run
       (called right after ``set_params``; raises ``CheckpointLockedError`` when another live
       writer holds it); ``release_lock()``: let it go (called when ``train`` ends, always).
@@ -72,6 +85,8 @@ class MetadataHandlerExtensions(Protocol):
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
 
     def report_dbs(self, epoch: int, dbs: dict[str, DbReport]) -> None: ...
+
+    def node_push_target(self) -> PushTarget | None: ...
 
     def expect_final(self, epoch: int) -> None: ...
 
@@ -115,6 +130,9 @@ class BaseMetadataHandler:
     def report_dbs(self, epoch: int, dbs: dict[str, DbReport]) -> None:
         return None
 
+    def node_push_target(self) -> PushTarget | None:
+        return None
+
     def expect_final(self, epoch: int) -> None:
         return None
 
@@ -142,7 +160,7 @@ class _Extended(BaseMetadataHandler):
     """A five-method (seed) handler seen through the full interface: each extension it has is
     forwarded, each it lacks is the base's no-op."""
 
-    _EXTENSIONS = ("report_bytes", "report_dbs", "expect_final", "mark_final", "is_final", "flush",
+    _EXTENSIONS = ("report_bytes", "report_dbs", "node_push_target", "expect_final", "mark_final", "is_final", "flush",
                    "acquire_lock", "release_lock", "location")
 
     def __init__(self, handler: Any) -> None:

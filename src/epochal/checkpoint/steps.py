@@ -38,6 +38,25 @@ def use_storage_options(db: str, storage_options: dict[str, Any] | None) -> None
         set_storage_options(db.rsplit("/", 1)[0], storage_options)
 
 
+def note_push(ws: Any, output: str | None, push: Any, db: str) -> None:
+    """Upload the db just written to ``push`` (a :class:`~.metadata.PushTarget`, or None)
+    from this node's process, and put whether it worked in ``output``. A failed upload is a
+    warning: the driver pushes the epoch itself then (if it can see the file)."""
+    if output is None:
+        return
+    ok = False
+    if push is not None:
+        from ..storage.remote import upload_file
+
+        try:
+            upload_file(db, f"{push.url.rstrip('/')}/{db.rsplit('/', 1)[-1]}", **push.storage_options)
+            ok = True
+        except Exception as ex:
+            logger.warning("Cannot push %s to the mirror %s from its node (the driver will try): %s",
+                           db, push.url, ex)
+    ws[output] = np.bool_(ok)
+
+
 def note_digest(ws: Any, output: str | None, db_type: str, db: str) -> None:
     """Put the digest of the db just written in ``output`` (a str blob, "" when the format has
     none): the driver commits with it and never opens the node's file."""
@@ -174,11 +193,13 @@ class SaveBlobs:
 
     def __init__(self, db: str, db_type: str, names: Sequence[str], *, node: str, epoch: int,
                  untracked_output: str | None = None, digest_output: str | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, push: Any = None,
+                 pushed_output: str | None = None) -> None:
         self.db, self.db_type, self.names = db, db_type, list(names)
         self.node, self.epoch = node, epoch
         self.untracked_output, self.digest_output = untracked_output, digest_output
         self.storage_options = storage_options
+        self.push, self.pushed_output = push, pushed_output
 
     def _where(self) -> str:
         return f"node {self.node!r}, epoch {self.epoch} ({self.db})"
@@ -213,6 +234,7 @@ class SaveBlobs:
         except UnsupportedBlobError as ex:  # a value no format stores: name where it is
             raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
         note_digest(ws, self.digest_output, self.db_type, self.db)
+        note_push(ws, self.pushed_output, self.push, self.db)
         return nbytes
 
 
@@ -295,9 +317,10 @@ class JoinSave:
     file) and bytes like a synchronous save's; re-raise its error."""
 
     def __init__(self, db: str, ns_blob: str, bytes_blob: str, *, db_type: str = "native",
-                 digest_output: str | None = None) -> None:
+                 digest_output: str | None = None, push: Any = None, pushed_output: str | None = None) -> None:
         self.db, self.ns_blob, self.bytes_blob = db, ns_blob, bytes_blob
         self.db_type, self.digest_output = db_type, digest_output
+        self.push, self.pushed_output = push, pushed_output
         self.name = "checkpoint_save"
 
     def __call__(self, ws: Any) -> None:
@@ -308,3 +331,4 @@ class JoinSave:
         ws[self.ns_blob] = np.array([done_ns - pending.started_ns], dtype=np.int64)
         ws[self.bytes_blob] = np.int64(nbytes)
         note_digest(ws, self.digest_output, self.db_type, self.db)
+        note_push(ws, self.pushed_output, self.push, self.db)
