@@ -13,6 +13,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	# torch only as this exact CPU wheel (on local disk here); any other spec downloads GBs
 	$(BIN)/pip install -q $(if $(wildcard /opt/wheels),--find-links /opt/wheels) torch==2.13.0
+	# torchdata's StatefulDataLoader, without its deps (they would pull another torch)
+	$(BIN)/pip install -q --no-deps torchdata==0.11.0
 	touch $(STAMP)
 
 demo: $(STAMP)

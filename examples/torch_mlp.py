@@ -123,59 +123,6 @@ def state_digest(*objs: Any) -> str:
     return h.hexdigest()
 
 
-class LatestEpochFile:
-    """A minimal metadata handler: commits an epoch by writing its number to ``<dir>/LATEST``
-    (atomically), and resumes from it. Used only when epochal has no DirectoryMetadataHandler."""
-
-    def __init__(self) -> None:
-        self.path = ""
-
-    def set_params(self, db_prefix: str, db_type: str, node_names: list[str],
-                   path_prefix: str | None, path_type: str | None) -> None:
-        self.path = os.path.join(db_prefix, "LATEST")
-
-    def _read(self) -> list[str]:
-        try:
-            with open(self.path) as f:
-                return f.read().split()
-        except FileNotFoundError:
-            return []
-
-    def last_epoch(self, user_epoch: int | None = None) -> int | None:
-        if user_epoch is not None:
-            return user_epoch
-        words = self._read()
-        return int(words[0]) if words else None
-
-    def write(self, epoch: int, final: bool = False) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{epoch} final" if final else str(epoch))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-
-    def mark_final(self, epoch: int) -> None:
-        self.write(epoch, final=True)
-
-    def is_final(self, epoch: int) -> bool:
-        return self._read() == [str(epoch), "final"]
-
-    def report(self, action_name: str, stats: dict[str, int]) -> None:
-        pass
-
-    def cp_accessible(self, epoch: int | None = None) -> bool:
-        return True
-
-
-def metadata_handler() -> Any:
-    """epochal's DirectoryMetadataHandler (reruns resume automatically) when available."""
-    try:
-        return epochal.DirectoryMetadataHandler()
-    except (AttributeError, ImportError):
-        return LatestEpochFile()
-
-
 def build(args: argparse.Namespace) -> tuple[Job, CheckpointManager, LocalSession, Workspace]:
     """The model, optimizer, scheduler, RNG state, session, job and checkpoint manager."""
     # Seed every generator RNGState records (model init uses torch's); on a resume the
@@ -201,7 +148,7 @@ def build(args: argparse.Namespace) -> tuple[Job, CheckpointManager, LocalSessio
     os.makedirs(args.ckpt_dir, exist_ok=True)
     manager = CheckpointManager(
         db_prefix=args.ckpt_dir, node_name="local", db_type="native",
-        metadata_handler=metadata_handler(),
+        metadata_handler=epochal.DirectoryMetadataHandler(),  # reruns resume by themselves
     )
     return job, manager, session, ws
 

@@ -8,6 +8,9 @@ import socket
 import pytest
 
 os.environ.setdefault("EPOCHAL_QUIET", "1")
+# Ray drivers keep 127.0.0.1 as it is (else Ray swaps in the host's routable IP); read when ray
+# is first imported, so set here, before any test module imports it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -121,3 +121,30 @@ def test_ray_job_with_directory_handler_resumes_after_a_crash(ray_cluster, tmp_p
         for n in range(2):
             assert s.fetch_blob(f"trainer_{n}", f"trainer_{n}/total").tolist() == [EXPECTED_TOTALS[-1]]
         s.close()
+
+
+def test_a_killed_node_process_is_a_lost_node_and_can_be_replaced(ray_cluster):
+    """The actor's process dies (the machine stays): NodeLostError names the node; a fresh
+    actor replaces it, with an empty workspace. (Machines lost: tests/test_cluster.py.)"""
+    from epochal import NodeLostError
+    from epochal.sessions.ray import RaySession
+
+    s = RaySession()
+    try:
+        s.feed_blob("n0", "x", np.arange(4))
+        s.feed_blob("n1", "x", np.arange(5))
+        old = s.node_info("n0")["pid"]
+        ray.kill(s.actor("n0"))
+        with pytest.raises(NodeLostError) as lost:
+            s.run(Task(step=WhoAmI(), outputs="pid", node="n0"))
+        assert lost.value.node == "n0" and "node 'n0' was lost" in str(lost.value)
+        assert s.lost_nodes() == ["n0"]
+        assert s.fetch_blob("n1", "x").tolist() == list(range(5))  # the other node is untouched
+        info = s.replace_node("n0", timeout=60)
+        assert info["pid"] != old and s.blobs("n0") == []
+        t = Task(step=WhoAmI(), outputs="pid", node="n0")
+        s.run(t)
+        assert int(t.outputs()[0].fetch()) == info["pid"]
+        assert s.lost_nodes() == []
+    finally:
+        s.close()

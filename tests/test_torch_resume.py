@@ -173,3 +173,17 @@ def test_state_dict_shape_mismatch_names_entry_and_both_shapes(tmp_path: Path) -
 def test_state_dict_shape_mismatch_names_blob(tmp_path: Path) -> None:
     msg = _mismatch_message(tmp_path)
     assert "'model'" in msg, f"the error does not name the blob: {msg}"
+
+
+def test_a_model_with_an_empty_buffer_is_still_shape_checked_before_any_write(tmp_path: Path) -> None:
+    """Empty tensors are placeholders only in user objects; a model's shapes are fixed."""
+    saved = torch.nn.Linear(4, 3)
+    saved.register_buffer("extra", torch.ones(5))
+    path = str(tmp_path / "db")
+    get_db_type("native").write(path, {"model": saved})
+    live = torch.nn.Linear(4, 3)
+    live.register_buffer("extra", torch.empty(0))
+    before = live.weight.detach().clone()
+    with pytest.raises(BlobMismatchError, match=r"extra: checkpoint shape \(5,\), live object shape \(0,\)"):
+        get_db_type("native").read(path, ["model"], existing={"model": live})
+    assert torch.equal(live.weight.detach(), before)

@@ -227,3 +227,32 @@ def test_tree_codec_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class Growing:
+    """State whose sizes change as it runs: a permutation drawn on first use, a history."""
+
+    def __init__(self) -> None:
+        self.perm = np.zeros(0, dtype=np.int64)
+        self.hist: list[float] = []
+        self.seen: dict[str, int] = {}
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"perm": self.perm, "hist": self.hist, "seen": self.seen, "n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.perm, self.hist, self.seen, self.n = state["perm"], state["hist"], state["seen"], state["n"]
+
+
+def test_state_whose_sizes_changed_is_restored_with_the_saved_values() -> None:
+    saved = Growing()
+    saved.perm = np.random.default_rng(0).permutation(48)
+    saved.hist, saved.seen, saved.n = [0.5, -0.0, 2.0**70], {"a": 1, "b": 2}, 2**80
+    live = roundtrip(saved, existing=Growing())  # a freshly built object: all empty
+    assert live.perm.tobytes() == saved.perm.tobytes() and live.perm.dtype == np.int64
+    assert same(live.hist, saved.hist) and live.seen == saved.seen and live.n == 2**80
+    # and back: state saved before it grew, into an object that already grew
+    grown = roundtrip(saved, existing=Growing())
+    fresh = roundtrip(Growing(), existing=grown)
+    assert fresh.perm.shape == (0,) and fresh.hist == [] and fresh.seen == {} and fresh.n == 0

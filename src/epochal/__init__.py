@@ -19,6 +19,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
     MissingBlobError,
+    NodeLostError,
     Preempted,
     UnsupportedBlobError,
 )
@@ -39,8 +40,10 @@ from .storage.base import DbBackend, available_db_types, get_db_type, register_d
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Checkpointer": "epochal.checkpointer",
     "DirectoryMetadataHandler": "epochal.checkpoint.directory",
     "RNGState": "epochal.integrations.rng",
+    "export_safetensors": "epochal.integrations.safetensors_export",
 }
 
 
@@ -54,12 +57,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BlobMismatchError", "CheckpointCorruptError", "CheckpointError", "CheckpointEvent",
+    "BlobMismatchError", "Checkpointer", "CheckpointCorruptError", "CheckpointError", "CheckpointEvent",
     "CheckpointManager", "CheckpointNotFoundError", "CheckpointVersionError", "Cluster",
     "CopyUploadBuilder", "DbBackend", "DirectoryMetadataHandler", "Job", "JobRunner",
     "LocalSession", "MetadataHandler", "MissingBlobError", "MultiNodeCheckpointManager", "Node",
-    "Preempted", "RNGState", "RunListener", "Session", "Task", "TaskGroup", "TaskOutput",
+    "NodeLostError", "Preempted", "RNGState", "RunListener", "Session", "Task", "TaskGroup", "TaskOutput",
     "UnsupportedBlobError", "UploadTaskGroupBuilder", "Workspace", "WorkspaceType",
-    "available_db_types", "db_name", "epoch_limiter", "final_output", "get_ckpt_filename",
+    "available_db_types", "db_name", "epoch_limiter", "export_safetensors", "final_output", "get_ckpt_filename",
     "get_db_type", "register_db_type",
 ]

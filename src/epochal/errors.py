@@ -46,6 +46,25 @@ class BlobMismatchError(CheckpointError, ValueError):
     """A saved blob does not fit the live object it is restored into (shape, dtype, keys)."""
 
 
+class NodeLostError(CheckpointError):
+    """A node's process or machine was lost mid-run, and the node's workspace with it.
+
+    ``node`` is the node at fault, ``nodes`` every node found lost at the same time (``node``
+    first); ``epoch`` is the last committed epoch when the raiser knows it (None otherwise);
+    ``reason`` what was seen.
+    """
+
+    def __init__(self, node: str, message: str, *, nodes: list[str] | None = None,
+                 epoch: int | None = None) -> None:
+        self.node = str(node)
+        self.nodes = [self.node, *(str(n) for n in (nodes or []) if str(n) != self.node)]
+        self.epoch = epoch
+        self.reason = message
+        others = f" (lost too: {', '.join(self.nodes[1:])})" if len(self.nodes) > 1 else ""
+        last = f"; last committed epoch: {epoch}" if epoch is not None else ""
+        super().__init__(f"node {self.node!r} was lost: {message}{others}{last}")
+
+
 class CheckpointLockedError(CheckpointError):
     """Another live process holds the checkpoint directory's writer lock.
 

@@ -33,6 +33,7 @@ from ..errors import (
 )
 from ..storage import atomic
 from ..storage.base import get_db_type
+from .best import BestEpochs, best_of, collect_metrics, manifest_metric
 from .lease import DEFAULT_LEASE_SECONDS
 from .lock import LOCK_FILE, pid_alive
 from .manifest import (
@@ -281,8 +282,11 @@ def _check_db(records: RecordStore, backend: Any, path: str, entry: dict[str, An
 class DirectoryMetadataHandler(BaseMetadataHandler):
     """The seed's metadata handler protocol, with its records in the checkpoint directory.
 
-    ``keep_last``/``keep_every``: retention (see :mod:`epochal.checkpoint.retention`; the
-    defaults keep every epoch), applied after each commit. ``verify``: how a candidate resume
+    ``keep_last``/``keep_every``/``keep_best``: retention (see
+    :mod:`epochal.checkpoint.retention`; the defaults keep every epoch), applied after each
+    commit. ``keep_best`` ranks epochs by ``metric`` (``mode`` ``"min"`` or ``"max"``): the
+    value given to ``write(epoch, metrics=...)``, else the scalar blob of that name in the
+    epoch's db; it is recorded in the manifest (``"metrics"``). ``verify``: how a candidate resume
     epoch is checked: ``"full"`` (every checksum, the default), ``"quick"`` (size and digest)
     or ``"none"`` (trust the manifest). ``clean_temp``: remove temp files of dead processes of
     this host on start (in ``set_params``). ``space_margin``: the fraction added to the previous
@@ -314,6 +318,9 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: str = "min",
         verify: str = "full",
         clean_temp: bool = True,
         space_margin: float = 0.05,
@@ -326,7 +333,9 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
-        self.policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        self.policy = RetentionPolicy(
+            keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric, mode=mode
+        )
         self.verify = verify
         self.clean_temp = clean_temp
         self.space_margin = float(space_margin)
@@ -524,13 +533,15 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         assert self.mirror is not None
         remote = self.mirror.epochs()
         newer = {e for e in remote if e > newest}
-        for epoch in epochs_to_delete(remote, newest, self._dir().pins(), self.policy, protect=newer):
+        metrics = self._metrics(self._dir().committed_epochs())
+        for epoch in epochs_to_delete(remote, newest, self._dir().pins(), self.policy, protect=newer, metrics=metrics):
             self.mirror.delete(epoch)
             logger.info("Retention: deleted the checkpoint of epoch %d at %s", epoch, self.mirror.url)
 
-    def write(self, epoch: int) -> None:
-        """Commit ``epoch``: make every node's db durable, then write its manifest atomically;
-        then apply retention. Raises (so the runner logs a failed save) when a db is missing."""
+    def write(self, epoch: int, metrics: dict[str, Any] | None = None) -> None:
+        """Commit ``epoch``: make every node's db durable, then write its manifest atomically
+        (with ``metrics``, and the retention metric, see the class doc); then apply retention.
+        Raises (so the runner logs a failed save) when a db is missing."""
         d = self._dir()
         epoch = int(epoch)
         backend = get_db_type(self.db_type)
@@ -565,6 +576,7 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
             "final": self._expect_final == epoch,  # see expect_final
             "nodes": nodes,
         }
+        manifest.update(self._metrics_record(epoch, metrics))
         d.records.makedirs(d.records_dir)
         self._write_manifest(d.manifest_path(epoch), manifest)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
@@ -729,7 +741,7 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         manifests = d.manifest_epochs()
         committed = d.committed_epochs()
         newer = {e for e in manifests if e > newest}
-        doomed = epochs_to_delete(committed, newest, pins, self.policy, protect=newer)
+        doomed = epochs_to_delete(committed, newest, pins, self.policy, protect=newer, metrics=self._metrics(committed))
         # only files named exactly as an epoch's dbs of a known node are ever deleted (a
         # README.1 beside the dbs is not one; nor a file a damaged manifest names: refused)
         known = set(self.node_names)
@@ -793,6 +805,18 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         return removed
 
     # -- internals
+    def _metrics_record(self, epoch: int, metrics: dict[str, Any] | None) -> dict[str, Any]:
+        """The manifest entries for ``metrics`` (plus the retention metric, read from the
+        scalar blob of that name in the epoch's db when ``metrics`` lacks it)."""
+        return collect_metrics(self.policy, metrics, [self._dir().db_path(n, epoch) for n in self.node_names],
+                               self.db_type)
+
+    def _metrics(self, epochs: Iterable[int]) -> dict[int, Any] | None:
+        """``{epoch: recorded value of the retention metric}`` (None when not keeping best)."""
+        if self.policy.keep_best is None:
+            return None
+        return {e: manifest_metric(self._dir(), e, str(self.policy.metric)) for e in epochs}
+
     def _problems(self, epoch: int) -> list[str]:
         d = self._dir()
         # at a URL the driver checks sizes and digests only: reading every byte of every
@@ -891,4 +915,19 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
                 logger.warning("Cannot renew the writer lease of %s: %s", self.location(), ex)
 
 
-__all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy"]
+def best_of_directory(
+    db_prefix: str | os.PathLike[str],
+    *,
+    metric: str | None = None,
+    mode: str | None = None,
+    k: int | None = None,
+) -> BestEpochs | None:
+    """The best committed epochs of the checkpoint directory ``db_prefix``.
+
+    ``metric``/``mode``/``k`` default to the ``keep_best`` settings recorded in the newest
+    committed manifest that has them; ``k=None`` there means every ranked epoch. None when no
+    metric is given or recorded (the directory's job does not rank its checkpoints)."""
+    return best_of(CheckpointDirectory(db_prefix), metric=metric, mode=mode, k=k)
+
+
+__all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy", "best_of_directory"]

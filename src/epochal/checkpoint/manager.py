@@ -268,6 +268,12 @@ class CheckpointManager(_HandlerCalls):
         self._added_output = task.outputs()[1] if len(outputs) > 1 else None
         return task
 
+    def reinit(self, epoch: int) -> Task:
+        """The init task again, from the checkpoint of ``epoch``: after a node was lost and
+        placed anew (its workspace is empty), it fixes the blob list from that checkpoint
+        before the load."""
+        return self.init([self._node_name], retrieve_from_epoch=epoch)
+
     def added_blobs(self) -> dict[str, list[str]]:
         """``{node: names}`` of the blobs the resume init added to the stored blob list
         (empty when none, or when the job did not resume)."""
@@ -498,6 +504,11 @@ class MultiNodeCheckpointManager(_HandlerCalls):
             CheckpointManager.init, nodes=[nodes[-1]], retrieve_from_epoch=retrieve_from_epoch,
             path_prefix=path_prefix, path_type=path_type, exclude=exclude,
         )
+
+    def reinit(self, epoch: int) -> TaskGroup:
+        """Every node's init task again, from the checkpoint of ``epoch`` (after a lost node
+        was placed anew: see :meth:`CheckpointManager.reinit`)."""
+        return self._task_group(CheckpointManager.reinit, epoch)
 
     def added_blobs(self) -> dict[str, list[str]]:
         """``{node: names}`` the resume init added to each node's blob list."""

@@ -189,6 +189,12 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
     """
     out = _out(ctx)
     listing = list_prefix(prefix)
+    from ..checkpoint.directory import best_of_directory
+
+    best = best_of_directory(prefix)
+    ranks = {e: i + 1 for i, e in enumerate(best.epochs)} if best is not None else {}
+    for e in listing["epochs"]:
+        e["best"] = ranks.get(e["epoch"])
     if as_json:
         out.json(listing)
         return 0
@@ -202,6 +208,8 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
     table.add_column("created")
     table.add_column("size", justify="right")
     table.add_column("pin")
+    if best is not None:
+        table.add_column(f"best ({best.mode} {best.metric})")
     wide = len(nodes) <= 6
     if wide:
         for n in nodes:
@@ -212,6 +220,11 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
         row: list[Any] = [str(e["epoch"]), Text(e["state"], style=STATE_STYLE.get(e["state"], "")),
                           (e["created"] or "-").replace("T", " "), human_bytes(e["size"]),
                           "pinned" if e["pinned"] else ""]
+        if best is not None:
+            value = best.values.get(e["epoch"])
+            rank = f"#{e['best']} " if e["best"] else ""
+            row.append(Text(f"{rank}{value:.6g}" if value is not None else "-",
+                            style="bold" if e["best"] else "dim"))
         if wide:
             for n in nodes:
                 f = e["files"].get(n)
@@ -463,17 +476,39 @@ def stats_cmd(ctx: click.Context, prefix: str, plot: str | None, show_all: bool,
 @click.argument("db", type=FileArg)
 @click.option("--to", "fmt", type=click.Choice(["safetensors", "npz"]), required=True, help="The output format.")
 @click.argument("out_path", metavar="OUT", type=click.Path(dir_okay=False, writable=True))
+@click.option("--blob", "blob", default=None, metavar="NAME",
+              help="With --to safetensors: write only this blob's state dict under its own keys "
+                   "(a model: safetensors.torch.load_model reads it). DB may then be a directory.")
 @db_type_option
 @json_option
 @click.pass_context
-def export_cmd(ctx: click.Context, db: str, fmt: str, out_path: str, db_type: str | None, as_json: bool) -> int:
+def export_cmd(ctx: click.Context, db: str, fmt: str, out_path: str, blob: str | None, db_type: str | None,
+               as_json: bool) -> int:
     """Write the arrays of checkpoint DB to OUT as safetensors or npz, for other tools.
 
     Every checksum is verified first. Python and numpy scalars become 0-d arrays; the leaves
     of state dicts and other containers become BLOB/KEY entries; values the format cannot
-    hold (strings for safetensors, None, ...) are skipped and listed.
+    hold (strings for safetensors, None, ...) are skipped and listed. With ``--blob``, one
+    state dict is written under its own key names and dtypes, shared tensors once (DB: a db,
+    or a checkpoint directory for its newest committed epoch).
     """
     out = _out(ctx)
+    if blob is not None:
+        if fmt != "safetensors":
+            raise click.UsageError("--blob goes with --to safetensors")
+        from ..integrations.safetensors_export import export_safetensors
+
+        try:
+            keys = export_safetensors(db, blob, out_path)
+        except ImportError as ex:
+            raise Problem(str(ex)) from None
+        if as_json:
+            out.json({"out": out_path, "blob": blob, "written": keys})
+        else:
+            out.console.print(f"wrote {len(keys)} tensor(s) of blob {blob!r} to {out_path} (safetensors)")
+        return 0
+    if os.path.isdir(db):
+        raise Problem(f"{db} is a directory: name one db file (or pass --blob to export a state dict)")
     result = export_db(db, fmt, out_path, db_type)
     if as_json:
         out.json(result)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Protocol, Union
 
 from .context import DefaultManaged, Managed
 
-if TYPE_CHECKING:
-    from ..sessions.base import Session
+
+class Session(Protocol):
+    """What a task output needs of the session that ran its task (the full interface is
+    :class:`epochal.sessions.base.Session`, a layer above: this one does not import it)."""
+
+    def fetch_blob(self, node: str, name: str) -> Any: ...
 
 Step = Callable[[Any], Any]
 

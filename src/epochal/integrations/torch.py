@@ -441,3 +441,8 @@ _tree.register_state_check(lambda o: isinstance(o, torch.optim.Optimizer), _opti
 for _codec in (TorchDtypeCodec(), TorchDeviceCodec(), GeneratorCodec(), TensorCodec()):
     register_codec(_codec)
 _tree.register_inplace_stateful(_inplace_stateful)
+_tree.register_fixed_shapes(lambda obj: isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)))
+
+from .torch_data import ResumableSampler  # noqa: E402  (epochal.integrations.torch.ResumableSampler)
+
+__all__ += ["ResumableSampler"]

@@ -29,6 +29,7 @@ from ..errors import (
     BlobMismatchError,
     CheckpointError,
     MissingBlobError,
+    NodeLostError,
     Preempted,
     UnsupportedBlobError,
 )
@@ -36,6 +37,7 @@ from .cadence import Cadence
 from .events import CheckpointEvent, RunListener
 from .job import Job
 from .preemption import SignalGuard
+from .recovery import RecoveryPolicy
 
 logger = logging.getLogger("epochal")
 
@@ -79,6 +81,12 @@ class JobRunner:
     - ``save_every`` / ``save_interval``: checkpoint every K epochs and/or when that much time
       (seconds, or ``"30m"``) has passed since the last save; by default every epoch. The
       final epoch and a preempted one are always saved.
+    - ``max_failures`` (default 0): how many lost nodes (``NodeLostError`` from the session:
+      a node's process or machine died) one ``train`` survives. Each time, the runner waits
+      up to ``recovery_timeout`` seconds for the session to place the node again
+      (``session.replace_node``), reloads every node from the last committed epoch and
+      carries on; one more raises. With 0, a lost node raises at once, naming the node and
+      the last committed epoch. See :mod:`epochal.jobs.recovery`.
     - ``async_save``: write each epoch's checkpoint in the background while the next epoch
       runs; it is committed once durable, at the next save. The cost: a snapshot copy of the
       blobs in memory, and a crash during epoch N+1 may lose epoch N too, since N is not
@@ -100,6 +108,8 @@ class JobRunner:
         max_failed_saves: int | None = 3,
         save_every: int | None = None,
         save_interval: float | str | None = None,
+        max_failures: int = 0,
+        recovery_timeout: float = 300.0,
     ) -> None:
         self.job = job
         self.checkpoint_manager = checkpoint_manager
@@ -116,6 +126,11 @@ class JobRunner:
             raise ValueError(f"max_failed_saves must be >= 1 or None, got {max_failed_saves!r}")
         self.max_failed_saves = max_failed_saves
         self.cadence = Cadence(save_every, save_interval)  # type: ignore[arg-type]
+        self.max_failures, self.recovery_timeout = max_failures, recovery_timeout
+        RecoveryPolicy(max_failures, recovery_timeout)  # refuse bad values here, not mid-run
+        if max_failures and async_save:
+            raise ValueError("max_failures > 0 with async_save=True is not supported yet: "
+                             "a lost node takes its background save with it")
         self._pending: tuple[int, float] | None = None
         self._failed_saves: list[int] = []  # epochs of the failed saves since the last commit
         self._warned: set[tuple[str, str]] = set()  # (node, blob) left out of saves, said once
@@ -255,11 +270,19 @@ class JobRunner:
         if finished:
             epoch -= 1
             logger.info("Epoch %d was the last epoch of a finished job: no further epoch runs", epoch)
-        try:
-            epoch = self._epochs(session, guard, epoch, finished)
-        except Exception:
-            self._finish_pending(session, raise_fatal=False)  # commit what is durable, then fail
-            raise
+        recovery = RecoveryPolicy(self.max_failures, self.recovery_timeout)
+        while True:
+            try:
+                epoch = self._epochs(session, guard, epoch, finished)
+                break
+            except NodeLostError as ex:
+                self._pending = None  # the lost node's background save went with it
+                recovery.recover(session, manager, ex, self.last_committed)
+                assert self.last_committed is not None
+                epoch = self.last_committed + 1
+            except Exception:
+                self._finish_pending(session, raise_fatal=False)  # commit what is durable, then fail
+                raise
         self._finish_pending(session)
         if self.preempted_by is not None:
             logger.warning("Preempted after epoch %d: skipping the rest of the job", epoch)

@@ -102,6 +102,12 @@ class Session(abc.ABC):
     def node_names(self) -> Sequence[str]:
         return []
 
+    def replace_node(self, node: str, *, timeout: float = 300.0) -> dict[str, Any]:
+        """Place a lost ``node`` again (a fresh, empty workspace), waiting at most ``timeout``
+        seconds; NodeLostError naming it when it cannot be. Sessions whose nodes cannot be
+        lost (or re-placed) keep this default, which says so."""
+        raise NotImplementedError(f"{type(self).__name__} cannot place a lost node again")
+
     def close(self) -> None:
         self._open = False
 

@@ -10,31 +10,55 @@ from typing import Any
 from ..errors import BlobMismatchError
 from .skeleton import MAX_DEPTH, Decoder, check_leaves, is_stateful, path_str, type_name
 
-__all__ = ["live_pairs", "register_inplace_stateful", "register_state_check", "restore_into",
+__all__ = ["live_pairs", "register_fixed_shapes", "register_inplace_stateful", "register_state_check", "restore_into",
            "skeleton", "state_problems"]
 
 
 # ---------------------------------------------------------------- shape check
-def _shape_mismatches(saved: Any, live: Any, path: tuple[Any, ...], out: list[str]) -> None:
+def _shape_mismatches(saved: Any, live: Any, path: tuple[Any, ...], out: list[str], strict: bool = True) -> None:
     """Collect 'path: checkpoint shape A, live shape B' for leaves both sides have."""
     if len(out) >= 5 or len(path) > MAX_DEPTH:
         return
     if isinstance(saved, dict) and isinstance(live, dict):
         for k, v in saved.items():
             if k in live:
-                _shape_mismatches(v, live[k], (*path, k), out)
+                _shape_mismatches(v, live[k], (*path, k), out, strict)
         return
     if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)):
         for i, (a, b) in enumerate(zip(saved, live)):
-            _shape_mismatches(a, b, (*path, i), out)
+            _shape_mismatches(a, b, (*path, i), out, strict)
         return
     a, b = getattr(saved, "shape", None), getattr(live, "shape", None)
-    if a is not None and b is not None and tuple(a) != tuple(b):
+    if a is not None and b is not None and not _fits(tuple(a), tuple(b), strict):
         where = str(path[0]) if len(path) == 1 and isinstance(path[0], str) else path_str(path)
         out.append(f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}")
 
 
 _SHAPED_KINDS = ("torch.tensor", "ndarray")
+
+
+def _fits(saved: tuple[Any, ...], live: tuple[Any, ...], strict: bool) -> bool:
+    """Whether a saved leaf of shape ``saved`` may replace a live one of shape ``live``: the
+    same shape, or, unless ``strict``, either side empty (a live placeholder not filled yet,
+    such as a sampler's permutation before the first epoch, or state saved before it grew):
+    ``load_state_dict`` then gets the saved value and judges it. Objects whose tensors have
+    fixed shapes (models, optimizers: see :func:`register_fixed_shapes`) are strict."""
+    return saved == live or (not strict and (0 in saved or 0 in live))
+
+
+#: predicates naming live stateful objects whose state tensors have fixed shapes
+_fixed_shapes: list[Callable[[Any], bool]] = []
+
+
+def register_fixed_shapes(predicate: Callable[[Any], bool]) -> None:
+    """Declare that the live objects ``predicate`` accepts only take state of their own shapes
+    (an empty tensor in their state is not a placeholder)."""
+    if predicate not in _fixed_shapes:
+        _fixed_shapes.append(predicate)
+
+
+def _strict(existing: Any) -> bool:
+    return any(p(existing) for p in _fixed_shapes)
 
 
 class _LiveMatch:
@@ -43,8 +67,9 @@ class _LiveMatch:
     leaf (first reference wins, in the decoder's order) and whether both have exactly the
     same structure (dict keys, list lengths, containers against containers)."""
 
-    def __init__(self, leaves: list[tuple[str, dict[str, Any], int]]) -> None:
+    def __init__(self, leaves: list[tuple[str, dict[str, Any], int]], strict: bool = True) -> None:
         self.leaves = leaves
+        self.strict = strict
         self.keys = Decoder([], [])
         self.pairs: dict[int, Any] = {}
         self.same = True
@@ -93,7 +118,7 @@ class _LiveMatch:
             kind, meta, _ = self.leaves[n[1]]
             a, b = meta.get("shape"), getattr(live, "shape", None)
             if kind in _SHAPED_KINDS and isinstance(a, list) and b is not None:
-                if tuple(a) != tuple(b) and len(self.problems) < 5:
+                if not _fits(tuple(a), tuple(b), self.strict) and len(self.problems) < 5:
                     where = str(path[0]) if len(path) == 1 and isinstance(path[0], str) else path_str(path)
                     self.problems.append(
                         f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}"
@@ -127,7 +152,7 @@ def live_pairs(meta: dict[str, Any], existing: Any) -> dict[int, Any] | None:
         live = existing.state_dict()
     except Exception:
         return None
-    match = _LiveMatch(check_leaves(meta.get("leaves")))
+    match = _LiveMatch(check_leaves(meta.get("leaves")), _strict(existing))
     match.walk(meta.get("root"), live, ())
     if match.problems:
         raise BlobMismatchError(
@@ -199,7 +224,7 @@ def state_problems(meta: dict[str, Any], existing: Any) -> list[str]:
     except Exception:
         return []
     problems: list[str] = []
-    _shape_mismatches(saved, live, (), problems)
+    _shape_mismatches(saved, live, (), problems, _strict(existing))
     for predicate, check in _state_checks:
         if predicate(existing):
             problems.extend(check(existing, saved, live))
@@ -236,7 +261,7 @@ def restore_into(existing: Any, state: Any) -> Any:
     except Exception:  # an object that cannot report its state yet: let load_state_dict judge
         live = None
     problems: list[str] = []
-    _shape_mismatches(state, live, (), problems)
+    _shape_mismatches(state, live, (), problems, _strict(existing))
     what = type_name(existing)
     if problems:
         raise BlobMismatchError(f"state dict does not fit the live {what}: " + "; ".join(problems))

@@ -64,6 +64,7 @@ from . import codecs
 from .codecs import Encoded, register_codec
 from .live import (
     live_pairs,
+    register_fixed_shapes,
     register_inplace_stateful,
     register_state_check,
     restore_into,
@@ -71,7 +72,7 @@ from .live import (
 )
 from .skeleton import MAX_DEPTH, TREE_KIND, Decoder, Encoder, check_leaves, is_stateful, type_name
 
-__all__ = ["MAX_DEPTH", "TreeCodec", "is_stateful", "register_inplace_stateful", "register_state_check",
+__all__ = ["MAX_DEPTH", "TreeCodec", "is_stateful", "register_fixed_shapes", "register_inplace_stateful", "register_state_check",
            "restore_into"]
 
 

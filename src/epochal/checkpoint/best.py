@@ -1,0 +1,130 @@
+"""Metrics of committed epochs, and the best-k epochs of a checkpoint directory.
+
+A manifest may carry ``"metrics"`` (``{"val_loss": 0.31, ...}``: finite numbers, or null for
+a value that was NaN or infinite) and, when its handler keeps the best epochs, ``"keep_best"``
+(``{"k": 3, "metric": "val_loss", "mode": "min"}``), so tools such as ``epochal ls`` can tell
+which epochs are the best without knowing the job's settings (:func:`best_of_directory`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError
+from ..storage.base import get_db_type
+from .retention import RetentionPolicy, best_epochs, metric_value
+
+logger = logging.getLogger("epochal")
+
+
+def metric_number(name: str, value: Any) -> float | int | None:
+    """A metric as JSON can hold it: an int, a finite float, or None (NaN, infinities)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"metric {name!r} is a bool, not a number")
+    if isinstance(value, int):
+        return value
+    try:
+        x = float(value)  # floats, numpy scalars and 0-d arrays, 0-d torch tensors
+    except (TypeError, ValueError):
+        raise TypeError(f"metric {name!r} is a {type(value).__name__}, not a number") from None
+    return x if math.isfinite(x) else None
+
+
+def _blob_scalar(paths: Sequence[str], db_type: str, name: str) -> Any:
+    """The scalar blob ``name`` from the first of ``paths`` that holds it (None if none)."""
+    backend = get_db_type(db_type)
+    for path in paths:
+        try:
+            got = backend.read(path, [name], allow_incomplete=True)
+        except (CheckpointError, OSError) as ex:
+            logger.warning("Cannot read the metric blob %r from %s: %s", name, path, ex)
+            continue
+        if name in got:
+            return got[name]
+    return None
+
+
+def collect_metrics(
+    policy: RetentionPolicy, metrics: Mapping[str, Any] | None, db_paths: Sequence[str], db_type: str
+) -> dict[str, Any]:
+    """The manifest entries recording ``metrics`` and ``policy``'s best-k settings; the
+    policy's metric comes from the scalar blob of that name in the dbs when ``metrics`` lacks
+    it (a blob that is no number is recorded as null, with a warning)."""
+    out: dict[str, Any] = {}
+    values = {str(k): metric_number(str(k), v) for k, v in (metrics or {}).items()}
+    metric = policy.metric
+    if metric and metric not in values:
+        raw = _blob_scalar(db_paths, db_type, metric)
+        try:
+            values[metric] = metric_number(metric, raw)
+        except TypeError as ex:
+            logger.warning("Not ranking this checkpoint: %s", ex)
+            values[metric] = None
+    if values:
+        out["metrics"] = values
+    if policy.keep_best is not None:
+        out["keep_best"] = {"k": policy.keep_best, "metric": metric, "mode": policy.mode}
+    return out
+
+
+def manifest_metric(directory: Any, epoch: int, metric: str) -> float | None:
+    """The value of ``metric`` recorded in the manifest of committed ``epoch`` of
+    ``directory`` (a :class:`~epochal.checkpoint.directory.CheckpointDirectory`); None when
+    it has none or the manifest cannot be read."""
+    try:
+        recorded = directory.manifest(epoch).get("metrics")
+    except CheckpointError:
+        return None
+    return metric_value(recorded.get(metric)) if isinstance(recorded, dict) else None
+
+
+@dataclass(frozen=True)
+class BestEpochs:
+    """The best committed epochs of a directory by ``metric`` under ``mode``, best first
+    (``epochs``), and every committed epoch's recorded value (``values``)."""
+
+    metric: str
+    mode: str
+    k: int | None
+    epochs: list[int]
+    values: dict[int, float | None]
+
+
+def best_of(
+    d: Any,
+    *,
+    metric: str | None = None,
+    mode: str | None = None,
+    k: int | None = None,
+) -> BestEpochs | None:
+    """The best committed epochs of ``d`` (a
+    :class:`~epochal.checkpoint.directory.CheckpointDirectory`: ``committed_epochs()`` and
+    ``manifest(epoch)``); see :func:`~epochal.checkpoint.directory.best_of_directory`."""
+    committed = d.committed_epochs()
+    if metric is None or mode is None or k is None:
+        for epoch in reversed(committed):
+            try:
+                spec = d.manifest(epoch).get("keep_best")
+            except CheckpointError:
+                continue
+            if isinstance(spec, dict) and isinstance(spec.get("metric"), str):
+                metric = metric if metric is not None else spec["metric"]
+                mode = mode if mode is not None else spec.get("mode")
+                rec_k = spec.get("k")
+                k = k if k is not None else (rec_k if isinstance(rec_k, int) and rec_k > 0 else None)
+                break
+    if metric is None:
+        return None
+    mode = mode if mode in ("min", "max") else "min"
+    values = {e: manifest_metric(d, e, metric) for e in committed}
+    best = best_epochs(values, k if k is not None else len(values), mode)
+    return BestEpochs(metric, mode, k, best, values)
+
+
+__all__ = ["BestEpochs", "best_of", "collect_metrics", "manifest_metric", "metric_number"]

@@ -1,0 +1,137 @@
+"""The data position as checkpointable state: a sampler that resumes mid-epoch, exactly.
+
+:class:`ResumableSampler` is a drop-in for ``RandomSampler``/``SequentialSampler`` whose
+``state_dict()`` is the data position: the epoch and how many indices of it were handed out.
+Each epoch's order is a seeded permutation of ``(seed, epoch)`` alone, so a sampler restored
+in a new process hands out exactly the indices the killed one would have handed out next.
+
+The DataLoader pitfall, and why the recipe below is exact: every ``iter(loader)`` draws a base
+seed (for worker seeding) from the loader's ``generator``, or, without one, from the global
+torch generator that dropout and ``RNGState`` use. A loop resumed mid-epoch calls ``iter()``
+once more than the uninterrupted run did, so without a generator of its own every later
+dropout mask is one draw off. Hence::
+
+    sampler = ResumableSampler(dataset, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler, generator=torch.Generator())
+    state = {"model": model, "opt": opt, "sched": sched, "sampler": sampler,
+             "rng": epochal.RNGState(), "epoch": 0}
+    ckpt.restore(state)
+    while state["epoch"] < epochs:
+        sampler.set_epoch(state["epoch"])   # the loop's epoch decides, not the sampler
+        for batch in loader:
+            ...                             # saves mid-epoch are exact
+        ...                                 # end of epoch: validation, scheduler
+        state["epoch"] += 1
+
+Why ``set_epoch``: a checkpoint taken at an epoch's last batch has handed out every index of
+the epoch, whether or not the loop has seen the end of it yet (a short last batch is built
+after the sampler is exhausted, a full one before). Only the loop knows whether its end of
+epoch work has run; ``set_epoch`` with the loop's own (checkpointed) counter makes the
+resumed loop finish that epoch (no batch left, then the end-of-epoch work) exactly as the
+uninterrupted one did. Without ``set_epoch`` a sampler whose epoch is used up starts the
+next one at the next ``iter()``, which is exact for loops that only count steps.
+
+The position counts the indices handed to the loader, which with ``num_workers=0`` is what the
+loop consumed. Worker processes fetch ahead (``prefetch_factor`` batches each), so with
+``num_workers > 0`` use torchdata's ``StatefulDataLoader`` (its ``state_dict`` accounts for
+what was prefetched), and derive any per-sample randomness in workers from the sample index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["ResumableSampler"]
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The 64-bit seed of ``epoch``'s permutation (independent streams per seed and epoch)."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])
+
+
+def _nonnegative_int(state: dict[str, Any], key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"sampler state {key!r} must be a non-negative int, got {value!r}")
+    return value
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """Indices of ``data_source``, shuffled per epoch with ``seed`` (or in order), resumable.
+
+    Iterating hands out the rest of the current epoch (an iterator abandoned part way leaves
+    the position where it stopped, so the next ``iter()`` continues the same epoch); an
+    ``iter()`` that finds the epoch used up starts the next one, unless ``set_epoch`` named
+    the current epoch since. ``set_epoch(e)`` (as ``DistributedSampler``) moves to the start of
+    epoch ``e`` unless that is already the current epoch. ``state_dict()``/
+    ``load_state_dict()`` save and restore the position; see the module doc for the recipe.
+    """
+
+    def __init__(self, data_source: Sized, *, shuffle: bool = True, seed: int = 0) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        self.data_source = data_source
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._pinned = False  # set_epoch named the current epoch: no rollover at the next iter
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+    def __repr__(self) -> str:
+        return (f"ResumableSampler(n={len(self)}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"epoch={self.epoch}, position={self.position})")
+
+    def order(self, epoch: int) -> list[int]:
+        """Every index of ``epoch``, in the order this sampler hands them out."""
+        n = len(self.data_source)
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator()
+        g.manual_seed(epoch_seed(self.seed, epoch))
+        return torch.randperm(n, generator=g).tolist()  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.data_source)
+        if self.position >= n > 0 and not self._pinned:
+            self.epoch, self.position = self.epoch + 1, 0  # the epoch was used up
+        self._pinned = False
+        order = self.order(self.epoch)
+        while self.position < len(order):
+            index = order[self.position]
+            self.position += 1  # counted when handed out: the state then says what was taken
+            yield index
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch`` (no-op when it is the current epoch: a resumed loop that
+        calls ``set_epoch`` at the top of each epoch keeps its position)."""
+        if int(epoch) != self.epoch:
+            self.epoch, self.position = int(epoch), 0
+        self._pinned = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "shuffle": self.shuffle, "size": len(self.data_source)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved position (and with the saved seed). ValueError, touching
+        nothing, when the state is malformed or was saved for a data set of another size or
+        with shuffling on where it is off here (or the reverse)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a sampler state must be a dict, not {type(state).__name__}")
+        epoch, position, seed = (_nonnegative_int(state, k) for k in ("epoch", "position", "seed"))
+        size = _nonnegative_int(state, "size")
+        if size != len(self.data_source):
+            raise ValueError(f"the sampler state is for {size} samples, the data set has {len(self.data_source)}")
+        if state.get("shuffle") is not self.shuffle:
+            raise ValueError(f"the sampler state has shuffle={state.get('shuffle')!r}, this sampler {self.shuffle}")
+        if position > size:
+            raise ValueError(f"the sampler state's position {position} is past the {size} samples")
+        self.epoch, self.position, self.seed = epoch, position, seed
+        self._pinned = False

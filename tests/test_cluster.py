@@ -1,0 +1,238 @@
+"""Machines that share no directory (tests/_cluster.py): the harness's isolation, and RaySession
+reporting a lost machine and re-placing its node on a replacement.
+
+One loopback cluster (a head and two machines, m<n> hosting trainer_<n>) serves the module;
+a test that kills a machine leaves it to the ``machines`` fixture to start a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+pytest.importorskip("s3fs", reason="the s3 extra is not installed")
+if os.geteuid() != 0 or shutil.which("unshare") is None:
+    pytest.skip("the loopback cluster needs root and unshare", allow_module_level=True)
+
+from _cluster import Listener, LoopbackCluster, WhoAmI, mount_ns, pids_in_namespace  # noqa: E402
+
+from epochal import NodeLostError, Task, TaskGroup  # noqa: E402
+from epochal.sessions.ray import RaySession, node_resource  # noqa: E402
+
+MACHINES = {f"m{n}": f"trainer_{n}" for n in range(2)}
+NODES = list(MACHINES.values())
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: dict[str, Any]):
+    c = LoopbackCluster()
+    try:
+        c.start({m: {node_resource(n): 1} for m, n in MACHINES.items()})
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture
+def machines(cluster: LoopbackCluster) -> LoopbackCluster:
+    """The cluster with every machine up (a new one for each lost in an earlier test)."""
+    gone = {m: {node_resource(n): 1} for m, n in MACHINES.items()
+            if cluster.machines[m].dead or cluster.machines[m].proc.poll() is not None}
+    for m in gone:
+        cluster.kill(m)  # whatever is left of it
+    if gone:
+        cluster.add_machines(gone)
+    return cluster
+
+
+@ray.remote(num_cpus=0)
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+def on(node: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a task on the machine that hosts ``node`` (a sliver of its resource, so
+    it runs beside the node's actor)."""
+    return ray.get(_call.options(resources={node_resource(node): 0.001}).remote(fn, *args), timeout=120)
+
+
+def _look(path: str) -> dict[str, Any]:
+    return {"exists": os.path.exists(path), "ns": mount_ns(os.getpid()), "cwd": os.getcwd(),
+            "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def _write(path: str, text: str) -> dict[str, Any]:
+    Path(path).write_text(text)
+    return _look(path)
+
+
+def test_machines_share_no_directory(machines: LoopbackCluster, tmp_path: Path) -> None:
+    probe = f"/tmp/epochal-probe-{secrets.token_hex(4)}"
+    a = on("trainer_0", _write, probe, "written on m0")
+    assert a["exists"] and a["node_id"] == machines.machines["m0"].node_id
+    assert a["ns"] == machines.machines["m0"].ns != mount_ns(os.getpid())
+    assert a["cwd"] == "/tmp/work"  # the working directory is private too
+    assert not os.path.exists(probe)  # not on the driver's /tmp
+    b = on("trainer_1", _look, probe)
+    assert not b["exists"] and b["ns"] not in (a["ns"], mount_ns(os.getpid()))
+    # it is on m0's disk (seen from its namespace), and stays there
+    assert machines.run_on("m0", ["cat", probe]).stdout == b"written on m0"
+    assert on("trainer_0", _look, probe)["exists"]
+    # and the driver's files are not on any machine
+    mine = tmp_path / "driver-only"
+    mine.write_text("x")
+    assert [on(n, _look, str(mine))["exists"] for n in NODES] == [False, False]
+
+
+def _s3_round(opts: dict[str, Any], name: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    fs.pipe_file(f"ckpts/probe/{name}", name.encode())
+    return sorted(k.rsplit("/", 1)[-1] for k in fs.ls("ckpts/probe", refresh=True))
+
+
+def test_every_machine_and_the_driver_reach_the_bucket(machines: LoopbackCluster, s3: dict[str, Any]) -> None:
+    for n in NODES:
+        on(n, _s3_round, s3, n)
+    seen = _s3_round(s3, "driver")
+    assert seen == sorted([*NODES, "driver"])
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3)
+    assert [fs.cat_file(f"ckpts/probe/{n}") for n in NODES] == [n.encode() for n in NODES]
+    assert on("trainer_1", _s3_round, s3, "trainer_1") == seen  # each machine sees the others' keys
+
+
+def test_a_machine_that_stops_answering_is_lost_and_replaced(machines: LoopbackCluster) -> None:
+    """A frozen machine (as after a power cut: no connection is closed) is found dead by the
+    GCS's health checks; its node is a NodeLostError; a new machine with the same resource
+    takes over, with a new, empty disk."""
+    probe = f"/tmp/epochal-probe-{secrets.token_hex(4)}"
+    old = machines.machines["m1"]
+    assert on("trainer_1", _write, probe, "x")["exists"]
+    s = RaySession(place_by_resource=True)
+    try:
+        assert s.node_info("trainer_1")["ray_node_id"] == old.node_id
+        machines.freeze("m1")
+        with pytest.raises(NodeLostError, match="node 'trainer_1' was lost"):
+            s.node_info("trainer_1")
+        assert not machines.node_alive(old.node_id)
+    finally:
+        s.close()
+    machines.kill("m1")
+    assert not pids_in_namespace(old.ns) and old.proc.poll() is not None  # nothing of it runs
+    # nothing hosts trainer_1 now: a task for it waits
+    ref = _call.options(resources={node_resource("trainer_1"): 0.001}).remote(_look, probe)
+    ready, _ = ray.wait([ref], timeout=1.0)
+    assert not ready
+    new = machines.add_machine("m1", {node_resource("trainer_1"): 1})
+    assert new.node_id != old.node_id
+    got = ray.get(ref, timeout=120)  # runs on the replacement, whose disk is new
+    assert got["node_id"] == new.node_id and not got["exists"]
+
+
+def test_ray_session_reports_a_lost_machine_and_replaces_the_node(machines: LoopbackCluster) -> None:
+    s = RaySession(place_by_resource=True)
+    try:
+        before = {n: s.node_info(n) for n in NODES}
+        assert [before[n]["ray_node_id"] for n in NODES] == [machines.machines[m].node_id for m in MACHINES]
+        s.feed_blob("trainer_1", "kept", np.arange(3))
+        listener = Listener()
+        with ThreadPoolExecutor(1) as pool:
+            with TaskGroup() as group:
+                done = [Task(step=WhoAmI(), outputs="pid", node="trainer_0")]
+                Task(step=listener.step(), node="trainer_1")
+            running = pool.submit(s.run, group)
+            listener.wait(running)  # trainer_1's step is running, on m1
+            listener.close()
+            machines.kill("m1")
+            with pytest.raises(NodeLostError) as lost:
+                running.result(timeout=120)
+        assert lost.value.node == "trainer_1" and lost.value.nodes == ["trainer_1"]
+        assert "node 'trainer_1' was lost" in str(lost.value)
+        # the other node ran its step; only trainer_1 is gone
+        assert int(done[0].outputs()[0].fetch()) == before["trainer_0"]["pid"]
+        with pytest.raises(NodeLostError, match="trainer_1"):
+            s.fetch_blob("trainer_1", "kept")
+        assert s.lost_nodes() == ["trainer_1"]
+
+        machines.add_machine("m1", {node_resource("trainer_1"): 1})
+        info = s.replace_node("trainer_1", timeout=120)
+        assert info["ray_node_id"] == machines.machines["m1"].node_id != before["trainer_1"]["ray_node_id"]
+        assert s.blobs("trainer_1") == []  # a fresh workspace: to be reloaded from a checkpoint
+        t = Task(step=WhoAmI(), outputs="pid", node="trainer_1")
+        s.run(t)
+        assert int(t.outputs()[0].fetch()) == info["pid"]
+        assert s.lost_nodes() == []
+    finally:
+        s.close()
+
+
+def test_replace_node_gives_up_naming_the_node(machines: LoopbackCluster) -> None:
+    s = RaySession(place_by_resource=True)
+    try:
+        with pytest.raises(NodeLostError, match=r"node 'trainer_9' was lost: no machine .*epochal_node:trainer_9") as e:
+            s.replace_node("trainer_9", timeout=0.5)
+        assert e.value.node == "trainer_9"
+        assert s.node_names() == []
+    finally:
+        s.close()
+
+
+def test_a_machine_lost_mid_run_is_recovered_in_the_same_train(machines: LoopbackCluster) -> None:
+    """JobRunner(max_failures=1): m1 dies mid-run; the runner waits for its replacement,
+    every node reloads the last committed epoch, and the same train() finishes with every
+    node's state bit-identical to an uninterrupted run. (The checkpoints are in a directory
+    every machine sees; object storage as the only shared store is the remote issue's.)"""
+    import threading
+
+    import _recovery_job as rj
+
+    from epochal import (
+        DirectoryMetadataHandler,
+        JobRunner,
+        LocalSession,
+        MultiNodeCheckpointManager,
+    )
+
+    here = Path(__file__).resolve().parent
+    if str(here).startswith("/tmp"):
+        pytest.skip("the checkpoint directory must be visible to every machine (not under /tmp)")
+    shared = here / f".cluster-ckpt-{secrets.token_hex(4)}"
+    (shared / "ref").mkdir(parents=True)
+    ref = LocalSession()
+    JobRunner(rj.build(6), MultiNodeCheckpointManager(str(shared / "ref")), progress=False).train(ref)
+    expected = rj.state(lambda n, k: ref.ws[k])
+    s = RaySession(place_by_resource=True)
+    try:
+        manifests = shared / "run" / ".epochal"
+
+        def kill_and_replace() -> None:
+            deadline = time.monotonic() + 120
+            while not (manifests / "manifest.2.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            machines.kill("m1")  # mid-epoch 3 (each epoch sleeps 0.4 s)
+            machines.add_machine("m1", {node_resource("trainer_1"): 1})
+
+        killer = threading.Thread(target=kill_and_replace)
+        killer.start()
+        manager = MultiNodeCheckpointManager(str(shared / "run"), metadata_handler=DirectoryMetadataHandler())
+        last = JobRunner(rj.build(6, seconds=0.4), manager, progress=False, max_failures=1,
+                         recovery_timeout=120).train(s)
+        killer.join(timeout=180)
+        assert last == 6
+        assert rj.state(s.fetch_blob) == expected
+        assert np.asarray(s.fetch_blob("trainer_1", "log1")).tolist() == [1, 2, 3, 4, 5, 6]
+    finally:
+        s.close()
+        shutil.rmtree(shared, ignore_errors=True)
