@@ -189,48 +189,104 @@ def test_replace_node_gives_up_naming_the_node(machines: LoopbackCluster) -> Non
         s.close()
 
 
-def test_a_machine_lost_mid_run_is_recovered_in_the_same_train(machines: LoopbackCluster) -> None:
-    """JobRunner(max_failures=1): m1 dies mid-run; the runner waits for its replacement,
-    every node reloads the last committed epoch, and the same train() finishes with every
-    node's state bit-identical to an uninterrupted run. (The checkpoints are in a directory
-    every machine sees; object storage as the only shared store is the remote issue's.)"""
+def _s3_exists(opts: dict[str, Any], key: str) -> bool:
+    import s3fs
+
+    return bool(s3fs.S3FileSystem(skip_instance_cache=True, **opts).exists(key))
+
+
+def _url_manager(url: str, opts: dict[str, Any]) -> Any:
+    from epochal import DirectoryMetadataHandler, MultiNodeCheckpointManager
+
+    return MultiNodeCheckpointManager(url, metadata_handler=DirectoryMetadataHandler(storage_options=opts),
+                                      storage_options=opts)
+
+
+def _reference(epochs: int, tmp: Path) -> dict[str, bytes]:
+    import _recovery_job as rj
+
+    from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager
+
+    (tmp / "ref").mkdir(parents=True, exist_ok=True)
+    ref = LocalSession()
+    JobRunner(rj.build(epochs), MultiNodeCheckpointManager(str(tmp / "ref")), progress=False).train(ref)
+    return rj.state(lambda n, k: ref.ws[k])
+
+
+def test_a_machine_lost_mid_run_is_recovered_in_the_same_train(
+    machines: LoopbackCluster, s3: dict[str, Any], tmp_path: Path
+) -> None:
+    """JobRunner(max_failures=1) with the checkpoints on S3 (the only storage the machines
+    share): m1 dies mid-run; the runner waits for its replacement, every node reloads the last
+    committed epoch from the bucket, and the same train() finishes with every node's state
+    bit-identical to an uninterrupted run."""
     import threading
 
     import _recovery_job as rj
 
-    from epochal import (
-        DirectoryMetadataHandler,
-        JobRunner,
-        LocalSession,
-        MultiNodeCheckpointManager,
-    )
+    from epochal import JobRunner
 
-    here = Path(__file__).resolve().parent  # visible to every machine (the harness keeps the code)
-    shared = here / f".cluster-ckpt-{secrets.token_hex(4)}"
-    (shared / "ref").mkdir(parents=True)
-    ref = LocalSession()
-    JobRunner(rj.build(6), MultiNodeCheckpointManager(str(shared / "ref")), progress=False).train(ref)
-    expected = rj.state(lambda n, k: ref.ws[k])
+    expected = _reference(6, tmp_path)
+    run = f"recovery-{secrets.token_hex(4)}"
     s = RaySession(place_by_resource=True)
     try:
-        manifests = shared / "run" / ".epochal"
-
         def kill_and_replace() -> None:
             deadline = time.monotonic() + 120
-            while not (manifests / "manifest.2.json").exists() and time.monotonic() < deadline:
+            while not _s3_exists(s3, f"ckpts/{run}/.epochal/manifest.2.json") and time.monotonic() < deadline:
                 time.sleep(0.05)
             machines.kill("m1")  # mid-epoch 3 (each epoch sleeps 0.4 s)
             machines.add_machine("m1", {node_resource("trainer_1"): 1})
 
         killer = threading.Thread(target=kill_and_replace)
         killer.start()
-        manager = MultiNodeCheckpointManager(str(shared / "run"), metadata_handler=DirectoryMetadataHandler())
-        last = JobRunner(rj.build(6, seconds=0.4), manager, progress=False, max_failures=1,
-                         recovery_timeout=120).train(s)
+        last = JobRunner(rj.build(6, seconds=0.4), _url_manager(f"s3://ckpts/{run}", s3), progress=False,
+                         max_failures=1, recovery_timeout=120).train(s)
         killer.join(timeout=180)
         assert last == 6
         assert rj.state(s.fetch_blob) == expected
         assert np.asarray(s.fetch_blob("trainer_1", "log1")).tolist() == [1, 2, 3, 4, 5, 6]
+        assert _s3_exists(s3, f"ckpts/{run}/trainer_1.6") and _s3_exists(s3, f"ckpts/{run}/.epochal/manifest.6.json")
     finally:
         s.close()
-        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_every_disk_lost_a_new_cluster_resumes_from_the_bucket(
+    machines: LoopbackCluster, s3: dict[str, Any], tmp_path: Path
+) -> None:
+    """Train to epoch 3 with the checkpoints on S3; every machine is then lost with its disk
+    and new ones take their places; a rerun (limit 6) resumes from the bucket: epochs 1-3 are
+    not trained again, and the end state is bit-identical to an uninterrupted 6-epoch run."""
+    import _recovery_job as rj
+
+    from epochal import JobRunner, RunListener
+
+    expected = _reference(6, tmp_path)
+    url = f"s3://ckpts/newcluster-{secrets.token_hex(4)}"
+    s = RaySession(place_by_resource=True)
+    try:
+        assert JobRunner(rj.build(3), _url_manager(url, s3), progress=False).train(s) == 3
+    finally:
+        s.close()
+    for m in list(MACHINES):
+        machines.kill(m)  # every machine and its disk
+    machines.add_machines({m: {node_resource(n): 1} for m, n in MACHINES.items()})
+
+    class Epochs(RunListener):
+        def __init__(self) -> None:
+            self.run: list[int] = []
+            self.resume: int | None = None
+
+        def on_train_start(self, resume_epoch: int | None, nodes: list[str]) -> None:
+            self.resume = resume_epoch
+
+        def on_epoch_start(self, epoch: int) -> None:
+            self.run.append(epoch)
+
+    seen = Epochs()
+    s = RaySession(place_by_resource=True)
+    try:
+        assert JobRunner(rj.build(6), _url_manager(url, s3), progress=False, listeners=[seen]).train(s) == 6
+        assert seen.resume == 3 and seen.run == [4, 5, 6]
+        assert rj.state(s.fetch_blob) == expected
+    finally:
+        s.close()

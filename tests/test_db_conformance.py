@@ -2,11 +2,15 @@
 
 A new backend (fsspec-backed, or a new format) is registered and then runs this file as it
 is: round trips bit for bit, partial reads, missing blobs named, damage found and named,
-describe, digest, stat and sniff (after fsspec's ``tests/abstract`` suite)."""
+describe, digest, stat and sniff (after fsspec's ``tests/abstract`` suite). Every test runs
+on the local disk, on fsspec's memory:// and on moto's S3 server (127.0.0.1): the formats
+read and write through the byte-store seam unchanged."""
 
 from __future__ import annotations
 
 import os
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,63 @@ MARK = np.full(8192, 0x5A, dtype=np.uint8)  # a run of bytes to find (and damage
 @pytest.fixture(params=DB_TYPES)
 def backend(request: pytest.FixtureRequest) -> DbBackend:
     return get_db_type(request.param)
+
+
+class Place:
+    """A folder on one kind of store, with the raw file operations the tests need."""
+
+    def __init__(self, root: str, local: bool) -> None:
+        self.root, self.local = root, local
+
+    def __truediv__(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _fs(self, p: str) -> tuple[Any, str]:
+        from epochal.storage.io.fsspec_store import filesystem_for
+
+        return filesystem_for(p)
+
+    def read_bytes(self, p: str) -> bytes:
+        if self.local:
+            return Path(p).read_bytes()
+        fs, path = self._fs(p)
+        return bytes(fs.cat_file(path))
+
+    def write_bytes(self, p: str, data: bytes) -> None:
+        if self.local:
+            Path(p).write_bytes(data)
+            return
+        fs, path = self._fs(p)
+        fs.pipe_file(path, data)
+
+    def size(self, p: str) -> int:
+        return len(self.read_bytes(p))
+
+    def names(self) -> list[str]:
+        if self.local:
+            return sorted(os.listdir(self.root))
+        fs, path = self._fs(self.root)
+        fs.invalidate_cache()
+        return sorted(k.rsplit("/", 1)[-1] for k in fs.find(path))
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Place]:
+    """The folder each test writes in: local, memory:// or moto S3."""
+    if request.param == "local":
+        yield Place(str(tmp_path), True)
+        return
+    if request.param == "memory":
+        pytest.importorskip("fsspec", reason="the s3 extra is not installed")
+        yield Place(f"memory://conformance-{secrets.token_hex(4)}", False)
+        return
+    opts = request.getfixturevalue("s3")
+    from epochal.storage.io.fsspec_store import set_storage_options
+
+    root = f"s3://ckpts/conformance-{secrets.token_hex(4)}"
+    set_storage_options(root, opts)
+    yield Place(root, False)
+    set_storage_options(root, None)
 
 
 def _blobs() -> dict[str, Any]:
@@ -67,63 +128,63 @@ def _same(a: Any, b: Any) -> bool:
     return same(a, b)
 
 
-def _write(backend: DbBackend, path: Path, blobs: dict[str, Any]) -> str:
+def _write(backend: DbBackend, path: str, blobs: dict[str, Any]) -> str:
     p = str(path)
     n = backend.write(p, blobs)
-    assert n == os.path.getsize(p)
+    assert n == get_db_type(backend.name).stat(p).file_bytes
     return p
 
 
-def test_round_trip_is_bit_exact(backend: DbBackend, tmp_path: Path) -> None:
+def test_round_trip_is_bit_exact(backend: DbBackend, place: Place) -> None:
     blobs = _blobs()
-    p = _write(backend, tmp_path / "n.0", blobs)
+    p = _write(backend, place / "n.0", blobs)
     got = backend.read(p)
     assert list(got) == list(blobs)
     for k, v in blobs.items():
         assert _same(got[k], v), k
-    assert backend.exists(p) and not backend.exists(str(tmp_path / "absent"))
+    assert backend.exists(p) and not backend.exists(place / "absent")
 
 
-def test_many_blobs_without_data(backend: DbBackend, tmp_path: Path) -> None:
+def test_many_blobs_without_data(backend: DbBackend, place: Place) -> None:
     """More blobs than the bulk-load threshold, none with bytes (Python scalars only)."""
     blobs = {f"k{i:03d}": float(i) / 3 for i in range(200)}
-    p = _write(backend, tmp_path / "n.0", blobs)
+    p = _write(backend, place / "n.0", blobs)
     assert backend.read(p) == blobs
     assert backend.check(p) == []
 
 
-def test_partial_read(backend: DbBackend, tmp_path: Path) -> None:
+def test_partial_read(backend: DbBackend, place: Place) -> None:
     blobs = _blobs()
-    p = _write(backend, tmp_path / "n.0", blobs)
+    p = _write(backend, place / "n.0", blobs)
     got = backend.read(p, ["tree", "w"])
     assert sorted(got) == ["tree", "w"]
     assert _same(got["w"], blobs["w"]) and _same(got["tree"], blobs["tree"])
 
 
-def test_missing_blob_names_file_and_blob(backend: DbBackend, tmp_path: Path) -> None:
-    p = _write(backend, tmp_path / "n.0", _blobs())
+def test_missing_blob_names_file_and_blob(backend: DbBackend, place: Place) -> None:
+    p = _write(backend, place / "n.0", _blobs())
     with pytest.raises(MissingBlobError) as e:
         backend.read(p, ["w", "no_such_blob"])
     assert p in str(e.value) and "no_such_blob" in str(e.value)
     assert list(backend.read(p, ["w", "no_such_blob"], allow_incomplete=True)) == ["w"]
 
 
-def test_missing_file_is_named(backend: DbBackend, tmp_path: Path) -> None:
-    p = str(tmp_path / "absent.0")
+def test_missing_file_is_named(backend: DbBackend, place: Place) -> None:
+    p = place / "absent.0"
     with pytest.raises(CheckpointNotFoundError) as e:
         backend.read(p)
     assert p in str(e.value)
 
 
-def test_flipped_byte_found_and_named(backend: DbBackend, tmp_path: Path) -> None:
-    p = _write(backend, tmp_path / "n.0", _blobs())
+def test_flipped_byte_found_and_named(backend: DbBackend, place: Place) -> None:
+    p = _write(backend, place / "n.0", _blobs())
     assert backend.check(p) == []
     backend.verify(p)
-    data = bytearray(Path(p).read_bytes())
+    data = bytearray(place.read_bytes(p))
     at = data.find(MARK.tobytes())
     assert at > 0
     data[at + len(MARK) // 2] ^= 0x01
-    Path(p).write_bytes(bytes(data))
+    place.write_bytes(p, bytes(data))
     problems = backend.check(p)
     assert problems and all(q.path == p for q in problems)
     assert [q.blob for q in problems] == ["mark"]
@@ -136,17 +197,17 @@ def test_flipped_byte_found_and_named(backend: DbBackend, tmp_path: Path) -> Non
     assert _same(backend.read(p, ["w"])["w"], _blobs()["w"])  # the other blobs still load
 
 
-def test_truncated_file_is_one_problem(backend: DbBackend, tmp_path: Path) -> None:
-    p = _write(backend, tmp_path / "n.0", _blobs())
-    data = Path(p).read_bytes()
-    Path(p).write_bytes(data[: len(data) // 2])
+def test_truncated_file_is_one_problem(backend: DbBackend, place: Place) -> None:
+    p = _write(backend, place / "n.0", _blobs())
+    data = place.read_bytes(p)
+    place.write_bytes(p, data[: len(data) // 2])
     problems = backend.check(p)
     assert len(problems) >= 1 and all(q.path == p for q in problems)
 
 
-def test_describe(backend: DbBackend, tmp_path: Path) -> None:
+def test_describe(backend: DbBackend, place: Place) -> None:
     blobs = _blobs()
-    p = _write(backend, tmp_path / "n.0", blobs)
+    p = _write(backend, place / "n.0", blobs)
     infos = backend.describe(p)
     assert [i.name for i in infos] == list(blobs)
     by = {i.name: i for i in infos}
@@ -157,57 +218,57 @@ def test_describe(backend: DbBackend, tmp_path: Path) -> None:
     assert all(i.checksum for i in infos if i.nbytes)
 
 
-def test_digest_is_stable_and_content_addressed(backend: DbBackend, tmp_path: Path) -> None:
+def test_digest_is_stable_and_content_addressed(backend: DbBackend, place: Place) -> None:
     blobs = _blobs()
-    a = _write(backend, tmp_path / "a.0", blobs)
-    b = _write(backend, tmp_path / "b.0", blobs)
+    a = _write(backend, place / "a.0", blobs)
+    b = _write(backend, place / "b.0", blobs)
     da = backend.digest(a)
     assert da is not None and da == backend.digest(a) == backend.digest(b)
-    assert Path(a).read_bytes() == Path(b).read_bytes()  # same blobs, same bytes
+    assert place.read_bytes(a) == place.read_bytes(b)  # same blobs, same bytes
     blobs["w"] = blobs["w"] + 1
-    c = _write(backend, tmp_path / "c.0", blobs)
+    c = _write(backend, place / "c.0", blobs)
     assert backend.digest(c) != da
 
 
-def test_stat(backend: DbBackend, tmp_path: Path) -> None:
+def test_stat(backend: DbBackend, place: Place) -> None:
     blobs = _blobs()
-    p = _write(backend, tmp_path / "n.0", blobs)
+    p = _write(backend, place / "n.0", blobs)
     st = backend.stat(p)
     assert isinstance(st, DbStat)
     assert st.path == p and st.db_type == backend.name
-    assert st.file_bytes == os.path.getsize(p)
+    assert st.file_bytes == place.size(p)
     assert st.blob_count == len(blobs)
     assert st.data_bytes == sum(i.nbytes for i in backend.describe(p))
     assert st.digest == backend.digest(p)
 
 
-def test_sniff(backend: DbBackend, tmp_path: Path) -> None:
-    p = _write(backend, tmp_path / "n.0", _blobs())
+def test_sniff(backend: DbBackend, place: Place) -> None:
+    p = _write(backend, place / "n.0", _blobs())
     assert sniff_db_type(p) == backend.name
-    head, size = Path(p).read_bytes()[:SNIFF_BYTES], os.path.getsize(p)
+    head, size = place.read_bytes(p)[:SNIFF_BYTES], place.size(p)
     assert backend.sniff(head, size)
     others = [get_db_type(t) for t in DB_TYPES if t != backend.name]
     assert not any(o.sniff(head, size) for o in others)
-    junk = tmp_path / "junk"
-    junk.write_bytes(b"hello world, not a checkpoint")
-    empty = tmp_path / "empty"
-    empty.write_bytes(b"")
-    assert sniff_db_type(str(junk)) is None and sniff_db_type(str(empty)) is None
+    junk = place / "junk"
+    place.write_bytes(junk, b"hello world, not a checkpoint")
+    empty = place / "empty"
+    place.write_bytes(empty, b"")
+    assert sniff_db_type(junk) is None and sniff_db_type(empty) is None
     with pytest.raises(CheckpointNotFoundError):
-        sniff_db_type(str(tmp_path / "absent"))
+        sniff_db_type(place / "absent")
 
 
-def test_failed_write_keeps_the_old_file(backend: DbBackend, tmp_path: Path) -> None:
-    p = _write(backend, tmp_path / "n.0", {"v": np.arange(3)})
-    before = Path(p).read_bytes()
+def test_failed_write_keeps_the_old_file(backend: DbBackend, place: Place) -> None:
+    p = _write(backend, place / "n.0", {"v": np.arange(3)})
+    before = place.read_bytes(p)
 
     class Bad:
         pass
 
     with pytest.raises(Exception):  # noqa: B017 - UnsupportedBlobError, before any byte is written
         backend.write(p, {"v": np.arange(4), "bad": Bad()})
-    assert Path(p).read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == ["n.0"]
+    assert place.read_bytes(p) == before
+    assert place.names() == ["n.0"]
 
 
 #: sha256 of the files epochal wrote for _golden_blobs() before the storage package split

@@ -329,3 +329,50 @@ def test_delete_finishes_an_interrupted_delete(tmp_path: Path) -> None:
     mirror.delete(2)  # nothing left to remove: no error
     assert 2 not in mirror.epochs() and not fs.exists(f"{root}/trainer_1.2")
     assert mirror.epochs() == [e for e in range(LAST + 1) if e != 2]
+
+
+def test_each_node_pushes_its_own_db_and_the_driver_only_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Machines that share no disk: the driver never uploads a db (RemoteMirror.push, which
+    reads the dbs from the driver's disk, is never called), yet the mirror is complete."""
+    url = _url()
+    driver_pushes: list[int] = []
+
+    def no_driver_push(self: RemoteMirror, db_dir: str, epoch: int, manifest: dict[str, Any]) -> int:
+        driver_pushes.append(epoch)
+        raise AssertionError("the driver must not upload dbs")
+
+    monkeypatch.setattr(RemoteMirror, "push", no_driver_push)
+    assert _train(tmp_path / "c", ep.DirectoryMetadataHandler(mirror=url, mirror_from_nodes=True)) == LAST
+    assert driver_pushes == []
+    mirror = RemoteMirror(url)
+    assert mirror.epochs() == list(range(LAST + 1))
+    fs, root = _fs(url)
+    for epoch in range(LAST + 1):
+        for node in NODES:
+            assert fs.cat_file(f"{root}/{node}.{epoch}") == (tmp_path / "c" / f"{node}.{epoch}").read_bytes()
+
+
+def test_a_node_push_that_fails_is_pushed_by_the_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    from epochal.storage import remote as remote_mod
+
+    url = _url()
+    real = remote_mod.upload_file
+    calls: list[str] = []
+
+    def flaky(local: str, dest: str, **opts: Any) -> int:
+        calls.append(dest)
+        if dest.endswith("trainer_1.2") and len([c for c in calls if c.endswith("trainer_1.2")]) == 1:
+            raise OSError("network down")
+        return real(local, dest, **opts)
+
+    monkeypatch.setattr(remote_mod, "upload_file", flaky)
+    with caplog.at_level(logging.WARNING, logger="epochal"):
+        handler = ep.DirectoryMetadataHandler(mirror=url, mirror_background=False, mirror_from_nodes=True)
+        assert _train(tmp_path / "c", handler) == LAST
+    assert "Cannot push" in caplog.text and "trainer_1.2" in caplog.text
+    assert RemoteMirror(url).epochs() == list(range(LAST + 1))
+    fs, root = _fs(url)
+    assert fs.cat_file(f"{root}/trainer_1.2") == (tmp_path / "c" / "trainer_1.2").read_bytes()

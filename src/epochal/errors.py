@@ -74,7 +74,7 @@ class CheckpointLockedError(CheckpointError):
     def __init__(self, path: str, holder: dict[str, object]) -> None:
         self.path = str(path)
         self.holder = dict(holder)
-        who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "since") if k in holder)
+        who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "since", "expires") if k in holder)
         super().__init__(
             f"{self.path}: another job is writing checkpoints in this directory ({who or 'holder unknown'}); "
             "stop it first, or use another directory"

@@ -19,11 +19,9 @@ docs/reliability.md for the guarantees and how they are tested.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import stat
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
@@ -36,7 +34,8 @@ from ..errors import (
 from ..storage import atomic
 from ..storage.base import get_db_type
 from .best import BestEpochs, best_of, collect_metrics, manifest_metric
-from .lock import LOCK_FILE, WriterLock, pid_alive
+from .lease import DEFAULT_LEASE_SECONDS
+from .lock import LOCK_FILE, pid_alive
 from .manifest import (
     MANIFEST_FORMAT,
     MANIFEST_RE,
@@ -46,14 +45,15 @@ from .manifest import (
     manifest_name,
     validate_manifest,
 )
-from .metadata import BaseMetadataHandler
+from .metadata import BaseMetadataHandler, DbReport, PushTarget
 from .naming import RECORDS_DIR, db_name
+from .records import STATS_FILE, RecordLock, RecordStore, records_for
+from .records import read_local_record as read_record  # noqa: F401 - its old home
 from .retention import RetentionPolicy, epochs_to_delete
 
 logger = logging.getLogger("epochal")
 
 PINS_FORMAT = "epochal-pins"
-STATS_FILE = "stats.jsonl"
 PINS_FILE = "pins.json"
 VERIFY_LEVELS = ("full", "quick", "none")
 STATS_ACTIONS = ("checkpoint_save", "checkpoint_load", "checkpoint_partial_load")
@@ -72,40 +72,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-#: records are small; anything bigger is not one of ours
-MAX_RECORD_BYTES = 64 << 20
-
-
-def read_record(path: str) -> bytes:
-    """The bytes of a record file (manifest, pins, stats), opened without following a symlink
-    and only when it is a regular file (a FIFO would block, a device never end); OSError
-    naming the path otherwise, FileNotFoundError when it does not exist."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
-    except OSError as ex:
-        if ex.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, f"{path} is a symlink (records are never read through one)") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
-        if st.st_size > MAX_RECORD_BYTES:
-            raise OSError(errno.EFBIG, f"{path} is {st.st_size} bytes, too big for a record")
-        chunks, left = [], st.st_size + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def _unlink(path: str) -> bool:
     try:
         os.unlink(path)
@@ -118,10 +84,13 @@ class CheckpointDirectory:
     """Read-only view of a checkpoint directory and its ``.epochal`` records.
 
     ``path_prefix`` (the seed's, plain concatenation) names the dbs instead of ``db_prefix``
-    when given; the records then live beside those dbs.
+    when given; the records then live beside those dbs. Either may be an fsspec URL
+    (``storage_options`` then reach fsspec): the records are read through a
+    :class:`~.records.RecordStore` either way.
     """
 
-    def __init__(self, db_prefix: str | os.PathLike[str], path_prefix: str | None = None) -> None:
+    def __init__(self, db_prefix: str | os.PathLike[str], path_prefix: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         self.db_prefix = os.fspath(db_prefix)
         self.path_prefix = path_prefix or None
         if self.path_prefix:
@@ -131,6 +100,7 @@ class CheckpointDirectory:
             self.db_dir = self.db_prefix or "."
             self._file_prefix = ""
         self.records_dir = os.path.join(self.db_dir, RECORDS_DIR)
+        self.records: RecordStore = records_for(self.db_dir, storage_options)
 
     def __repr__(self) -> str:
         return f"CheckpointDirectory({self.db_dir!r})"
@@ -154,12 +124,8 @@ class CheckpointDirectory:
     # -- listing
     def manifest_epochs(self) -> list[int]:
         """Epochs that have a manifest file, valid or not, oldest first."""
-        try:
-            names = os.listdir(self.records_dir)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
         epochs = []
-        for name in names:
+        for name, _ in self.records.files(self.records_dir):
             m = _MANIFEST_RE.match(name)
             if m is not None:
                 epochs.append(int(m.group(1)))
@@ -184,7 +150,7 @@ class CheckpointDirectory:
         """
         path = self.manifest_path(epoch)
         try:
-            raw = read_record(path)
+            raw = self.records.read(path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"epoch {epoch} is not committed: manifest {path} does not exist"
@@ -197,7 +163,7 @@ class CheckpointDirectory:
         """Pinned epochs (empty when there is no pins file); CheckpointCorruptError if unreadable."""
         path = self.pins_path
         try:
-            raw = read_record(path)
+            raw = self.records.read(path)
         except FileNotFoundError:
             return set()
         except OSError as ex:
@@ -214,9 +180,7 @@ class CheckpointDirectory:
     def stats(self) -> list[dict[str, Any]]:
         """Every stats line, parsed, in order; a torn (incomplete) line is skipped."""
         try:
-            raw = read_record(self.stats_path)
-        except FileNotFoundError:
-            return []
+            raw = b"\n".join(self.records.read_stats(self.records_dir))
         except OSError as ex:
             raise CheckpointCorruptError(self.stats_path, f"cannot read the stats log: {ex}") from ex
         out = []
@@ -235,26 +199,16 @@ class CheckpointDirectory:
     def scan(self) -> dict[int, dict[str, str]]:
         """``{epoch: {node: db path}}`` of every db file present, committed or not (temp files
         of interrupted saves and the records directory are ignored)."""
-        try:
-            entries = list(os.scandir(self.db_dir))
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
         found: dict[int, dict[str, str]] = {}
-        for entry in entries:
-            name = entry.name
+        for name, path in self.records.files(self.db_dir):
             if name == RECORDS_DIR or not name.startswith(self._file_prefix):
                 continue
-            if atomic.parse_temp_path(name) is not None:
-                continue
-            try:
-                if not entry.is_file():
-                    continue
-            except OSError:
+            if atomic.parse_temp_path(name) is not None or ".tmp.upload." in name:
                 continue
             node, dot, ep = name[len(self._file_prefix):].rpartition(".")
             if not dot or not node or not ep.isascii() or not ep.isdigit():
                 continue
-            found.setdefault(int(ep), {})[node] = entry.path
+            found.setdefault(int(ep), {})[node] = path
         return {e: dict(sorted(found[e].items())) for e in sorted(found)}
 
     # -- checking
@@ -291,13 +245,13 @@ class CheckpointDirectory:
             if os.path.normpath(path) != os.path.normpath(expected):
                 problems.append(f"{mpath}: node {node!r} names {entry['file']!r}, expected {expected}")
                 continue
-            problems.extend(_check_db(backend, path, entry, level))
+            problems.extend(_check_db(self.records, backend, path, entry, level))
         return problems
 
 
-def _check_db(backend: Any, path: str, entry: dict[str, Any], level: str) -> list[str]:
+def _check_db(records: RecordStore, backend: Any, path: str, entry: dict[str, Any], level: str) -> list[str]:
     try:
-        size = os.stat(path).st_size
+        size = records.size(path)
     except FileNotFoundError:
         return [f"{path}: missing (listed in the manifest)"]
     except OSError as ex:
@@ -348,6 +302,15 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
     ``mirror_background`` (default True): pushes run in order on a background thread, so
     training does not wait for the network; ``flush()`` waits for them (JobRunner calls it
     when ``train`` ends, and it runs at interpreter exit).
+
+    The checkpoint location may be an fsspec URL (``db_prefix="s3://bucket/run"``; see
+    docs/remote.md): ``storage_options`` go to fsspec; the records are objects at the URL
+    (one per stats report), the commit uses the sizes and digests the nodes reported
+    (:meth:`report_dbs`), resume checks sizes and digests only (each node's load verifies
+    every checksum), and the writer lock is a lease of ``lease_seconds``, renewed at each
+    commit (:mod:`.lease`). ``mirror_from_nodes`` (default False): each node uploads its own
+    db to the mirror in its save task, the driver only the manifest (for machines that share
+    no disk; the save then waits for the upload), see :meth:`node_push_target`.
     """
 
     def __init__(
@@ -364,6 +327,9 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         mirror: Any = None,
         mirror_options: dict[str, Any] | None = None,
         mirror_background: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        mirror_from_nodes: bool = False,
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
@@ -387,8 +353,14 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         self.mirror = mirror
         self.mirror_background = bool(mirror_background)
         self._unpushed: set[int] = set()  # committed here, not yet at the mirror (worker-owned)
-        self._lock: WriterLock | None = None
+        self._lock: RecordLock | None = None
+        self._lock_path = ""
         self._mirror_queue: Any = None
+        self.storage_options = dict(storage_options or {})
+        self.lease_seconds = float(lease_seconds)
+        self._reported: dict[int, dict[str, DbReport]] = {}  # epoch -> what the nodes said
+        self._node_pushed: set[int] = set()  # epochs whose every db its node pushed itself
+        self.mirror_from_nodes = bool(mirror_from_nodes)
 
     def __repr__(self) -> str:
         where = self.directory.db_dir if self.directory is not None else None
@@ -410,12 +382,14 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
     ) -> None:
         """Where the checkpoints live. Creates the records directory and, with ``clean_temp``,
         removes temp files left by killed saves of this host."""
-        self.directory = CheckpointDirectory(db_prefix, path_prefix)
+        self.directory = CheckpointDirectory(db_prefix, path_prefix, self.storage_options or None)
+        if self.directory.records.remote and self.mirror is not None:
+            raise CheckpointError(f"{self.directory.db_dir} is a URL already: a mirror= of it is not supported")
         self.db_type = db_type or "native"
         self.node_names = [str(n) for n in node_names]
         self._expect_final = None  # a new run: nothing is known to be final yet
         try:
-            os.makedirs(self.directory.records_dir, exist_ok=True)
+            self.directory.records.makedirs(self.directory.records_dir)
         except OSError as ex:
             logger.warning("Cannot create the checkpoint records directory %s: %s", self.directory.records_dir, ex)
             return
@@ -438,7 +412,7 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
             if problems and self.mirror is not None and self._pull(int(user_epoch)):
                 problems = self._problems(int(user_epoch))
             if problems:
-                if not os.path.exists(d.manifest_path(user_epoch)):
+                if not d.records.exists(d.manifest_path(user_epoch)):
                     raise CheckpointNotFoundError(problems[0])
                 raise CheckpointCorruptError(
                     d.manifest_path(user_epoch), f"epoch {user_epoch} cannot be resumed: " + "; ".join(problems)
@@ -534,7 +508,11 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
                 self._unpushed.discard(e)  # no longer committed here (retention)
                 continue
             try:
-                self.mirror.push(d.db_dir, e, m)
+                if e in self._node_pushed:  # each node uploaded its own db: the manifest, last
+                    self.mirror.put_manifest(e, m)
+                else:
+                    self.mirror.push(d.db_dir, e, m)
+                self._node_pushed.discard(e)
             except Exception as ex:
                 self._unpushed.add(e)
                 logger.warning(
@@ -567,9 +545,15 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         d = self._dir()
         epoch = int(epoch)
         backend = get_db_type(self.db_type)
+        reported = self._reported.pop(epoch, {})
+        if self.node_names and all(n in reported and reported[n].pushed for n in self.node_names):
+            self._node_pushed.add(epoch)  # the mirror push is the manifest alone
         nodes: dict[str, dict[str, Any]] = {}
         for node in self.node_names:
             path = d.db_path(node, epoch)
+            if node in reported or d.records.remote:  # the node said (or the store will)
+                nodes[node] = self._entry(d, backend, node, path, reported.get(node))
+                continue
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -582,7 +566,7 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
             finally:
                 os.close(fd)
             nodes[node] = {"file": os.path.basename(path), "size": size, "digest": backend.digest(path)}
-        atomic.fsync_dir(d.db_dir)
+        d.records.sync_dir(d.db_dir)
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
@@ -593,9 +577,10 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
             "nodes": nodes,
         }
         manifest.update(self._metrics_record(epoch, metrics))
-        os.makedirs(d.records_dir, exist_ok=True)
+        d.records.makedirs(d.records_dir)
         self._write_manifest(d.manifest_path(epoch), manifest)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
+        self._renew_lock()
         try:
             self.apply_retention(epoch)
         except Exception as ex:  # retention must never undo a commit
@@ -628,6 +613,8 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         is writable, and its filesystem has room for a checkpoint the size of the newest one.
         A no is logged as a warning with the reason."""
         d = self._dir()
+        if d.records.remote:
+            return True  # object storage: no folder to make, no free space to measure
         try:
             os.makedirs(d.records_dir, exist_ok=True)
         except OSError as ex:
@@ -656,15 +643,16 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
     def acquire_lock(self) -> None:
         """Take the directory's writer lock (``.epochal/lock``) for a run: JobRunner.train
         calls this right after ``set_params`` and :meth:`release_lock` when it ends. A second
-        writer gets CheckpointLockedError naming the holder; see :mod:`.lock`."""
+        writer gets CheckpointLockedError naming the holder; see :mod:`.lock`. At a URL it is
+        the lease ``.epochal/lease.json`` (see :mod:`.lease`), renewed at each commit."""
         d = self._dir()
         path = os.path.join(d.records_dir, LOCK_FILE)
-        if self._lock is not None and self._lock.path != path:
+        if self._lock is not None and self._lock_path != path:
             self._lock.release()
             self._lock = None
         if self._lock is None:
-            self._lock = WriterLock(path)
-        os.makedirs(d.records_dir, exist_ok=True)
+            self._lock, self._lock_path = d.records.writer_lock(path, self.lease_seconds), path
+        d.records.makedirs(d.records_dir)
         self._lock.acquire()
 
     def release_lock(self) -> None:
@@ -768,10 +756,10 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
                 nodes = {}
             files = [d.db_path(n, epoch) for n, entry in nodes.items()
                      if entry["file"] == os.path.basename(d.db_path(n, epoch))]
-            _unlink(d.manifest_path(epoch))
-            atomic.fsync_dir(d.records_dir)
+            d.records.delete(d.manifest_path(epoch))
+            d.records.sync_dir(d.records_dir)
             for path in {*files, *on_disk.get(epoch, {}).values()}:
-                _unlink(path)
+                d.records.delete(path)
             logger.info("Retention: deleted the checkpoint of epoch %d", epoch)
             self._unpushed.discard(epoch)
         # leftovers of saves that never committed (or of a delete that was interrupted)
@@ -779,11 +767,11 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         for epoch, dbs in on_disk.items():
             if epoch < newest and epoch not in valid and epoch not in pins:
                 if epoch in manifests:
-                    _unlink(d.manifest_path(epoch))
+                    d.records.delete(d.manifest_path(epoch))
                 for path in dbs.values():
-                    _unlink(path)
+                    d.records.delete(path)
                 logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs.values()))
-        atomic.fsync_dir(d.db_dir)
+        d.records.sync_dir(d.db_dir)
         return doomed
 
     def clean_temp_files(self) -> list[str]:
@@ -791,6 +779,8 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
         directories whose host is this one and whose process is gone; return their paths.
         Another host's temp files are never touched (its process may still be writing)."""
         d = self._dir()
+        if d.records.remote:
+            return []  # staged uploads clean up after themselves; another host's are not ours
         me, removed = atomic.hostname(), []
         for folder in (d.db_dir, d.records_dir):
             try:
@@ -829,7 +819,10 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
 
     def _problems(self, epoch: int) -> list[str]:
         d = self._dir()
-        problems = d.check_epoch(epoch, self.verify, nodes=self.node_names or None)
+        # at a URL the driver checks sizes and digests only: reading every byte of every
+        # node's db is each node's own load's job (it verifies every checksum)
+        level = "quick" if d.records.remote and self.verify == "full" else self.verify
+        problems = d.check_epoch(epoch, level, nodes=self.node_names or None)
         if problems:
             return problems
         if self.node_names:
@@ -866,45 +859,60 @@ class DirectoryMetadataHandler(BaseMetadataHandler):
 
     def _append_stats(self, data: bytes) -> None:
         d = self._dir()
-        os.makedirs(d.records_dir, exist_ok=True)
-        # never through a symlink: the log must not be appended to a file outside the directory
-        fd = os.open(d.stats_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, f"{d.stats_path} is not a regular file")
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                data = b"\n" + data  # a torn last line stays alone on its line
-            atomic.write_all(fd, data)
-        finally:
-            os.close(fd)
+        d.records.add_stats(d.records_dir, data)
 
     def _update_pins(self, add: set[int], remove: set[int]) -> None:
         d = self._dir()
         pins = (d.pins() | add) - remove
-        os.makedirs(d.records_dir, exist_ok=True)
+        d.records.makedirs(d.records_dir)
         self._write_json(d.pins_path, {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)})
 
-    @classmethod
-    def _write_manifest(cls, path: str, manifest: dict[str, Any]) -> None:
+    def _write_manifest(self, path: str, manifest: dict[str, Any]) -> None:
         """Write a manifest atomically, with its content checksum (``manifest`` gets it too)."""
         raw = encode_manifest(manifest)
         manifest.update(json.loads(raw))
-        cls._write_raw(path, raw)
+        self._dir().records.write(path, raw)
 
-    @classmethod
-    def _write_json(cls, path: str, data: dict[str, Any]) -> None:
-        cls._write_raw(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
+    def _write_json(self, path: str, data: dict[str, Any]) -> None:
+        self._dir().records.write(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
+
+    def node_push_target(self) -> PushTarget | None:
+        """With ``mirror_from_nodes`` and a mirror (a :class:`~.mirror.RemoteMirror`): each
+        node uploads the db it saves there from its own process, inside its save task
+        (machines need not share a disk); the driver then pushes only the manifest. An upload
+        a node could not make is pushed by the driver (if it sees the file)."""
+        from .mirror import RemoteMirror
+
+        if self.mirror_from_nodes and isinstance(self.mirror, RemoteMirror):
+            return PushTarget(self.mirror.url, dict(self.mirror.storage_options))
+        return None
+
+    # -- records at a URL
+    def report_dbs(self, epoch: int, dbs: dict[str, DbReport]) -> None:
+        """What each node said of its db of ``epoch`` (size, digest), just before ``write``:
+        the commit then records these and never opens a node's file."""
+        self._reported[int(epoch)] = dict(dbs)
 
     @staticmethod
-    def _write_raw(path: str, raw: bytes) -> None:
-        try:
-            atomic.atomic_write_bytes(path, raw)
-        except OSError as ex:
-            if ex.filename is None:  # name the file that could not be written
-                raise OSError(ex.errno, f"{ex.strerror or ex} (writing {path})") from ex
-            raise
+    def _entry(d: CheckpointDirectory, backend: Any, node: str, path: str, got: DbReport | None) -> dict[str, Any]:
+        """A manifest entry from a node's report; without one (a handler driven without a
+        manager), from the store: its size, and the digest read from the db's header."""
+        if got is None:
+            try:
+                size = d.records.size(path)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"cannot commit epoch: the db of node {node!r} ({path}) does not exist"
+                ) from None
+            got = DbReport(size, backend.digest(path))
+        return {"file": os.path.basename(path), "size": int(got.size), "digest": got.digest}
+
+    def _renew_lock(self) -> None:
+        if self._lock is not None:
+            try:
+                self._lock.renew()
+            except Exception as ex:  # the commit stands; the next one retries
+                logger.warning("Cannot renew the writer lease of %s: %s", self.location(), ex)
 
 
 def best_of_directory(

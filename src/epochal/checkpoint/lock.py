@@ -116,6 +116,10 @@ class WriterLock:
                 return
         raise CheckpointLockedError(self.path, holder)
 
+    def renew(self) -> None:
+        """A flock lasts as long as its process: nothing to renew (a lease's counterpart)."""
+        return None
+
     def release(self) -> None:
         """Let the lock go (the file stays, emptied: removing it could race a new holder)."""
         fd, self._fd = self._fd, None

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
 from ..storage.base import get_db_type
-from .metadata import BaseMetadataHandler, MetadataHandler, with_extensions
+from .metadata import BaseMetadataHandler, DbReport, MetadataHandler, PushTarget, with_extensions
 from .naming import check_node_name, db_name, epochs_on_disk
 from .steps import (
     INTERNAL_PREFIX,
@@ -28,6 +28,7 @@ from .steps import (
     SaveBlobs,
     SnapshotAndSave,
     Timed,
+    use_storage_options,
 )
 
 logger = logging.getLogger("epochal")
@@ -104,8 +105,19 @@ class _HandlerCalls:
         return where or self._db_prefix
 
     def write_checkpoint_metadata(self, epoch: int) -> None:
+        """Commit ``epoch`` through the handler: first what each node reported of its db
+        (``report_dbs``: size, digest), then the seed's ``write``."""
         if self._metadata_handler is not None:
+            reports = self.db_reports()
+            if reports:
+                assert self._handler is not None
+                self._handler.report_dbs(epoch, reports)
             self._metadata_handler.write(epoch=epoch)
+
+    def db_reports(self) -> dict[str, DbReport]:
+        """``{node: DbReport}`` of the save (or join) task built last and run: the size and
+        digest each node reported of the db it wrote ({} before one ran)."""
+        raise NotImplementedError
 
     def get_resume_from_epoch_id(self, user_epoch: int | None = None) -> int | None:
         if self._metadata_handler is not None:
@@ -167,6 +179,8 @@ class CheckpointManager(_HandlerCalls):
 
     ``map_location`` and ``verify`` are epochal's additions: where loaded torch tensors go
     (default: back to their saved device when it exists), and whether loads check checksums.
+    ``db_prefix`` may be an fsspec URL (``s3://bucket/run``); ``storage_options`` then go to
+    fsspec, here and in the node's process (the steps carry them; see docs/remote.md).
     """
 
     BLOB_NAMES = "blob_names"
@@ -180,8 +194,11 @@ class CheckpointManager(_HandlerCalls):
         *,
         map_location: Any = None,
         verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self._db_prefix = db_prefix
+        self._storage_options = dict(storage_options) if storage_options else None
+        use_storage_options(db_name(0, "_", db_prefix), self._storage_options)  # for the driver
         self._node_name = check_node_name(str(node_name))
         self._db_type = db_type
         get_db_type(db_type)  # an unknown db_type fails here, naming it
@@ -196,6 +213,8 @@ class CheckpointManager(_HandlerCalls):
         self._current_db_name: str | None = None
         self._current_checkpoint_duration: TaskOutput | None = None
         self._current_checkpoint_bytes: TaskOutput | None = None
+        self._current_checkpoint_digest: TaskOutput | None = None
+        self._current_checkpoint_pushed: TaskOutput | None = None
 
     # -- accessors
     @property
@@ -241,6 +260,7 @@ class CheckpointManager(_HandlerCalls):
             step = ResumeBlobNames(
                 full, path_type or self._db_type, self._blob_names, added, exclude=exclude,
                 node=self._node_name, epoch=retrieve_from_epoch, keep_device=True, verify=self._verify,
+                storage_options=self._storage_options,
             )
             outputs = [self._blob_names, added]
         task = Task(step=step, outputs=outputs, node=self._node_name, name="checkpoint_init")
@@ -281,6 +301,7 @@ class CheckpointManager(_HandlerCalls):
         task = Task(step=Timed(op, f"{base}.ns", f"{base}.bytes"), node=self._node_name, name=cp_op_name)
         self._current_checkpoint_duration = task.add_output(f"{base}.ns")
         self._current_checkpoint_bytes = task.add_output(f"{base}.bytes")
+        self._current_checkpoint_digest = self._current_checkpoint_pushed = None
         return task
 
     def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
@@ -314,7 +335,7 @@ class CheckpointManager(_HandlerCalls):
         return self._timed_task("checkpoint_load", LoadBlobs(
             self._current_db_name, path_type or self._db_type, names,
             node=self._node_name, epoch=epoch, keep_device=True,
-            map_location=self._map_location, verify=self._verify,
+            map_location=self._map_location, verify=self._verify, storage_options=self._storage_options,
         ))
 
     def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> Task:
@@ -324,6 +345,7 @@ class CheckpointManager(_HandlerCalls):
         return self._timed_task("checkpoint_partial_load", LoadBlobs(
             self._current_db_name, self._db_type, list(blob_names), node=self._node_name,
             epoch=epoch, allow_incomplete=True, map_location=self._map_location, verify=self._verify,
+            storage_options=self._storage_options,
         ))
 
     def check_db_exists(self, epoch: int) -> Task:
@@ -331,10 +353,17 @@ class CheckpointManager(_HandlerCalls):
         path = self._db(epoch)
         logger.info("Check existence of %s", path)
         flag = f"{INTERNAL_PREFIX}{self._node_name}/db_exists"
-        return Task(step=DbExists(path, self._db_type, flag), outputs=[flag], node=self._node_name,
+        return Task(step=DbExists(path, self._db_type, flag, self._storage_options), outputs=[flag], node=self._node_name,
                     name="check_db_exists")
 
-    def save(self, epoch: int, background: bool = False) -> Task:
+    def _push_target(self, push: PushTarget | None) -> PushTarget | None:
+        """``push`` when given (a multi-node manager asked its handler), else this manager's
+        handler's (None without one)."""
+        if push is not None or self._handler is None:
+            return push
+        return self._handler.node_push_target()
+
+    def save(self, epoch: int, background: bool = False, *, push: PushTarget | None = None) -> Task:
         """A timed Task saving the blob list, in order, to the db of ``epoch``.
 
         With ``background``, the task only snapshots the blobs and starts the write on a
@@ -344,23 +373,45 @@ class CheckpointManager(_HandlerCalls):
         logger.info("Saving to %s%s", self._current_db_name, " (background)" if background else "")
         step = SnapshotAndSave if background else SaveBlobs
         untracked = f"{INTERNAL_PREFIX}{self._node_name}/untracked_blobs"
+        digest = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save.digest"
+        pushed = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save.pushed"
         task = self._timed_task("checkpoint_save", step(
             self._current_db_name, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
-            untracked_output=untracked,
+            untracked_output=untracked, digest_output=None if background else digest,
+            storage_options=self._storage_options, push=None if background else self._push_target(push),
+            pushed_output=None if background else pushed,
         ))
         self._untracked_output = task.add_output(untracked)
+        self._current_checkpoint_digest = None if background else task.add_output(digest)
+        self._current_checkpoint_pushed = None if background else task.add_output(pushed)
         return task
 
-    def join_save(self, epoch: int) -> Task:
+    def join_save(self, epoch: int, *, push: PushTarget | None = None) -> Task:
         """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
         and its stats are the whole save's (snapshot until the file is durable)."""
         self._current_db_name = self._db(epoch)
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
-        task = Task(step=JoinSave(self._current_db_name, f"{base}.ns", f"{base}.bytes"),
+        task = Task(step=JoinSave(self._current_db_name, f"{base}.ns", f"{base}.bytes",
+                                  db_type=self._db_type, digest_output=f"{base}.digest",
+                                  push=self._push_target(push), pushed_output=f"{base}.pushed"),
                     node=self._node_name, name="checkpoint_join")
         self._current_checkpoint_duration = task.add_output(f"{base}.ns")
         self._current_checkpoint_bytes = task.add_output(f"{base}.bytes")
+        self._current_checkpoint_digest = task.add_output(f"{base}.digest")
+        self._current_checkpoint_pushed = task.add_output(f"{base}.pushed")
         return task
+
+    def db_reports(self) -> dict[str, DbReport]:
+        if self._current_checkpoint_digest is None or self._current_checkpoint_bytes is None:
+            return {}
+        try:
+            size, digest = self._current_checkpoint_bytes.fetch(), self._current_checkpoint_digest.fetch()
+        except (RuntimeError, KeyError):
+            return {}
+        if size is None or digest is None:
+            return {}
+        pushed = self._current_checkpoint_pushed.fetch() if self._current_checkpoint_pushed is not None else None
+        return {self._node_name: DbReport(int(size), str(digest) or None, bool(pushed))}
 
     def set_params(self, nodes: Any, path_prefix: str | None = None, path_type: str | None = None) -> None:
         self._keep_paths(path_prefix, path_type)
@@ -381,9 +432,12 @@ class MultiNodeCheckpointManager(_HandlerCalls):
         *,
         map_location: Any = None,
         verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self._node_managers: list[tuple[str, CheckpointManager]] | None = None
         self._db_prefix = db_prefix
+        self._storage_options = dict(storage_options) if storage_options else None
+        use_storage_options(db_name(0, "_", db_prefix), self._storage_options)  # for the driver
         self._db_type = db_type
         get_db_type(db_type)
         self._metadata_handler = metadata_handler
@@ -420,7 +474,7 @@ class MultiNodeCheckpointManager(_HandlerCalls):
             name = str(node)
             self._node_managers.append((name, CheckpointManager(
                 db_prefix=self._db_prefix, node_name=name, db_type=self._db_type,
-                map_location=self._map_location, verify=self._verify,
+                map_location=self._map_location, verify=self._verify, storage_options=self._storage_options,
             )))
 
     def _task_group(self, func: Any, *args: Any, **kw: Any) -> TaskGroup:
@@ -468,10 +522,12 @@ class MultiNodeCheckpointManager(_HandlerCalls):
         return self._task_group(CheckpointManager.load, epoch, path_prefix=path_prefix, path_type=path_type)
 
     def save(self, epoch: int, background: bool = False) -> TaskGroup:
-        return self._task_group(CheckpointManager.save, epoch, background=background)
+        push = self._handler.node_push_target() if self._handler is not None else None
+        return self._task_group(CheckpointManager.save, epoch, background=background, push=push)
 
     def join_save(self, epoch: int) -> TaskGroup:
-        return self._task_group(CheckpointManager.join_save, epoch)
+        push = self._handler.node_push_target() if self._handler is not None else None
+        return self._task_group(CheckpointManager.join_save, epoch, push=push)
 
     def load_blobs_locally(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int, session: Any) -> bool:
         """Load ``blob_names`` from every node's db of ``epoch``, node by node; False (after
@@ -500,6 +556,12 @@ class MultiNodeCheckpointManager(_HandlerCalls):
             if node == str(node_name):
                 return manager.get_ckpt_db_name(node, epoch)
         return None
+
+    def db_reports(self) -> dict[str, DbReport]:
+        out: dict[str, DbReport] = {}
+        for _, manager in self._node_managers or []:
+            out.update(manager.db_reports())
+        return out
 
     def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
         for _, manager in self._node_managers or []:

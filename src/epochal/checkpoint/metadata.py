@@ -7,7 +7,28 @@ the five keeps working.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class DbReport:
+    """What a node says of the db it just wrote: its size in bytes and its digest (see
+    :meth:`epochal.storage.base.DbBackend.digest`; None when the format has none)."""
+
+    size: int
+    digest: str | None
+    #: the node also uploaded it to the handler's mirror (see ``node_push_target``)
+    pushed: bool = False
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Where each node uploads the db it just saved (a handler's mirror): the URL of the
+    mirror's root and the fsspec options that reach it."""
+
+    url: str
+    storage_options: dict[str, Any]
 
 
 @runtime_checkable
@@ -51,12 +72,21 @@ class MetadataHandlerExtensions(Protocol):
       explicit resume epoch loads it and runs no further epoch.
     - ``flush()``: wait for work the handler does in the background (a mirror's pushes);
       called when ``train`` ends (normally or with an exception).
+    - ``report_dbs(epoch, {node: DbReport})``: size and digest of each node's db of
+      ``epoch``, as the nodes reported them (called just before ``write``): a handler can
+      commit without opening a node's file (which may be on another machine).
+    - ``node_push_target() -> PushTarget | None``: where each node should upload the db it
+      saves (a mirror), so that the driver only pushes the manifest; None: nowhere.
     - ``acquire_lock()``: take the exclusive writer lock of the checkpoint location for a run
       (called right after ``set_params``; raises ``CheckpointLockedError`` when another live
       writer holds it); ``release_lock()``: let it go (called when ``train`` ends, always).
     """
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
+
+    def report_dbs(self, epoch: int, dbs: dict[str, DbReport]) -> None: ...
+
+    def node_push_target(self) -> PushTarget | None: ...
 
     def expect_final(self, epoch: int) -> None: ...
 
@@ -97,6 +127,12 @@ class BaseMetadataHandler:
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None:
         return None
 
+    def report_dbs(self, epoch: int, dbs: dict[str, DbReport]) -> None:
+        return None
+
+    def node_push_target(self) -> PushTarget | None:
+        return None
+
     def expect_final(self, epoch: int) -> None:
         return None
 
@@ -124,7 +160,7 @@ class _Extended(BaseMetadataHandler):
     """A five-method (seed) handler seen through the full interface: each extension it has is
     forwarded, each it lacks is the base's no-op."""
 
-    _EXTENSIONS = ("report_bytes", "expect_final", "mark_final", "is_final", "flush",
+    _EXTENSIONS = ("report_bytes", "report_dbs", "node_push_target", "expect_final", "mark_final", "is_final", "flush",
                    "acquire_lock", "release_lock", "location")
 
     def __init__(self, handler: Any) -> None:

@@ -18,10 +18,13 @@ def db_name(epoch: int, node_name: str, db_prefix: str, path_prefix: str | None 
     """The db path of ``node_name`` at ``epoch``.
 
     With a truthy ``path_prefix`` it is plain concatenation (``path_prefix + filename``),
-    else ``os.path.join(db_prefix, filename)``, exactly as the seed.
+    else ``os.path.join(db_prefix, filename)``, exactly as the seed; for a URL ``db_prefix``
+    (``s3://bucket/run``) the two are joined with ``/`` (never an OS separator).
     """
     if path_prefix:
         return path_prefix + get_ckpt_filename(node_name, epoch)
+    if "://" in db_prefix:
+        return db_prefix.rstrip("/") + "/" + get_ckpt_filename(node_name, epoch)
     return os.path.join(db_prefix, get_ckpt_filename(node_name, epoch))
 
 

@@ -29,6 +29,41 @@ logger = logging.getLogger("epochal")
 INTERNAL_PREFIX = "__epochal__/"
 
 
+def use_storage_options(db: str, storage_options: dict[str, Any] | None) -> None:
+    """In this (node's) process, reach the URL ``db`` with fsspec ``storage_options`` (the
+    manager's; see :func:`epochal.storage.io.fsspec_store.set_storage_options`)."""
+    if storage_options and "://" in db:
+        from ..storage.io.fsspec_store import set_storage_options
+
+        set_storage_options(db.rsplit("/", 1)[0], storage_options)
+
+
+def note_push(ws: Any, output: str | None, push: Any, db: str) -> None:
+    """Upload the db just written to ``push`` (a :class:`~.metadata.PushTarget`, or None)
+    from this node's process, and put whether it worked in ``output``. A failed upload is a
+    warning: the driver pushes the epoch itself then (if it can see the file)."""
+    if output is None:
+        return
+    ok = False
+    if push is not None:
+        from ..storage.remote import upload_file
+
+        try:
+            upload_file(db, f"{push.url.rstrip('/')}/{db.rsplit('/', 1)[-1]}", **push.storage_options)
+            ok = True
+        except Exception as ex:
+            logger.warning("Cannot push %s to the mirror %s from its node (the driver will try): %s",
+                           db, push.url, ex)
+    ws[output] = np.bool_(ok)
+
+
+def note_digest(ws: Any, output: str | None, db_type: str, db: str) -> None:
+    """Put the digest of the db just written in ``output`` (a str blob, "" when the format has
+    none): the driver commits with it and never opens the node's file."""
+    if output is not None:
+        ws[output] = np.str_(get_db_type(db_type).digest(db) or "")
+
+
 class GetBlobNames:
     """Store the sorted names of the workspace's own blobs (not a parent's) in ``output``."""
 
@@ -73,14 +108,17 @@ class LoadBlobs:
         keep_device: bool = False,
         map_location: Any = None,
         verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.db, self.db_type = db, db_type
+        self.storage_options = storage_options
         self.names = list(names) if names is not None else None
         self.node, self.epoch = node, epoch
         self.allow_incomplete, self.keep_device = allow_incomplete, keep_device
         self.map_location, self.verify = map_location, verify
 
     def __call__(self, ws: Any) -> int:
+        use_storage_options(self.db, self.storage_options)
         backend = get_db_type(self.db_type)
         if not backend.exists(self.db):
             raise CheckpointNotFoundError(
@@ -154,10 +192,14 @@ class SaveBlobs:
     not in the list (they are not saved; the driver warns about them once)."""
 
     def __init__(self, db: str, db_type: str, names: Sequence[str], *, node: str, epoch: int,
-                 untracked_output: str | None = None) -> None:
+                 untracked_output: str | None = None, digest_output: str | None = None,
+                 storage_options: dict[str, Any] | None = None, push: Any = None,
+                 pushed_output: str | None = None) -> None:
         self.db, self.db_type, self.names = db, db_type, list(names)
         self.node, self.epoch = node, epoch
-        self.untracked_output = untracked_output
+        self.untracked_output, self.digest_output = untracked_output, digest_output
+        self.storage_options = storage_options
+        self.push, self.pushed_output = push, pushed_output
 
     def _where(self) -> str:
         return f"node {self.node!r}, epoch {self.epoch} ({self.db})"
@@ -184,21 +226,27 @@ class SaveBlobs:
         return blobs
 
     def __call__(self, ws: Any) -> int:
+        use_storage_options(self.db, self.storage_options)
         blobs = self._gather(ws)
         self._note_untracked(ws)
         try:
-            return int(get_db_type(self.db_type).write(self.db, blobs))
+            nbytes = int(get_db_type(self.db_type).write(self.db, blobs))
         except UnsupportedBlobError as ex:  # a value no format stores: name where it is
             raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
+        note_digest(ws, self.digest_output, self.db_type, self.db)
+        note_push(ws, self.pushed_output, self.push, self.db)
+        return nbytes
 
 
 class DbExists:
     """Set ``output`` to whether the db can be opened for reading."""
 
-    def __init__(self, db: str, db_type: str, output: str) -> None:
+    def __init__(self, db: str, db_type: str, output: str, storage_options: dict[str, Any] | None = None) -> None:
         self.db, self.db_type, self.output = db, db_type, output
+        self.storage_options = storage_options
 
     def __call__(self, ws: Any) -> int:
+        use_storage_options(self.db, self.storage_options)
         ws[self.output] = np.bool_(False)
         ws[self.output] = np.bool_(get_db_type(self.db_type).exists(self.db))
         return 0
@@ -249,6 +297,7 @@ class SnapshotAndSave(SaveBlobs):
         from ..storage.codecs import Frozen
 
         started = time.perf_counter_ns()
+        use_storage_options(self.db, self.storage_options)
         if self.db in _pending:
             raise CheckpointError(f"checkpoint {self.db}: a background save of it is still running")
         blobs = self._gather(ws)
@@ -267,8 +316,11 @@ class JoinSave:
     """Wait for the background save of ``db``; record its whole duration (snapshot to durable
     file) and bytes like a synchronous save's; re-raise its error."""
 
-    def __init__(self, db: str, ns_blob: str, bytes_blob: str) -> None:
+    def __init__(self, db: str, ns_blob: str, bytes_blob: str, *, db_type: str = "native",
+                 digest_output: str | None = None, push: Any = None, pushed_output: str | None = None) -> None:
         self.db, self.ns_blob, self.bytes_blob = db, ns_blob, bytes_blob
+        self.db_type, self.digest_output = db_type, digest_output
+        self.push, self.pushed_output = push, pushed_output
         self.name = "checkpoint_save"
 
     def __call__(self, ws: Any) -> None:
@@ -278,3 +330,5 @@ class JoinSave:
         nbytes, done_ns = pending.future.result()
         ws[self.ns_blob] = np.array([done_ns - pending.started_ns], dtype=np.int64)
         ws[self.bytes_blob] = np.int64(nbytes)
+        note_digest(ws, self.digest_output, self.db_type, self.db)
+        note_push(ws, self.pushed_output, self.push, self.db)

@@ -96,8 +96,55 @@ def db_type_option(f: F) -> F:
     )(f)
 
 
-PathArg = click.Path(exists=True, dir_okay=True, file_okay=True)
-FileArg = click.Path(exists=True, dir_okay=True, file_okay=True)  # directories refused with a clear line
+def parse_storage_options(options: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``-o KEY=VALUE`` items as fsspec storage options."""
+    opts: dict[str, Any] = {}
+    for item in options:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="-o/--option")
+        opts[key] = value
+    return opts
+
+
+_cli_storage_options: dict[str, Any] = {}
+
+
+def _remember_options(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+    _cli_storage_options.clear()
+    _cli_storage_options.update(parse_storage_options(value))
+
+
+def storage_options_option(f: F) -> F:
+    """``-o KEY=VALUE`` (repeatable): fsspec options for the command's URL arguments."""
+    return click.option(
+        "-o", "--option", "options", multiple=True, metavar="KEY=VALUE", is_eager=True,
+        expose_value=False, callback=_remember_options,
+        help="An fsspec storage option for a URL argument (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000.",
+    )(f)
+
+
+class Location(click.ParamType):
+    """A local path that exists (as ``click.Path``), or an fsspec URL (``s3://bucket/run``):
+    a URL is taken as it is, with the command's ``-o`` options recorded for it."""
+
+    name = "path|url"
+
+    def __init__(self, file_okay: bool = True) -> None:
+        self.path = click.Path(exists=True, dir_okay=True, file_okay=file_okay)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and "://" in value:
+            from ..storage.io.fsspec_store import set_storage_options
+
+            set_storage_options(value, _cli_storage_options or None)
+            return value
+        return self.path.convert(value, param, ctx)
+
+
+PathArg = Location()
+FileArg = Location()  # directories refused with a clear line
+PrefixArg = Location(file_okay=False)
 
 
 # ------------------------------------------------------------------ the group
@@ -130,7 +177,8 @@ STATE_STYLE = {"final": "bold green", "committed": "green", "uncommitted": "yell
 
 
 @cli.command("ls", context_settings=CONTEXT)
-@click.argument("prefix", type=click.Path(exists=True, file_okay=False))
+@click.argument("prefix", type=PrefixArg)
+@storage_options_option
 @json_option
 @click.pass_context
 def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
@@ -201,6 +249,7 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
 @cli.command("inspect", context_settings=CONTEXT)
 @click.argument("db", type=FileArg)
 @click.option("--blob", "blob", default=None, metavar="NAME", help="Summary statistics of this blob's values.")
+@storage_options_option
 @db_type_option
 @json_option
 @click.pass_context
@@ -281,6 +330,7 @@ def _print_blob(out: Out, info: dict[str, Any]) -> None:
 # ------------------------------------------------------------------ verify
 @cli.command("verify", context_settings=CONTEXT)
 @click.argument("target", metavar="PREFIX|DB", type=PathArg)
+@storage_options_option
 @db_type_option
 @json_option
 @click.pass_context
@@ -323,6 +373,7 @@ def verify_cmd(ctx: click.Context, target: str, db_type: str | None, as_json: bo
 @click.argument("db1", type=FileArg)
 @click.argument("db2", type=FileArg)
 @click.option("--exit-code", is_flag=True, help="Exit with 1 when the checkpoints differ (like git diff --exit-code).")
+@storage_options_option
 @db_type_option
 @json_option
 @click.pass_context
@@ -372,7 +423,8 @@ def diff_cmd(ctx: click.Context, db1: str, db2: str, exit_code: bool, db_type: s
 
 # ------------------------------------------------------------------ stats
 @cli.command("stats", context_settings=CONTEXT)
-@click.argument("prefix", type=click.Path(exists=True, file_okay=False))
+@click.argument("prefix", type=PrefixArg)
+@storage_options_option
 @click.option("--plot", "plot", type=click.Path(dir_okay=False, writable=True), default=None, metavar="FILE.png",
               help="Also draw durations and throughput per node and epoch into FILE.png (needs matplotlib).")
 @click.option("--all", "show_all", is_flag=True, help="One row per record (default: a summary plus the last 20 records).")
@@ -493,13 +545,7 @@ def pull_cmd(ctx: click.Context, url: str, directory: str, epoch: int | None,
     from ..errors import CheckpointError
 
     out = _out(ctx)
-    opts: dict[str, Any] = {}
-    for item in options:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="-o/--option")
-        opts[key] = value
-    mirror = RemoteMirror(url, opts)
+    mirror = RemoteMirror(url, parse_storage_options(options))
     epochs = [epoch] if epoch is not None else list(reversed(mirror.epochs()))
     if not epochs:
         raise Problem(f"no committed epoch at {url}")

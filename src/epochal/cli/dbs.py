@@ -15,6 +15,7 @@ from ..storage.base import (
     get_db_type,
     sniff_db_type,
 )
+from ..storage.io.seam import store_for
 from .names import parse_db_name
 from .problems import Problem, one_line
 from .values import summarize
@@ -31,6 +32,14 @@ __all__ = [
 ]
 
 
+def _size(path: str) -> int:
+    src = store_for(path).open_read(path)
+    try:
+        return src.size()
+    finally:
+        src.close()
+
+
 def detect_db_type(path: str) -> str:
     """The db_type of the file at ``path``, asked of every registered backend from the file's
     head (:func:`~epochal.storage.base.sniff_db_type`); :class:`Problem` if none recognises
@@ -39,7 +48,7 @@ def detect_db_type(path: str) -> str:
         raise Problem(f"{path}: is a directory, not a checkpoint file (give a db such as {os.path.join(path, '<node>.<epoch>')})")
     try:
         found = sniff_db_type(path)
-        empty = found is None and os.path.getsize(path) == 0
+        empty = found is None and _size(path) == 0
     except FileNotFoundError:
         raise Problem(f"{path}: no such file") from None
     except OSError as e:

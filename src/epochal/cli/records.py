@@ -21,6 +21,9 @@ class Records:
     else what the file names alone tell (``<node>.<epoch>``, nothing committed)."""
 
     def __init__(self, prefix: str) -> None:
+        if "://" in prefix:
+            self._init_url(prefix)
+            return
         if not os.path.isdir(prefix):
             if os.path.exists(prefix):
                 raise Problem(f"{prefix}: not a directory (give the db_prefix directory of a job)")
@@ -36,6 +39,30 @@ class Records:
             self._dir = CheckpointDirectory(prefix)
         except (CheckpointError, OSError, ValueError) as e:
             raise Problem(one_line(e, prefix)) from None
+
+    def _init_url(self, prefix: str) -> None:
+        """A URL (s3://bucket/run): its records through the checkpoint module's record store."""
+        from ..checkpoint.directory import CheckpointDirectory
+
+        self.prefix = prefix.rstrip("/")
+        try:
+            self._dir = CheckpointDirectory(self.prefix)
+            here = self._dir.records.files(self._dir.db_dir)
+            self.has_records = bool(self._dir.records.files(self._dir.records_dir))
+        except (CheckpointError, OSError, ValueError) as e:
+            raise Problem(one_line(e, prefix)) from None
+        if not here and not self.has_records:
+            raise Problem(f"{prefix}: nothing at this URL (no db files, no records)")
+
+    def file_record(self, path: str | None) -> dict[str, Any]:
+        """Presence, size and time of one db file (a URL's has no time here)."""
+        if path is None or "://" not in path:
+            return _file_record(path)
+        try:
+            size = self._dir.records.size(path)
+        except (FileNotFoundError, OSError):
+            return {"path": path, "present": False, "size": None, "modified": None}
+        return {"path": path, "present": True, "size": size, "modified": None}
 
     def _call(self, method: str, *args: Any, default: Any = None) -> Any:
         fn = getattr(self._dir, method, None) if self._dir is not None else None
@@ -112,7 +139,7 @@ def list_prefix(prefix: str) -> dict[str, Any]:
                 path = os.path.join(prefix, str(mnodes[n].get("file") or f"{n}.{e}"))
             if path is None:
                 continue
-            files[n] = _file_record(path)
+            files[n] = rec.file_record(path)
             if n in mnodes:
                 files[n]["recorded_size"] = mnodes[n].get("size")
         is_committed = e in committed
@@ -142,10 +169,19 @@ def list_prefix(prefix: str) -> dict[str, Any]:
     return {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs}
 
 
+def _is_prefix(target: str) -> bool:
+    """A checkpoint directory (or URL prefix), not one db file."""
+    if "://" not in target:
+        return os.path.isdir(target)
+    from ..storage.io.seam import store_for
+
+    return not store_for(target).exists(target)
+
+
 def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
     """``epochal verify PREFIX|DB``: every db file of a prefix (or the one db), and every
     committed epoch's records (files missing, sizes and digests not as recorded)."""
-    if not os.path.isdir(target):
+    if not _is_prefix(target):
         f = verify_file(target, db_type)
         return {"target": target, "ok": f["ok"], "files": [f], "epochs": []}
     rec = Records(target)

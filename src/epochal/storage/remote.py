@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError
 
 
 def _fsspec() -> Any:
@@ -41,21 +41,11 @@ def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:
 def upload_file(local: str, url: str, **storage_options: Any) -> int:
     """Copy the local file ``local`` to ``url``: to a temp key, size-checked, then moved into
     place. Returns the bytes uploaded."""
+    from .io.fsspec_store import upload_to_key
+
     size = os.path.getsize(local)
     fs, path = filesystem(url, **storage_options)
-    parent = path.rsplit("/", 1)[0] if "/" in path else ""
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp.upload.{secrets.token_hex(4)}"
-    try:
-        fs.put_file(local, tmp)
-        remote_size = fs.info(tmp)["size"]
-        if remote_size != size:
-            raise CheckpointCorruptError(url, f"uploaded {remote_size} bytes, expected {size}")
-        fs.mv(tmp, path)
-    finally:
-        if fs.exists(tmp):
-            fs.rm(tmp)
+    upload_to_key(fs, path, local, size, url)
     return size
 
 

@@ -27,7 +27,7 @@ Writing — a :class:`ByteSink` is expected to see::
 A crash or an exception anywhere before ``commit`` returns leaves the previous file (or
 none) under ``path``, never a partial one.
 
-An fsspec store (next): ``open_read`` wraps ``fs.open(path, "rb")``; ``size`` is
+The fsspec store (:mod:`.fsspec_store`): ``open_read`` wraps ``fs.open(path, "rb")``; ``size`` is
 ``fs.info(path)["size"]``; ``read`` and ``read_into`` are ranged reads (``fs.cat_file(path, start, end)``
 copied into the views; thread-safe because each call is its own request); ``map`` returns
 None and ``hint`` may prefetch ranges into a cache or do nothing; ``nowait`` is False.
@@ -155,11 +155,18 @@ def register_store(scheme: str, factory: Callable[[], ByteStore]) -> None:
 
 
 def store_for(path: str | os.PathLike[str]) -> ByteStore:
-    """The store of ``path``: a registered one for ``scheme://`` URLs, else the local disk."""
+    """The store of ``path``: a registered one for its ``scheme://``, the fsspec store for
+    any other URL, the local disk for a plain path."""
     scheme, sep, _ = os.fspath(path).partition("://")
-    if sep and scheme in _stores:
+    if not sep:
+        return _LOCAL
+    if scheme in _stores:
         return _stores[scheme]()
-    return _LOCAL
+    # any other URL is object storage through fsspec, loaded only now (the core imports
+    # with numpy alone); never a local relative folder named "s3:"
+    from .fsspec_store import FsspecStore
+
+    return FsspecStore()
 
 
 @contextmanager

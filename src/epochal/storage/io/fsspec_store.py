@@ -1,0 +1,248 @@
+"""Object storage (any fsspec URL: ``s3://``, ``gs://``, ``memory://``, ...) as a
+:mod:`byte store <epochal.storage.io.seam>`.
+
+Reads are ranged requests (``fs.cat_file(path, start, end)``), each its own request, so a
+partial load fetches only the index and the byte ranges it needs. Writes are staged to a
+local temp file (bounded memory: the stream goes to disk as it comes), then uploaded at
+commit to a temporary key next to the final one, size-checked and moved into place; an
+abort (or a failed upload) removes the temp file and the temp key, so a reader of the final
+key never sees a partial object.
+
+Credentials and endpoints: :func:`set_storage_options` records fsspec ``storage_options``
+for a URL prefix in this process (the managers and handlers do it for their ``db_prefix``,
+and the checkpoint steps again in each node's process); a URL with none uses fsspec's own
+configuration (``FSSPEC_S3_ENDPOINT_URL``, ``AWS_*`` environment variables, ...).
+
+Imported only for URLs (the seam loads it lazily): the core needs numpy alone. Needs the
+``s3`` extra (fsspec, plus s3fs for S3).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import CheckpointCorruptError, CheckpointNotFoundError
+
+__all__ = [
+    "FsspecSink",
+    "FsspecSource",
+    "FsspecStore",
+    "filesystem_for",
+    "is_url",
+    "set_storage_options",
+    "stage_dir",
+    "storage_options_for",
+]
+
+_options: dict[str, dict[str, Any]] = {}
+_options_lock = threading.Lock()
+
+
+def is_url(path: str) -> bool:
+    """True for ``scheme://...`` paths (``file://`` included: fsspec serves it too)."""
+    return "://" in path
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as e:  # pragma: no cover - only without the extra
+        raise ImportError("checkpoints at a URL need fsspec: pip install 'epochal[s3]'") from e
+    return fsspec
+
+
+def set_storage_options(url_prefix: str, options: dict[str, Any] | None) -> None:
+    """Use fsspec ``options`` for every URL under ``url_prefix`` in this process (the longest
+    matching prefix wins). ``None`` or ``{}`` forgets them (fsspec's own configuration)."""
+    key = url_prefix.rstrip("/")
+    with _options_lock:
+        if options:
+            _options[key] = dict(options)
+        else:
+            _options.pop(key, None)
+
+
+def storage_options_for(url: str) -> dict[str, Any]:
+    """The options recorded for the longest prefix of ``url`` (``{}``: none)."""
+    with _options_lock:
+        best = ""
+        for prefix in _options:
+            if (url == prefix or url.startswith(prefix + "/")) and len(prefix) > len(best):
+                best = prefix
+        return dict(_options[best]) if best else {}
+
+
+def filesystem_for(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` (with its recorded options) and the path within it."""
+    fs, path = _fsspec().core.url_to_fs(url, **storage_options_for(url))
+    return fs, path
+
+
+def stage_dir() -> str:
+    """Where writes are staged before upload: ``$EPOCHAL_STAGE_DIR``, else the temp dir."""
+    return os.environ.get("EPOCHAL_STAGE_DIR") or tempfile.gettempdir()
+
+
+def _not_found(exc: BaseException) -> bool:
+    return isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) == errno.ENOENT
+
+
+class FsspecSource:
+    """One object open for ranged reads (see :class:`~epochal.storage.io.seam.ByteSource`)."""
+
+    nowait = False
+
+    def __init__(self, url: str, what: str = "db") -> None:
+        self.name = url
+        self.fs, self.path = filesystem_for(url)
+        try:
+            info = self.fs.info(self.path)
+        except Exception as ex:
+            if _not_found(ex):
+                raise CheckpointNotFoundError(errno.ENOENT, f"no such {what} file", url) from None
+            raise
+        if info.get("type") not in (None, "file"):
+            raise CheckpointNotFoundError(errno.ENOENT, f"no such {what} file (a directory)", url)
+        self._size = int(info["size"])
+        #: bytes asked of the store so far (all reads; for tests and stats)
+        self.bytes_requested = 0
+        self._count = threading.Lock()
+
+    def size(self) -> int:
+        return self._size
+
+    def read(self, nbytes: int, offset: int) -> bytes:
+        end = min(offset + nbytes, self._size)
+        if nbytes <= 0 or offset >= end:
+            return b""
+        data = bytes(self.fs.cat_file(self.path, start=offset, end=end))
+        with self._count:
+            self.bytes_requested += end - offset
+        return data
+
+    def read_into(self, views: Sequence[memoryview], offset: int, *, nowait: bool = False) -> int:
+        want = sum(v.nbytes for v in views)
+        data = self.read(want, offset)
+        pos = 0
+        for v in views:
+            n = min(v.nbytes, len(data) - pos)
+            if n <= 0:
+                break
+            v.cast("B")[:n] = data[pos:pos + n]
+            pos += n
+        return pos
+
+    def map(self, *, sequential: bool = False) -> Any | None:
+        return None
+
+    def hint(self, offset: int, nbytes: int) -> bool:
+        return False
+
+    def close(self) -> None:
+        return None
+
+
+class FsspecSink:
+    """A new object: staged in a local temp file, uploaded on commit (see the module doc)."""
+
+    def __init__(self, url: str, size: int | None = None) -> None:
+        self.name = url
+        self.fs, self.path = filesystem_for(url)
+        folder = stage_dir()
+        if size is not None:
+            free = shutil.disk_usage(folder).free
+            if free < size:
+                raise OSError(errno.ENOSPC, f"{free} bytes free in the staging directory {folder}, "
+                              f"{size} needed to stage {url}")
+        fd, self._local = tempfile.mkstemp(prefix="epochal-stage-", dir=folder)
+        self._file = os.fdopen(fd, "w+b")
+        self._done = False
+
+    def write(self, buffer: Any) -> int:
+        parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+        n = 0
+        for part in parts:
+            n += self._file.write(part)
+        return n
+
+    def patch(self, offset: int, data: Any) -> None:
+        end = self._file.tell()
+        self._file.seek(offset)
+        self._file.write(data)
+        self._file.seek(end)
+
+    def commit(self) -> None:
+        """Upload to a temp key, check its size, move it into place; abort on any error."""
+        try:
+            self._file.flush()
+            size = os.fstat(self._file.fileno()).st_size
+            self._file.close()
+            upload_to_key(self.fs, self.path, self._local, size, self.name)
+        except BaseException:
+            self.abort()
+            raise
+        self._drop_local()
+
+    def abort(self) -> None:
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        self._drop_local()
+
+    def _drop_local(self) -> None:
+        if not self._done:
+            self._done = True
+            try:
+                os.unlink(self._local)
+            except OSError:
+                pass
+
+
+def upload_to_key(fs: Any, path: str, local: str, size: int, name: str) -> None:
+    """Upload the local file ``local`` (``size`` bytes) to ``path`` through a temp key beside
+    it (size-checked, then moved); the temp key is removed whatever happens. ``name``: the
+    URL, for errors."""
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp.upload.{secrets.token_hex(4)}"
+    try:
+        fs.put_file(local, tmp)
+        got = int(fs.info(tmp)["size"])
+        if got != size:
+            raise CheckpointCorruptError(name, f"uploaded {got} bytes, expected {size}")
+        fs.mv(tmp, path)
+    finally:
+        try:
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        except Exception:  # a failed cleanup must not hide the real error
+            pass
+        fs.invalidate_cache(parent or None)
+
+
+class FsspecStore:
+    """Objects under fsspec URLs (see :class:`~epochal.storage.io.seam.ByteStore`)."""
+
+    def open_read(self, path: str, *, what: str = "db") -> FsspecSource:
+        return FsspecSource(path, what)
+
+    def create(self, path: str, size: int | None = None) -> FsspecSink:
+        return FsspecSink(path, size)
+
+    def exists(self, path: str) -> bool:
+        fs, p = filesystem_for(path)
+        try:
+            return bool(fs.isfile(p))
+        except Exception as ex:
+            if _not_found(ex):
+                return False
+            raise
