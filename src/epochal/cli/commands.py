@@ -464,8 +464,11 @@ def pull_cmd(ctx: click.Context, url: str, directory: str, epoch: int | None,
         if not eq or not key:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="-o/--option")
         opts[key] = value
-    mirror = RemoteMirror(url, opts)
-    epochs = [epoch] if epoch is not None else list(reversed(mirror.epochs()))
+    try:  # fsspec says ValueError for an unknown scheme, ImportError for a missing package
+        mirror = RemoteMirror(url, opts)
+        epochs = [epoch] if epoch is not None else list(reversed(mirror.epochs()))
+    except (ValueError, ImportError) as ex:
+        raise Problem(f"{url}: cannot open the mirror: {ex}") from None
     if not epochs:
         raise Problem(f"no committed epoch at {url}")
     records = os.path.join(directory, RECORDS_DIR)
