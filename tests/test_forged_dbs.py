@@ -292,3 +292,16 @@ def test_cli_on_special_files_exits_1_naming_them(tmp_path, cmd):
                               text=True, timeout=30)
         assert proc.returncode == 1, (kind, proc.stdout, proc.stderr)
         assert str(f) in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+
+
+def test_a_none_blob_among_many_small_arrays(tmp_path):
+    """The batch path (more than 64 small arrays) with a blob whose value is None (crashed
+    with KeyError before: found by bench/fuzz.py)."""
+    blobs: dict = {f"a{i:02d}": np.full(3, i, dtype=np.float32) for i in range(70)}
+    blobs["none"] = None
+    blobs["z"] = 5
+    p = str(tmp_path / "db")
+    NATIVE.write(p, blobs)
+    got = NATIVE.read(p)
+    assert list(got) == list(blobs) and got["none"] is None and got["z"] == 5
+    assert all(np.array_equal(got[k], blobs[k]) for k in blobs if k.startswith("a"))

@@ -200,10 +200,9 @@ class NativeFile:
             out = small  # built in file order, which is the order of ids
         elif small:
             names_ = self._index.names()
-            for i in ids:
-                got = slow.get(i)
+            for i in ids:  # a blob whose value is None is in slow, not small
                 nm_ = names_[i]
-                out[nm_] = small[nm_] if got is None else got
+                out[nm_] = slow[i] if i in slow else small[nm_]
         else:
             for item in plan:
                 out[item.name] = slow[item.index]
