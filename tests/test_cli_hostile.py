@@ -85,3 +85,22 @@ def test_forged_torch_devices_in_the_cli(tmp_path, capsys):
             assert rc in (0, 1) and "internal error" not in err, (dev, args, err)
             if rc == 1:
                 assert str(f) in err or "blob 'x'" in err, err
+
+
+@pytest.mark.parametrize("forgery", ["S0 dtype, huge shape", "empty structured dtype, huge shape"])
+def test_export_and_verify_of_a_zero_itemsize_forgery(tmp_path, capsys, forgery):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from forgeries import forge
+    from fuzz import base_blobs
+
+    base = tmp_path / "base"
+    get_db_type("native").write(str(base), base_blobs())
+    f = tmp_path / "forged"
+    f.write_bytes(forge("native", forgery, base.read_bytes()))
+    for args in (["export", str(f), str(tmp_path / "o.npz"), "--to", "npz"], ["verify", str(f)]):
+        rc, out, err = cli(capsys, *args)
+        assert rc == 1, (args, out, err)
+        assert "zero-byte dtype" in out + err and "internal error" not in err
+    assert not (tmp_path / "o.npz").exists()
