@@ -204,7 +204,7 @@ def test_injected_error_in_one_nodes_db(tmp_path, reference, caplog, monkeypatch
     committed = assert_sound(tmp_path)
     assert committed == [e for e in range(EPOCHS + 1) if e != 3]
     assert not (tmp_path / "trainer_1.3").exists()  # no file under the failed checkpoint's name
-    assert [w for w in warnings_of(caplog) if "epoch 3" in w and os.strerror(err) in w]
+    assert [w for w in warnings_of(caplog) if "epoch 3" in w and os.strerror(err) in w and "trainer_1.3" in w], warnings_of(caplog)
 
 
 def test_injected_error_keeps_an_older_file_of_the_same_name(tmp_path, monkeypatch):

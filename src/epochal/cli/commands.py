@@ -545,8 +545,11 @@ def pull_cmd(ctx: click.Context, url: str, directory: str, epoch: int | None,
     from ..errors import CheckpointError
 
     out = _out(ctx)
-    mirror = RemoteMirror(url, parse_storage_options(options))
-    epochs = [epoch] if epoch is not None else list(reversed(mirror.epochs()))
+    try:  # fsspec says ValueError for an unknown scheme, ImportError for a missing package
+        mirror = RemoteMirror(url, parse_storage_options(options))
+        epochs = [epoch] if epoch is not None else list(reversed(mirror.epochs()))
+    except (ValueError, ImportError) as ex:
+        raise Problem(f"{url}: cannot open the mirror: {ex}") from None
     if not epochs:
         raise Problem(f"no committed epoch at {url}")
     records = os.path.join(directory, RECORDS_DIR)

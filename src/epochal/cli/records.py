@@ -103,6 +103,17 @@ class Records:
     def stats(self) -> list[dict[str, Any]]:
         return list(self._call("stats", default=[]) or [])
 
+    def damaged_manifests(self) -> dict[int, str]:
+        """Epochs whose manifest file exists but does not read (damaged or forged, so the
+        epoch is not committed): what is wrong with each."""
+        out: dict[int, str] = {}
+        for e in self._call("manifest_epochs", default=[]) or []:
+            try:
+                self._dir.manifest(e)
+            except (CheckpointError, OSError, ValueError) as ex:
+                out[int(e)] = one_line(ex, self.prefix)
+        return out
+
     def verify_epoch(self, epoch: int) -> list[str]:
         """Problems of a committed epoch's records (missing files, sizes, digests)."""
         return [str(p) for p in self._call("verify_epoch", epoch, False, default=[]) or []]
@@ -191,11 +202,33 @@ def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
         for node in sorted(present[e]):
             files.append(verify_file(present[e][node], db_type))
     epochs = []
-    for e in rec.committed():
-        probs = rec.verify_epoch(e)
+    damaged = rec.damaged_manifests()
+    for e in sorted(set(rec.committed()) | set(damaged)):
+        probs = ([f"manifest damaged, so the epoch is not committed: {damaged[e]}"] if e in damaged
+                 else rec.verify_epoch(e))
         epochs.append({"epoch": e, "ok": not probs, "problems": probs})
     ok = all(f["ok"] for f in files) and all(e["ok"] for e in epochs)
     return {"target": target, "ok": ok, "files": files, "epochs": epochs}
+
+
+#: the fields of a stats record and the types they may have (None: absent)
+_STATS_TYPES: dict[str, tuple[type, ...]] = {
+    "time": (str,), "action": (str,), "epoch": (int,), "node": (str,), "db": (str,),
+    "ns": (int,), "bytes": (int,),
+}
+
+
+def _check_stats_record(prefix: str, k: int, r: dict[str, Any]) -> None:
+    """Problem naming the stats log and record when a field has the wrong type."""
+    for key, types in _STATS_TYPES.items():
+        v = r.get(key)
+        counted = key in ("ns", "bytes")
+        if v is None or (isinstance(v, types) and not isinstance(v, bool)
+                         and not (counted and isinstance(v, int) and v < 0)):
+            continue
+        path = os.path.join(prefix, RECORDS_DIR, "stats.jsonl")
+        want = ("a non-negative " if counted else "a ") + types[0].__name__
+        raise Problem(f"{path}: record {k}: field {key!r} is {v!r}, not {want}")
 
 
 def stats_prefix(prefix: str) -> dict[str, Any]:
@@ -203,7 +236,8 @@ def stats_prefix(prefix: str) -> dict[str, Any]:
     throughput, and a summary per (action, node)."""
     rec = Records(prefix)
     rows = []
-    for r in rec.stats():
+    for k, r in enumerate(rec.stats(), 1):
+        _check_stats_record(prefix, k, r)
         ns = int(r.get("ns") or 0)
         nbytes = r.get("bytes")
         seconds = ns / 1e9

@@ -139,7 +139,7 @@ def drop_cached(path: str) -> None:
     if not hasattr(os, "posix_fadvise"):
         return
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return
     try:
@@ -213,10 +213,19 @@ class AtomicFile:
         self.fd = os.open(self.temp_path, flags, self.mode)
         return self
 
+    def _named(self, e: OSError) -> OSError:
+        """``e`` naming this file (ENOSPC from a write or an fsync names no file)."""
+        if e.filename or e.errno is None:
+            return e
+        return type(e)(e.errno, e.strerror or str(e), self.path)
+
     def write(self, buffer: Any) -> int:
         """Append ``buffer`` (see :func:`write_all`) and start the disk writing each
-        :data:`WRITE_BEHIND` bytes written; return the bytes written."""
-        n = write_all(self.fd, buffer)
+        :data:`WRITE_BEHIND` bytes written; return the bytes written. An OSError names the file."""
+        try:
+            n = write_all(self.fd, buffer)
+        except OSError as e:
+            raise self._named(e) from None
         self.position += n
         if self._write_behind and self.position - self._kicked >= WRITE_BEHIND:
             if not start_writeback(self.fd, self._kicked, self.position - self._kicked):
@@ -230,12 +239,15 @@ class AtomicFile:
         self.position = self._kicked = offset
 
     def commit(self) -> None:
-        """fsync, close, rename into place, fsync the directory."""
-        fsync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
-        os.replace(self.temp_path, self.path)
-        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        """fsync, close, rename into place, fsync the directory (an OSError names the file)."""
+        try:
+            fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.temp_path, self.path)
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        except OSError as e:
+            raise self._named(e) from None
 
     def abort(self) -> None:
         """Close and remove the temp file, ignoring errors (the original error matters)."""

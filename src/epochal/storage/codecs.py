@@ -194,7 +194,13 @@ def check_shape(shape: Any, what: str = "shape") -> tuple[int, ...]:
 
 
 def expected_nbytes(dt: np.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * dt.itemsize
+    """The bytes of an array of ``dt`` and ``shape``; ValueError for elements of zero bytes
+    (``S0``, a structured dtype without fields): numpy would allocate one byte per element
+    (or hand out a huge array of nothing), so no file may claim them."""
+    count = math.prod(shape)
+    if dt.itemsize == 0 and count:
+        raise ValueError(f"{count} elements of the zero-byte dtype {dt}")
+    return count * dt.itemsize
 
 
 # ---------------------------------------------------------------- codecs
@@ -208,6 +214,8 @@ class NdarrayCodec:
 
     def encode(self, value: Any) -> Encoded:
         arr = np.asarray(value)
+        if arr.dtype.itemsize == 0 and arr.size:
+            raise UnsupportedBlobError(f"an array of {arr.size} elements of the zero-byte dtype {arr.dtype}")
         meta = {"dtype": dtype_to_json(arr.dtype), "shape": list(arr.shape)}
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,10 +43,10 @@ from ..errors import (
     MissingBlobError,
     UnsupportedBlobError,
 )
-from . import atomic, tuning
+from . import atomic, strict_json, tuning
 from . import codecs as _codecs
 from .base import BlobInfo, DbBackend, DbStat, ReadStats, register_db_type, report_progress
-from .checksum import Checksummer, checksum_function, default_algorithm, format_checksum
+from .checksum import ChecksumFn, Checksummer, checksum_function, default_algorithm, format_checksum
 from .codecs import flat_segment
 from .io.reads import read_exact
 from .io.seam import ByteSource, committed, store_for
@@ -65,6 +66,10 @@ HIDDEN = "__epochal__/"
 INLINE_MAX = 4096
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
 _CRC_PLACEHOLDER = "00000000"
+#: the ``__metadata__`` keys of a file epochal wrote (any one of them present: all are checked)
+_OWN_KEYS = frozenset({"epochal.version", "epochal.checksum", "epochal.blobs", "epochal.blobs.crc"})
+_REC_KEYS = frozenset({"name", "kind", "meta", "segs"})
+_HEX8 = re.compile(r"[0-9a-f]{8}")
 
 
 #: torch dtype name (a ``torch.tensor`` codec meta's ``dtype``) -> safetensors dtype name
@@ -361,12 +366,14 @@ class SafetensorsBackend(DbBackend):
                             raw = base64.b64decode(seg["b64"], validate=True)
                         except (ValueError, TypeError):
                             raise _corrupt(path, "bad inline segment", rec["name"]) from None
+                        if len(raw) != buf.nbytes:
+                            raise _corrupt(path, "bad inline segment length", rec["name"])
                         buf[:] = raw
                     else:
                         begin, _end = h.tensor_range(seg["tensor"], rec["name"])
                         read_exact(src, [buf], h.data_start + begin, rec["name"])
                     if verify and h.has_crcs:
-                        if fn is None or fn(buf, 0) != int(seg.get("crc", "0"), 16):
+                        if fn is None or fn(buf, 0) != int(seg["crc"], 16):
                             raise _corrupt(path, "data checksum mismatch (blob damaged)", rec["name"])
             # phase 3: decode
             out: dict[str, Any] = {}
@@ -405,9 +412,9 @@ class _Header:
         self.header_crc = checksum_function("crc32")(text, 0)
         self.digest = f"safetensors:{self.header_crc:08x}:{self.file_size}"
         try:
-            header = json.loads(text)
-        except (ValueError, RecursionError):
-            raise _corrupt(path, "safetensors header is not valid JSON") from None
+            header = strict_json.loads(text)
+        except (ValueError, RecursionError) as err:
+            raise _corrupt(path, f"safetensors header is not valid JSON: {err}") from None
         if not isinstance(header, dict):
             raise _corrupt(path, "safetensors header is not a JSON object")
         self.data_start = 8 + n
@@ -439,29 +446,11 @@ class _Header:
         if self.data_start + pos != self.file_size:
             raise _corrupt(path, f"file is truncated or too long: {self.file_size} bytes, header needs "
                                  f"{self.data_start + pos}")
-        blobs_json = meta.get("epochal.blobs")
-        self.algorithm = str(meta.get("epochal.checksum", "crc32c"))
-        self.has_crcs = blobs_json is not None
-        self.fn = None
-        if blobs_json is not None:
-            try:
-                self.fn = checksum_function(self.algorithm)
-            except ValueError as e:
-                raise CheckpointError(f"{path}: {e}") from None
-            if not isinstance(blobs_json, str) or f"{self.fn(blobs_json.encode(), 0):08x}" != meta.get("epochal.blobs.crc"):
-                raise _corrupt(path, "epochal blob list checksum mismatch (header damaged)")
-            try:
-                records = json.loads(blobs_json)
-            except (ValueError, RecursionError):
-                raise _corrupt(path, "epochal blob list is not valid JSON") from None
-            if not isinstance(records, list) or not all(
-                isinstance(r, dict) and isinstance(r.get("name"), str) and isinstance(r.get("kind"), str)
-                and isinstance(r.get("meta"), dict) and isinstance(r.get("segs"), list)
-                and all(isinstance(s, dict) and ("b64" in s or "tensor" in s) for s in r["segs"])
-                for r in records
-            ):
-                raise _corrupt(path, "bad epochal blob list")
-            self.records: list[dict[str, Any]] = records
+        self.algorithm = "crc32c"
+        self.has_crcs = False
+        self.fn: ChecksumFn | None = None
+        if _OWN_KEYS.intersection(meta):  # written by epochal: every key is checked
+            self.records = self._own_records(meta)
         else:  # a foreign file: every tensor is an ndarray blob (known numpy dtypes only)
             self.records = []
             for tname, (dt, shape) in self._dtypes.items():
@@ -472,6 +461,80 @@ class _Header:
                 if np_dt is None:
                     rec["unsupported"] = dt
                 self.records.append(rec)
+
+    def _own_records(self, meta: dict[str, Any]) -> list[dict[str, Any]]:
+        """The blob list of a file epochal wrote, checked so that any damage to the header
+        is reported: the exact set of metadata keys, the version, the blob list's checksum,
+        every record's shape, and every tensor against the record that uses it."""
+        path = self.path
+        if set(meta) != _OWN_KEYS | {"format"}:
+            odd = sorted(set(meta) ^ (_OWN_KEYS | {"format"}))
+            raise _corrupt(path, f"epochal metadata damaged (keys {', '.join(map(repr, odd))})")
+        if meta["epochal.version"] != "1" or meta["format"] != "pt":
+            raise _corrupt(path, f"epochal metadata damaged (version {meta['epochal.version']!r}, "
+                                 f"format {meta['format']!r})")
+        self.algorithm = str(meta["epochal.checksum"])
+        self.has_crcs = True
+        try:
+            fn = self.fn = checksum_function(self.algorithm)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        blobs_json = meta["epochal.blobs"]
+        if not isinstance(blobs_json, str) or f"{fn(blobs_json.encode('utf-8', 'surrogatepass'), 0):08x}" != meta["epochal.blobs.crc"]:
+            raise _corrupt(path, "epochal blob list checksum mismatch (header damaged)")
+        try:
+            records = strict_json.loads(blobs_json)
+        except (ValueError, RecursionError) as e:
+            raise _corrupt(path, f"epochal blob list is not valid JSON: {e}") from None
+        if not isinstance(records, list):
+            raise _corrupt(path, "bad epochal blob list")
+        used: set[str] = set()
+        names: set[str] = set()
+        for bi, r in enumerate(records):
+            if not (isinstance(r, dict) and set(r) == _REC_KEYS and isinstance(r["name"], str)
+                    and isinstance(r["kind"], str) and isinstance(r["meta"], dict)
+                    and isinstance(r["segs"], list)):
+                raise _corrupt(path, f"bad epochal blob list (record {bi})")
+            name = r["name"]
+            if name in names:
+                raise _corrupt(path, "blob name stored twice", name)
+            names.add(name)
+            named = _named_tensors(name, r["kind"], r["meta"])
+            for j, seg in enumerate(r["segs"]):
+                self._check_seg(r, seg, used, named.get(j))
+        if used != set(self.tensors):
+            raise _corrupt(path, f"tensors no blob uses: {', '.join(map(repr, sorted(set(self.tensors) - used)))}")
+        return records
+
+    def _check_seg(self, rec: dict[str, Any], seg: Any, used: set[str],
+                   named: tuple[str, str, list[int]] | None = None) -> None:
+        """``named``: the real tensor this segment may be (a torch tensor, also inside a state
+        dict: see ``_named_tensors``); its header entry must then have that dtype and shape."""
+        name = rec["name"]
+        if not (isinstance(seg, dict) and isinstance(seg.get("crc"), str) and _HEX8.fullmatch(seg["crc"])
+                and (set(seg) == {"b64", "crc"} and isinstance(seg["b64"], str)
+                     or set(seg) == {"tensor", "crc"} and isinstance(seg["tensor"], str))):
+            raise _corrupt(self.path, "bad segment record", name)
+        if "b64" in seg:
+            return
+        tname = seg["tensor"]
+        if tname not in self.tensors:
+            raise _corrupt(self.path, f"segment tensor {tname!r} is missing", name)
+        if tname in used:
+            raise _corrupt(self.path, f"segment tensor {tname!r} used twice", name)
+        used.add(tname)
+        dt, shape = self._dtypes[tname]
+        if named is not None and tname == named[0]:  # a named torch tensor: header and meta agree
+            if dt != named[1] or list(shape) != list(named[2]):
+                raise _corrupt(self.path, "tensor entry does not match the blob list (header damaged)", name)
+        elif tname == name:  # a real tensor: header and record must agree
+            meta = rec["meta"]
+            if (rec["kind"] != "ndarray" or len(rec["segs"]) != 1
+                    or SAFETENSORS_DTYPES.get(meta.get("dtype")) != dt  # type: ignore[arg-type]
+                    or meta.get("shape") != list(shape)):
+                raise _corrupt(self.path, "tensor entry does not match the blob list (header damaged)", name)
+        elif not tname.startswith(HIDDEN) or dt != "U8" or len(shape) != 1:
+            raise _corrupt(self.path, f"bad hidden tensor {tname!r}", name)
 
     def tensor_range(self, tname: Any, blob: str) -> tuple[int, int]:
         r = self.tensors.get(tname) if isinstance(tname, str) else None

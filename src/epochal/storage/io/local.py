@@ -12,10 +12,11 @@ from __future__ import annotations
 import errno
 import mmap as _mmap
 import os
+import stat as _stat
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import CheckpointNotFoundError
+from ...errors import CheckpointError, CheckpointNotFoundError
 from .. import atomic
 
 __all__ = ["RWF_NOWAIT", "LocalSink", "LocalSource", "LocalStore"]
@@ -24,6 +25,35 @@ __all__ = ["RWF_NOWAIT", "LocalSink", "LocalSource", "LocalStore"]
 RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 _O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+#: opening never blocks (a FIFO would wait for a writer); reads of a regular file ignore it
+_O_OPEN = _O_READ | getattr(os, "O_NONBLOCK", 0)
+
+
+def open_regular(path: str, what: str = "db") -> int:
+    """A read-only descriptor of the regular file ``path`` (symlinks to one are followed).
+
+    A FIFO, device, socket or directory is refused before any read could block, and every
+    failure names the file: CheckpointNotFoundError when it is absent, CheckpointError for
+    anything else that is not a readable regular file (a symlink loop, a directory, EACCES)."""
+    try:
+        fd = os.open(path, _O_OPEN)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(errno.ENOENT, f"no such {what} file", path) from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open {what} file: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not _stat.S_ISREG(mode):
+            kind = "a directory" if _stat.S_ISDIR(mode) else "not a regular file"
+            raise CheckpointError(f"{path}: {what} file is {kind}")
+        if _O_OPEN != _O_READ:  # back to blocking reads (a regular file never blocks anyway)
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class LocalSource:
@@ -31,10 +61,8 @@ class LocalSource:
 
     def __init__(self, path: str, what: str = "db") -> None:
         self.name = path
-        try:
-            self.fd = os.open(path, _O_READ)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(errno.ENOENT, f"no such {what} file", path) from None
+        self.fd = -1
+        self.fd = open_regular(path, what)
         self.nowait = bool(RWF_NOWAIT)
         self._hints = hasattr(os, "posix_fadvise")
 
@@ -118,8 +146,9 @@ class LocalStore:
         return LocalSink(path, size)
 
     def exists(self, path: str) -> bool:
+        """True for a readable regular file (never blocks on a FIFO)."""
         try:
-            with open(path, "rb"):
-                return True
-        except OSError:
+            os.close(open_regular(path))
+        except (CheckpointError, OSError):
             return False
+        return True

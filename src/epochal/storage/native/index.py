@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import codecs as _codecs
+from .. import strict_json
 from ..base import BlobInfo
 from ..checksum import checksum_function, format_checksum
 from .layout import (
@@ -80,7 +81,8 @@ class Index:
         self.moffs = table(MOFF_DTYPE, nmetas)
         self.order = table(ORDER_DTYPE, n)
         self.names_heap = raw[pos : pos + names_len]
-        self.metas_text = raw[pos + names_len :]
+        # a view, not a copy: a forged metas text as big as the file is refused before any copy
+        self.metas_text = memoryview(raw)[pos + names_len :]
         self._validate()
         self._names: list[str] | None = None
         self._ids: dict[str, int] | None = None
@@ -95,6 +97,10 @@ class Index:
         crafted file, so that no length can point outside the file or overlap)."""
         path, recs, segs = self.path, self.recs, self.segs
         n, nseg = len(recs), len(segs)
+        ioff = np.uint64(self.header.index_offset)
+        # bound every value by the data area first, so no sum below can wrap around 2**64
+        if nseg and (np.any(segs["offset"] > ioff) or np.any(segs["length"] > ioff)):
+            raise corrupt(path, "segment table does not tile the data area (points outside it)")
         off = segs["offset"].astype(np.int64)
         length = segs["length"].astype(np.int64)
         pad = segs["pad"].astype(np.int64)
@@ -127,11 +133,48 @@ class Index:
                 or np.any(self.order >= n)
             ):
                 raise corrupt(path, "blob table is inconsistent")
+            self._check_permutation()
         elif nseg:
             raise corrupt(path, "segments without blobs")
-        mo = self.moffs["off"].astype(np.int64) + self.moffs["len"].astype(np.int64)
-        if len(mo) and np.any(mo > len(self.metas_text)):
-            raise corrupt(path, "meta table points outside the index")
+        self._check_meta_table()
+
+    def _check_permutation(self) -> None:
+        order = self.order
+        if len(order) and np.bincount(order, minlength=len(order)).max() != 1:
+            raise corrupt(self.path, "name order table is not a permutation of the blobs")
+
+    def _check_sorted(self, names: list[str]) -> None:
+        """The name order sorts the names strictly (code point order is UTF-8 byte order),
+        so bisection and a dict of all names find the same blob and no name is stored twice.
+        Checked once every name is decoded (full loads, describe, verify); a lookup by
+        bisection checks its neighbours instead (:meth:`find`), so partial loads stay cheap."""
+        ordered = [names[i] for i in self.order.tolist()]
+        for a, b in zip(ordered, ordered[1:]):
+            if not a < b:
+                what = "blob name stored twice" if a == b else "name order table is not sorted"
+                raise corrupt(self.path, f"{what}: {a!r}")
+
+    def _check_meta_table(self) -> None:
+        """The meta table tiles the metas text exactly as the elements of its JSON array
+        (``[e0,e1,...]``), so parsing one entry or the whole array gives the same meta."""
+        text = self.metas_text
+        mo, ml = self.moffs["off"].astype(np.int64), self.moffs["len"].astype(np.int64)
+        if not len(mo):
+            if bytes(text).strip() != b"[]":
+                raise corrupt(self.path, "index metas do not match the meta table")
+            return
+        ends = mo + ml
+        raw = np.frombuffer(text, dtype=np.uint8)
+        if (
+            len(text) < 2
+            or text[0] != ord("[")
+            or mo[0] != 1
+            or np.any(mo[1:] != ends[:-1] + 1)
+            or ends[-1] != len(text) - 1
+            or text[-1] != ord("]")
+            or np.any(raw[ends[:-1]] != ord(","))
+        ):
+            raise corrupt(self.path, "meta table does not tile the metas array")
 
     # ---- names
     def name(self, i: int) -> str:
@@ -150,12 +193,14 @@ class Index:
         if self._names is None:
             heap = self.names_heap
             try:
-                self._names = [
+                names = [
                     heap[o : o + ln].decode("utf-8", "surrogatepass")
                     for o, ln in zip(self.recs["name_off"].tolist(), self.recs["name_len"].tolist())
                 ]
             except UnicodeDecodeError:
                 raise corrupt(self.path, "blob name is not UTF-8") from None
+            self._check_sorted(names)
+            self._names = names
         return self._names
 
     def find(self, name: str) -> int | None:
@@ -177,6 +222,11 @@ class Index:
             elif cand > key:
                 hi = mid
             else:
+                for nb in (mid - 1, mid + 1):  # a sorted order puts a duplicate next to it
+                    if 0 <= nb < len(order):
+                        j = int(order[nb])
+                        if heap[int(offs[j]) : int(offs[j]) + int(lens[j])] == key:
+                            raise corrupt(self.path, f"blob name stored twice: {name!r}")
                 return i
         return None
 
@@ -197,9 +247,9 @@ class Index:
                 item = self._metas[mid]
             else:
                 o, ln = int(self.moffs["off"][mid]), int(self.moffs["len"][mid])
-                item = json.loads(self.metas_text[o : o + ln])
-        except (ValueError, RecursionError, IndexError):
-            raise corrupt(self.path, "blob meta is not valid JSON", self.name(i)) from None
+                item = strict_json.loads(self.metas_text[o : o + ln])
+        except (ValueError, RecursionError, IndexError) as e:
+            raise corrupt(self.path, f"blob meta is not valid JSON: {e}", self.name(i)) from None
         if (
             not isinstance(item, list)
             or len(item) != 2
@@ -233,9 +283,9 @@ class Index:
         """Parse the whole metas array at once (faster than one by one for full loads)."""
         if self._metas is None:
             try:
-                metas = json.loads(self.metas_text)
-            except (ValueError, RecursionError):
-                raise corrupt(self.path, "index metas are not valid JSON") from None
+                metas = strict_json.loads(self.metas_text)
+            except (ValueError, RecursionError) as e:
+                raise corrupt(self.path, f"index metas are not valid JSON: {e}") from None
             if not isinstance(metas, list) or len(metas) != len(self.moffs):
                 raise corrupt(self.path, "index metas do not match the meta table")
             self._metas = metas

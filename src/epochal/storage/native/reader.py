@@ -123,6 +123,7 @@ class NativeFile:
     def describe(self) -> list[BlobInfo]:
         """Every blob's :class:`BlobInfo`, in file order."""
         self._index.parse_all_metas()
+        self._index.names()
         return [self._index.info(i) for i in range(self.header.blob_count)]
 
     def digest(self) -> str:
@@ -199,10 +200,9 @@ class NativeFile:
             out = small  # built in file order, which is the order of ids
         elif small:
             names_ = self._index.names()
-            for i in ids:
-                got = slow.get(i)
+            for i in ids:  # a blob whose value is None is in slow, not small
                 nm_ = names_[i]
-                out[nm_] = small[nm_] if got is None else got
+                out[nm_] = slow[i] if i in slow else small[nm_]
         else:
             for item in plan:
                 out[item.name] = slow[item.index]
@@ -216,6 +216,7 @@ class NativeFile:
         idx = self._index
         n = self.header.blob_count
         if names is None:
+            idx.names()  # decoded once (a full load uses them): duplicates refused here
             return list(range(n))
         if isinstance(names, str):
             names = [names]
@@ -233,15 +234,20 @@ class NativeFile:
 
     def verify(self, names: Sequence[str] | None = None) -> None:
         """Re-check the data checksums of ``names`` (all when None) without decoding or
-        allocating the values: data streams through a small reusable buffer."""
+        allocating the values: data streams through a small reusable buffer. Each blob's
+        meta is checked too (strict JSON, a known kind, an array meta that fits its length),
+        so a file that verifies also loads."""
         idx = self._index
         assert self._src is not None, "native db is closed"
         src = self._src
         ids = range(self.header.blob_count) if names is None else [self._lookup(n) for n in names]
+        if names is None:
+            idx.names()  # every name decoded once: duplicates and the name order checked
         segs = idx.segs
         chunk = tuning.CHUNK
         scratch = memoryview(bytearray(chunk))
         for i in ids:
+            check_meta(self.path, idx, i)
             for k in idx.seg_range(i):
                 off = int(segs["offset"][k])
                 left = int(segs["length"][k])
@@ -258,6 +264,23 @@ class NativeFile:
                     raise corrupt(self.path, "data checksum mismatch (blob damaged)", idx.name(i))
                 if pad and any(read_bytes(src, pad, off, "padding", idx.name(i))):
                     raise corrupt(self.path, "nonzero padding after the data (blob damaged)", idx.name(i))
+
+
+def check_meta(path: str, idx: Index, i: int) -> None:
+    """CheckpointCorruptError naming the blob when its meta cannot load (without allocating):
+    an unknown kind, or an array meta whose dtype and shape do not fit the stored length."""
+    kind, meta = idx.entry(i)
+    name = idx.name(i)
+    try:
+        codec = _codecs.codec_for_kind(kind)
+        if kind == "ndarray" and isinstance(codec, _codecs.NdarrayCodec):
+            sizes = idx.segs["length"][idx.seg_range(i).start : idx.seg_range(i).stop].tolist()
+            want = _codecs.expected_nbytes(_codecs.dtype_from_json(meta.get("dtype")),
+                                           _codecs.check_shape(meta.get("shape")))
+            if sizes != [want]:
+                raise ValueError(f"{sizes} bytes do not fit its dtype and shape")
+    except (*DECODE_ERRORS, MemoryError) as e:
+        raise corrupt(path, f"bad {kind} meta: {e}", name) from None
 
 
 def allocate(f: Opened, ids: list[int], mapped: bool = False) -> list[LoadItem]:
