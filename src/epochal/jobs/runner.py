@@ -134,6 +134,7 @@ class JobRunner:
         self._pending: tuple[int, float] | None = None
         self._failed_saves: list[int] = []  # epochs of the failed saves since the last commit
         self._warned: set[tuple[str, str]] = set()  # (node, blob) left out of saves, said once
+        self._outputs: set[str] = set()  # the job's task output names, fixed at the start of a run
         self.last_committed: int | None = None
 
     # -- events
@@ -251,7 +252,8 @@ class JobRunner:
         if manager:
             logger.info("Preparing checkpoints ...")
             nodes = job.nodes_to_checkpoint()
-            init = manager.init(nodes, retrieve_from_epoch=resume, exclude=self._output_names())
+            self._outputs = set(self._output_names())  # once per run: read at every save
+            init = manager.init(nodes, retrieve_from_epoch=resume, exclude=sorted(self._outputs))
             session.run(init)
             if resume is None:
                 self.save_checkpoints(0, session, wait=not self.async_save)
@@ -437,7 +439,7 @@ class JobRunner:
 
     def _warn_untracked(self) -> None:
         """Warn once per run about each global blob a save left out (not in the blob list)."""
-        outputs = set(self._output_names())
+        outputs = self._outputs or set(self._output_names())  # save_checkpoints outside train
         for node, names in self.checkpoint_manager.untracked_blobs().items():
             new = [n for n in names if n not in outputs and (node, n) not in self._warned]
             if new:
