@@ -189,7 +189,7 @@ def run_demo(
     listeners = [] if quiet else [DemoPrinter(session)]
     # A finished job reruns nothing; asked for more epochs, continue from its last one.
     resume = None
-    if committed and committed[-1] < epochs and records.manifest(committed[-1]).get("final"):
+    if committed and committed[-1] < epochs and records.read_manifest(committed[-1]).final:
         resume = committed[-1]
     start = time.perf_counter()
     last = JobRunner(job, manager, resume_from_epoch=resume, listeners=listeners, progress=False).train(session)

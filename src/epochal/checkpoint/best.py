@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import CheckpointError
 from ..storage.base import get_db_type
+from .manifest import KeepBest, Manifest
 from .retention import RetentionPolicy, best_epochs, metric_value
 
 logger = logging.getLogger("epochal")
+
+
+class Manifests(Protocol):
+    """Where committed manifests are read (a
+    :class:`~epochal.checkpoint.view.CheckpointDirectory`)."""
+
+    def committed_epochs(self) -> list[int]: ...
+
+    def read_manifest(self, epoch: int) -> Manifest: ...
 
 
 def metric_number(name: str, value: Any) -> float | int | None:
@@ -52,11 +62,10 @@ def _blob_scalar(paths: Sequence[str], db_type: str, name: str) -> Any:
 
 def collect_metrics(
     policy: RetentionPolicy, metrics: Mapping[str, Any] | None, db_paths: Sequence[str], db_type: str
-) -> dict[str, Any]:
-    """The manifest entries recording ``metrics`` and ``policy``'s best-k settings; the
-    policy's metric comes from the scalar blob of that name in the dbs when ``metrics`` lacks
-    it (a blob that is no number is recorded as null, with a warning)."""
-    out: dict[str, Any] = {}
+) -> dict[str, float | int | None]:
+    """The ``metrics`` a manifest records: ``metrics`` as JSON numbers, plus the policy's
+    metric from the scalar blob of that name in the dbs when ``metrics`` lacks it (a blob that
+    is no number is recorded as null, with a warning)."""
     values = {str(k): metric_number(str(k), v) for k, v in (metrics or {}).items()}
     metric = policy.metric
     if metric and metric not in values:
@@ -66,22 +75,32 @@ def collect_metrics(
         except TypeError as ex:
             logger.warning("Not ranking this checkpoint: %s", ex)
             values[metric] = None
-    if values:
-        out["metrics"] = values
-    if policy.keep_best is not None:
-        out["keep_best"] = {"k": policy.keep_best, "metric": metric, "mode": policy.mode}
-    return out
+    return values
 
 
-def manifest_metric(directory: Any, epoch: int, metric: str) -> float | None:
+def keep_best_record(policy: RetentionPolicy) -> KeepBest | None:
+    """The ``keep_best`` a manifest records for ``policy`` (None when it keeps no best-k)."""
+    if policy.keep_best is None:
+        return None
+    return KeepBest(policy.keep_best, str(policy.metric), policy.mode)
+
+
+def manifest_metric(directory: Manifests, epoch: int, metric: str) -> float | None:
     """The value of ``metric`` recorded in the manifest of committed ``epoch`` of
-    ``directory`` (a :class:`~epochal.checkpoint.directory.CheckpointDirectory`); None when
-    it has none or the manifest cannot be read."""
+    ``directory``; None when it has none or the manifest cannot be read."""
     try:
-        recorded = directory.manifest(epoch).get("metrics")
+        recorded = directory.read_manifest(epoch).metrics
     except CheckpointError:
         return None
-    return metric_value(recorded.get(metric)) if isinstance(recorded, dict) else None
+    return metric_value(recorded.get(metric))
+
+
+def recorded_metrics(directory: Manifests, policy: RetentionPolicy, epochs: Iterable[int]) -> dict[int, Any] | None:
+    """``{epoch: recorded value of the policy's metric}`` for retention (None when the policy
+    keeps no best-k)."""
+    if policy.keep_best is None:
+        return None
+    return {e: manifest_metric(directory, e, str(policy.metric)) for e in epochs}
 
 
 @dataclass(frozen=True)
@@ -97,27 +116,25 @@ class BestEpochs:
 
 
 def best_of(
-    d: Any,
+    d: Manifests,
     *,
     metric: str | None = None,
     mode: str | None = None,
     k: int | None = None,
 ) -> BestEpochs | None:
-    """The best committed epochs of ``d`` (a
-    :class:`~epochal.checkpoint.directory.CheckpointDirectory`: ``committed_epochs()`` and
-    ``manifest(epoch)``); see :func:`~epochal.checkpoint.directory.best_of_directory`."""
+    """The best committed epochs of ``d``; see
+    :func:`~epochal.checkpoint.view.best_of_directory`."""
     committed = d.committed_epochs()
     if metric is None or mode is None or k is None:
         for epoch in reversed(committed):
             try:
-                spec = d.manifest(epoch).get("keep_best")
+                spec = d.read_manifest(epoch).keep_best
             except CheckpointError:
                 continue
-            if isinstance(spec, dict) and isinstance(spec.get("metric"), str):
-                metric = metric if metric is not None else spec["metric"]
-                mode = mode if mode is not None else spec.get("mode")
-                rec_k = spec.get("k")
-                k = k if k is not None else (rec_k if isinstance(rec_k, int) and rec_k > 0 else None)
+            if spec is not None:
+                metric = metric if metric is not None else spec.metric
+                mode = mode if mode is not None else spec.mode
+                k = k if k is not None else (spec.k if spec.k > 0 else None)
                 break
     if metric is None:
         return None
@@ -127,4 +144,7 @@ def best_of(
     return BestEpochs(metric, mode, k, best, values)
 
 
-__all__ = ["BestEpochs", "best_of", "collect_metrics", "manifest_metric", "metric_number"]
+__all__ = [
+    "BestEpochs", "Manifests", "best_of", "collect_metrics", "keep_best_record", "manifest_metric", "metric_number",
+    "recorded_metrics",
+]

@@ -20,6 +20,7 @@ guarantees and how they are tested.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,25 +33,28 @@ from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
 )
-from ..storage import atomic
 from ..storage.base import get_db_type
-from .best import collect_metrics, manifest_metric
+from . import cleanup
+from .best import collect_metrics, keep_best_record, recorded_metrics
+from .commit import durable_entries
 from .lease import DEFAULT_LEASE_SECONDS
-from .lock import LOCK_FILE, pid_alive
+from .lock import LOCK_FILE
 from .manifest import (
-    MANIFEST_FORMAT,
     MANIFEST_RE,
-    MANIFEST_VERSION,
-    encode_manifest,
+    Manifest,
     manifest_name,
     validate_manifest,
 )
 from .metadata import BaseMetadataHandler, DbReport, PushTarget
 from .mirror_sync import MirrorSync
-from .naming import RECORDS_DIR  # noqa: F401 - re-exported (its old home)
+from .naming import (
+    RECORDS_DIR,  # noqa: F401 - re-exported (its old home)
+    parse_db_file,
+    split_db_file,
+)
 from .records import STATS_FILE, RecordLock  # noqa: F401
 from .records import read_local_record as read_record  # noqa: F401 - its old home
-from .retention import RetentionPolicy, epochs_to_delete
+from .retention import RetentionPolicy
 from .view import (  # noqa: F401 - re-exported: this module was their home
     PINS_FILE,
     VERIFY_LEVELS,
@@ -73,14 +77,6 @@ _validate_manifest = validate_manifest
 
 def _utcnow() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
@@ -250,39 +246,20 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         Raises (so the runner logs a failed save) when a db is missing."""
         d = self._dir()
         epoch = int(epoch)
-        backend = get_db_type(self.db_type)
         reported = self._reported.pop(epoch, {})
         if self.node_names and all(n in reported and reported[n].pushed for n in self.node_names):
             self._node_pushed.add(epoch)  # the mirror push is the manifest alone
-        nodes: dict[str, dict[str, Any]] = {}
-        for node in self.node_names:
-            path = d.db_path(node, epoch)
-            if node in reported or d.records.remote:  # the node said (or the store will)
-                nodes[node] = self._entry(d, backend, node, path, reported.get(node))
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(
-                    f"cannot commit epoch {epoch}: the db of node {node!r} ({path}) does not exist"
-                ) from None
-            try:
-                atomic.fsync(fd)
-                size = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-            nodes[node] = {"file": os.path.basename(path), "size": size, "digest": backend.digest(path)}
-        d.records.sync_dir(d.db_dir)
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
-            "epoch": epoch,
-            "db_type": self.db_type,
-            "created": _utcnow(),
-            "final": self._expect_final == epoch,  # see expect_final
-            "nodes": nodes,
-        }
-        manifest.update(self._metrics_record(epoch, metrics))
+        nodes = durable_entries(d, get_db_type(self.db_type), epoch, self.node_names, reported)
+        manifest = Manifest(
+            epoch=epoch,
+            db_type=self.db_type,
+            created=_utcnow(),
+            final=self._expect_final == epoch,  # see expect_final
+            nodes=nodes,
+            metrics=collect_metrics(self.policy, metrics, [d.db_path(n, epoch) for n in self.node_names],
+                                    self.db_type),
+            keep_best=keep_best_record(self.policy),
+        )
         d.records.makedirs(d.records_dir)
         self._write_manifest(d.manifest_path(epoch), manifest)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
@@ -303,7 +280,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         now = _utcnow()
         lines = []
         for db, ns in stats.items():
-            node, epoch = self._parse_db(db)
+            node, epoch = self._parse_db(db)  # (None, None): not named as a db
             nbytes = sizes.get(db)
             lines.append(json.dumps({
                 "time": now, "action": action_name, "epoch": epoch, "node": node, "db": db,
@@ -384,10 +361,9 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         says so). Never raises: a failure is a warning."""
         try:
             d = self._dir()
-            manifest = d.manifest(int(epoch))
-            if manifest.get("final") is not True:
-                manifest["final"] = True
-                self._write_manifest(d.manifest_path(int(epoch)), manifest)
+            manifest = d.read_manifest(int(epoch))
+            if not manifest.final:
+                self._write_manifest(d.manifest_path(int(epoch)), dataclasses.replace(manifest, final=True))
                 if self.mirror is not None:
                     self._mirror_call(self._push_final, int(epoch))
         except Exception as ex:
@@ -396,7 +372,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
     def is_final(self, epoch: int) -> bool:
         """Whether committed ``epoch`` is a finished job's last epoch."""
         try:
-            return bool(self._dir().manifest(int(epoch)).get("final", False))
+            return self._dir().read_manifest(int(epoch)).final
         except CheckpointError:
             return False
 
@@ -433,95 +409,23 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
 
     def apply_retention(self, newest: int) -> list[int]:
         """Delete what the policy drops now that ``newest`` is committed; return the epochs
-        deleted. Each goes manifest first (then it no longer exists), then its dbs. Epochs newer
-        than ``newest`` (about to be overwritten) and pinned ones are kept; dbs of older epochs
-        that were never committed (killed or failed saves) are removed too."""
-        if self.policy.keeps_everything or self.directory is None:
+        deleted (see :func:`.cleanup.apply_retention`: manifest first, then dbs; newer and
+        pinned epochs kept; dbs of older uncommitted epochs removed)."""
+        if self.directory is None:
             return []
-        d = self.directory
-        try:
-            pins = d.pins()
-        except CheckpointError as ex:
-            logger.warning("Retention skipped: %s", ex)
-            return []
-        manifests = d.manifest_epochs()
-        committed = d.committed_epochs()
-        newer = {e for e in manifests if e > newest}
-        doomed = epochs_to_delete(committed, newest, pins, self.policy, protect=newer, metrics=self._metrics(committed))
-        # only files named exactly as an epoch's dbs of a known node are ever deleted (a
-        # README.1 beside the dbs is not one; nor a file a damaged manifest names: refused)
-        known = set(self.node_names)
-        for epoch in committed:
-            known.update(d.manifest(epoch)["nodes"])
-        on_disk = {e: {n: p for n, p in dbs.items() if n in known and os.path.basename(p) ==
-                       os.path.basename(d.db_path(n, e))} for e, dbs in d.scan().items()}
-        for epoch in doomed:
-            try:
-                nodes = d.manifest(epoch)["nodes"]
-            except CheckpointError:
-                nodes = {}
-            files = [d.db_path(n, epoch) for n, entry in nodes.items()
-                     if entry["file"] == os.path.basename(d.db_path(n, epoch))]
-            d.records.delete(d.manifest_path(epoch))
-            d.records.sync_dir(d.records_dir)
-            for path in {*files, *on_disk.get(epoch, {}).values()}:
-                d.records.delete(path)
-            logger.info("Retention: deleted the checkpoint of epoch %d", epoch)
-            self._unpushed.discard(epoch)
-        # leftovers of saves that never committed (or of a delete that was interrupted)
-        valid = set(committed)
-        for epoch, dbs in on_disk.items():
-            if epoch < newest and epoch not in valid and epoch not in pins:
-                if epoch in manifests:
-                    d.records.delete(d.manifest_path(epoch))
-                for path in dbs.values():
-                    d.records.delete(path)
-                logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs.values()))
-        d.records.sync_dir(d.db_dir)
+        doomed = cleanup.apply_retention(self.directory, newest, self.policy, self.node_names)
+        self._unpushed.difference_update(doomed)
         return doomed
 
     def clean_temp_files(self) -> list[str]:
-        """Remove temp files (``*.tmp.<host>.<pid>.<token>``) in the checkpoint and records
-        directories whose host is this one and whose process is gone; return their paths.
-        Another host's temp files are never touched (its process may still be writing)."""
-        d = self._dir()
-        if d.records.remote:
-            return []  # staged uploads clean up after themselves; another host's are not ours
-        me, removed = atomic.hostname(), []
-        for folder in (d.db_dir, d.records_dir):
-            try:
-                names = os.listdir(folder)
-            except OSError:
-                continue
-            for name in names:
-                parsed = atomic.parse_temp_path(name)
-                if parsed is None:
-                    continue
-                _, host, pid = parsed
-                if host != me or pid == os.getpid() or pid_alive(pid):
-                    continue
-                path = os.path.join(folder, name)
-                try:
-                    if _unlink(path):
-                        removed.append(path)
-                except OSError as ex:
-                    logger.warning("Cannot remove the leftover temp file %s: %s", path, ex)
-        if removed:
-            logger.info("Removed %d leftover temp file(s) of killed saves: %s", len(removed), removed)
-        return removed
+        """Remove the temp files of this host's killed saves (see
+        :func:`.cleanup.clean_temp_files`); return their paths."""
+        return cleanup.clean_temp_files(self._dir())
 
     # -- internals
-    def _metrics_record(self, epoch: int, metrics: dict[str, Any] | None) -> dict[str, Any]:
-        """The manifest entries for ``metrics`` (plus the retention metric, read from the
-        scalar blob of that name in the epoch's db when ``metrics`` lacks it)."""
-        return collect_metrics(self.policy, metrics, [self._dir().db_path(n, epoch) for n in self.node_names],
-                               self.db_type)
-
     def _metrics(self, epochs: Iterable[int]) -> dict[int, Any] | None:
         """``{epoch: recorded value of the retention metric}`` (None when not keeping best)."""
-        if self.policy.keep_best is None:
-            return None
-        return {e: manifest_metric(self._dir(), e, str(self.policy.metric)) for e in epochs}
+        return recorded_metrics(self._dir(), self.policy, epochs)
 
     def _problems(self, epoch: int) -> list[str]:
         d = self._dir()
@@ -543,25 +447,20 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         d = self._dir()
         for epoch in reversed(d.manifest_epochs()):
             try:
-                nodes = d.manifest(epoch)["nodes"]
+                nodes = d.read_manifest(epoch).nodes
             except CheckpointError:
                 continue
-            size = sum(int(nodes[n]["size"]) for n in nodes if not self.node_names or n in self.node_names)
+            size = sum(e.size for n, e in nodes.items() if not self.node_names or n in self.node_names)
             return int(size * (1 + self.space_margin)) + 64 * 1024, epoch
         return 0, -1
 
     def _parse_db(self, db: str) -> tuple[str | None, int | None]:
+        """``(node, epoch)`` of a db path for a stats line: one of the job's nodes first (a
+        node named ``a.1`` is not node ``a``), else any db-shaped name; (None, None) if none."""
         base = os.path.basename(db)
-        prefix = self.directory._file_prefix if self.directory is not None else ""
-        for node in sorted(self.node_names, key=len, reverse=True):
-            head = f"{prefix}{node}."
-            rest = base[len(head):]
-            if base.startswith(head) and rest.isascii() and rest.isdigit():
-                return node, int(rest)
-        node, dot, ep = base[len(prefix):].rpartition(".")
-        if dot and ep.isascii() and ep.isdigit():
-            return node, int(ep)
-        return None, None
+        prefix = self.directory.file_prefix if self.directory is not None else ""
+        hit = parse_db_file(base, self.node_names, prefix) or split_db_file(base, prefix)
+        return hit if hit is not None else (None, None)
 
     def _append_stats(self, data: bytes) -> None:
         d = self._dir()
@@ -573,11 +472,9 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         d.records.makedirs(d.records_dir)
         self._write_json(d.pins_path, {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)})
 
-    def _write_manifest(self, path: str, manifest: dict[str, Any]) -> None:
-        """Write a manifest atomically, with its content checksum (``manifest`` gets it too)."""
-        raw = encode_manifest(manifest)
-        manifest.update(json.loads(raw))
-        self._dir().records.write(path, raw)
+    def _write_manifest(self, path: str, manifest: Manifest) -> None:
+        """Write a manifest atomically, with its content checksum."""
+        self._dir().records.write(path, manifest.encode())
 
     def _write_json(self, path: str, data: dict[str, Any]) -> None:
         self._dir().records.write(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
@@ -598,20 +495,6 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         """What each node said of its db of ``epoch`` (size, digest), just before ``write``:
         the commit then records these and never opens a node's file."""
         self._reported[int(epoch)] = dict(dbs)
-
-    @staticmethod
-    def _entry(d: CheckpointDirectory, backend: Any, node: str, path: str, got: DbReport | None) -> dict[str, Any]:
-        """A manifest entry from a node's report; without one (a handler driven without a
-        manager), from the store: its size, and the digest read from the db's header."""
-        if got is None:
-            try:
-                size = d.records.size(path)
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(
-                    f"cannot commit epoch: the db of node {node!r} ({path}) does not exist"
-                ) from None
-            got = DbReport(size, backend.digest(path))
-        return {"file": os.path.basename(path), "size": int(got.size), "digest": got.digest}
 
     def _renew_lock(self) -> None:
         if self._lock is not None:

@@ -7,9 +7,11 @@ with deletes. Files a manifest names must be exactly that epoch's dbs of the nod
 (``<prefix><node>.<epoch>``), so retention and mirror pulls can never be pointed at other
 files. Duplicate JSON keys are refused too (the last would silently win).
 
-The directory handler, the remote mirror and the tools all read manifests through
-:func:`decode_manifest` and write them through :func:`encode_manifest`;
-:class:`Manifest` is the typed view of one.
+:class:`Manifest` is the typed record that the directory handler, the remote mirror and the
+tools pass to each other (:meth:`Manifest.decode` reads and validates one, :meth:`Manifest.encode`
+gives its bytes); :func:`decode_manifest` and :func:`encode_manifest` are the same as JSON
+dicts (what ``CheckpointDirectory.manifest`` returns to users). Both produce exactly the same
+bytes for what epochal writes; keys a newer or foreign writer added are kept (``extra``).
 """
 
 from __future__ import annotations
@@ -131,9 +133,10 @@ def validate_manifest(where: str, data: Any, epoch: int) -> None:
         raise bad("final is not a boolean")
     metrics = data.get("metrics", {})
     if not isinstance(metrics, dict) or not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in metrics.items()
-    ):
-        raise bad("metrics is not a mapping of names to numbers")
+        isinstance(k, str) and (v is None or isinstance(v, (int, float)) and not isinstance(v, bool))
+        for k, v in metrics.items()
+    ):  # null: a value that was NaN or infinite (see epochal.checkpoint.best)
+        raise bad("metrics is not a mapping of names to numbers (or null)")
     nodes = data.get("nodes")
     if not isinstance(nodes, dict) or not nodes:
         raise bad("nodes is missing or empty")
@@ -156,6 +159,11 @@ def validate_manifest(where: str, data: Any, epoch: int) -> None:
             raise bad(f"node {node!r}: digest {digest!r}")
 
 
+#: the keys :class:`Manifest` has fields for; any other key is kept in ``Manifest.extra``
+_KNOWN_KEYS = ("format", "version", "checksum", "epoch", "db_type", "created", "final", "nodes", "metrics",
+               "keep_best")
+
+
 @dataclass(frozen=True)
 class DbEntry:
     """One node's db in a manifest: its file name (beside the records directory), size in
@@ -165,43 +173,105 @@ class DbEntry:
     size: int
     digest: str | None
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "size": self.size, "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """The best-k settings of the handler that wrote a manifest (``"keep_best"``), so tools can
+    rank a directory's epochs without knowing the job: keep the ``k`` epochs with the best
+    ``metric`` under ``mode`` (``"min"`` or ``"max"``)."""
+
+    k: int
+    metric: str
+    mode: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"k": self.k, "metric": self.metric, "mode": self.mode}
+
+    @classmethod
+    def parse(cls, raw: Any) -> KeepBest | None:
+        """From a manifest's ``"keep_best"``: None unless it has exactly the shape epochal
+        writes (the manifest then keeps it, unread, in ``extra``)."""
+        if not isinstance(raw, dict) or set(raw) != {"k", "metric", "mode"}:
+            return None
+        k, metric, mode = raw["k"], raw["metric"], raw["mode"]
+        if not _is_int(k) or not isinstance(metric, str) or not isinstance(mode, str):
+            return None
+        return cls(k, metric, mode)
+
 
 @dataclass(frozen=True)
 class Manifest:
-    """The typed view of a validated manifest (see :func:`decode_manifest`)."""
+    """The commit record of one epoch, typed: the db of each node, what wrote them and when,
+    whether it is the job's last epoch, and the metrics recorded for it.
+
+    ``metrics`` values are numbers as written (ints stay ints) or None (a NaN or infinite
+    value: never ranked). ``extra``: keys of the JSON that epochal does not know (a newer or
+    foreign writer), kept so that rewriting the manifest (``final``) does not drop them.
+    :meth:`encode` of a manifest epochal wrote gives back exactly its bytes."""
 
     epoch: int
     db_type: str
     nodes: dict[str, DbEntry]
     final: bool = False
-    created: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
+    created: str | None = None
+    metrics: dict[str, float | int | None] = field(default_factory=dict)
+    keep_best: KeepBest | None = None
     version: int = MANIFEST_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def decode(cls, raw: bytes, where: str, epoch: int) -> Manifest:
+        """Parse and validate manifest bytes (see :func:`decode_manifest`: the same errors)."""
+        return cls.from_dict(decode_manifest(raw, where, epoch))
+
+    def encode(self) -> bytes:
+        """The bytes of this manifest, with its content checksum (:func:`encode_manifest`)."""
+        return encode_manifest(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         """From a dict :func:`validate_manifest` accepted."""
+        keep_best = KeepBest.parse(data["keep_best"]) if "keep_best" in data else None
+        extra = {k: v for k, v in data.items() if k not in _KNOWN_KEYS}
+        if "keep_best" in data and keep_best is None:
+            extra["keep_best"] = data["keep_best"]  # not the shape epochal writes: kept, unread
+        created = data.get("created")
         return cls(
             epoch=int(data["epoch"]),
             db_type=str(data["db_type"]),
             nodes={n: DbEntry(str(e["file"]), int(e["size"]), e.get("digest")) for n, e in data["nodes"].items()},
             final=bool(data.get("final", False)),
-            created=str(data.get("created", "")),
-            metrics={str(k): float(v) for k, v in data.get("metrics", {}).items()},
+            created=str(created) if created is not None else None,
+            metrics=dict(data.get("metrics", {})),
+            keep_best=keep_best,
             version=int(data["version"]),
+            extra=extra,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON content (without the checksum, which :func:`encode_manifest` adds)."""
+        """The JSON content (without the checksum, which :func:`encode_manifest` adds), keys
+        in the order epochal has always written them."""
         out: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
             "epoch": self.epoch,
             "db_type": self.db_type,
-            "created": self.created,
-            "final": self.final,
-            "nodes": {n: {"file": e.file, "size": e.size, "digest": e.digest} for n, e in self.nodes.items()},
         }
+        if self.created is not None:
+            out["created"] = self.created
+        out["final"] = self.final
+        out["nodes"] = {n: e.to_dict() for n, e in self.nodes.items()}
         if self.metrics:
             out["metrics"] = dict(self.metrics)
+        if self.keep_best is not None:
+            out["keep_best"] = self.keep_best.to_dict()
+        out.update(self.extra)
         return out
+
+    @property
+    def size(self) -> int:
+        """Bytes of every db the manifest lists."""
+        return sum(e.size for e in self.nodes.values())

@@ -32,7 +32,7 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from ..storage import atomic
 from ..storage.base import get_db_type
 from ..storage.remote import filesystem, upload_file
-from .manifest import decode_manifest, encode_manifest, manifest_name, parse_manifest_name
+from .manifest import Manifest, decode_manifest, manifest_name, parse_manifest_name
 from .naming import RECORDS_DIR
 
 logger = logging.getLogger("epochal")
@@ -88,7 +88,7 @@ class RemoteMirror:
         return sorted(out)
 
     def manifest(self, epoch: int) -> dict[str, Any]:
-        """The remote manifest of ``epoch``, validated like a local one.
+        """The remote manifest of ``epoch`` as a JSON dict, validated like a local one.
 
         CheckpointNotFoundError when the remote has none; CheckpointCorruptError naming the URL
         when it is not a valid manifest of that epoch."""
@@ -100,22 +100,26 @@ class RemoteMirror:
             raise CheckpointNotFoundError(f"epoch {epoch} is not committed at {url}") from None
         return decode_manifest(bytes(raw), url, int(epoch))
 
+    def read_manifest(self, epoch: int) -> Manifest:
+        """:meth:`manifest`, typed (the same errors)."""
+        return Manifest.from_dict(self.manifest(epoch))
+
     # -- writing the remote side
-    def push(self, db_dir: str, epoch: int, manifest: dict[str, Any]) -> int:
+    def push(self, db_dir: str, epoch: int, manifest: Manifest) -> int:
         """Upload the dbs that ``manifest`` lists (from ``db_dir``), then the manifest; return
         the bytes uploaded. Raises on any failure (the remote epoch is then not committed)."""
         total = 0
-        for entry in manifest["nodes"].values():
-            local = os.path.join(db_dir, entry["file"])
-            if os.path.getsize(local) != int(entry["size"]):
+        for entry in manifest.nodes.values():
+            local = os.path.join(db_dir, entry.file)
+            if os.path.getsize(local) != entry.size:
                 raise CheckpointCorruptError(local, "changed since it was committed")
-            total += upload_file(local, self.url_of(entry["file"]), **self.storage_options)
+            total += upload_file(local, self.url_of(entry.file), **self.storage_options)
         self.put_manifest(epoch, manifest)
         return total
 
-    def put_manifest(self, epoch: int, manifest: dict[str, Any]) -> None:
+    def put_manifest(self, epoch: int, manifest: Manifest) -> None:
         """Write the remote manifest of ``epoch`` (one object: it appears whole or not)."""
-        raw = encode_manifest(manifest)
+        raw = manifest.encode()
         fs = self.fs
         fs.makedirs(self._key(RECORDS_DIR), exist_ok=True)
         fs.pipe_file(self._key(self.manifest_name(epoch)), raw)
@@ -123,10 +127,10 @@ class RemoteMirror:
     def delete(self, epoch: int) -> None:
         """Remove a remote epoch: its manifest first (it then no longer exists), then its dbs."""
         try:
-            manifest = self.manifest(epoch)
+            files = [e.file for e in self.read_manifest(epoch).nodes.values()]
         except CheckpointError:
-            manifest = {"nodes": {}}
-        for key in [self.manifest_name(epoch), *(e["file"] for e in manifest["nodes"].values())]:
+            files = []
+        for key in [self.manifest_name(epoch), *files]:
             try:
                 self.fs.rm(self._key(key))
             except FileNotFoundError:
@@ -135,44 +139,42 @@ class RemoteMirror:
     # -- bringing an epoch back
     def pull(
         self, db_dir: str, records_dir: str, epoch: int, db_type: str | None, nodes: list[str] | None
-    ) -> dict[str, Any]:
+    ) -> Manifest:
         """Download remote ``epoch`` into ``db_dir`` and commit it there (manifest last);
         return its manifest. ``db_type``/``nodes``: what the epoch must have been written with
         (None: whatever its manifest says). Every db is verified (size, digest, every
         checksum) before it is renamed into place; on any problem nothing is committed
         locally and CheckpointError names the URL (and node)."""
-        manifest = self.manifest(epoch)
+        manifest = self.read_manifest(epoch)
         url = self.url_of(self.manifest_name(epoch))
-        db_type = db_type or manifest["db_type"]
-        if manifest["db_type"] != db_type:
-            raise CheckpointCorruptError(url, f"written with db_type {manifest['db_type']!r}, this job uses {db_type!r}")
-        if nodes and sorted(manifest["nodes"]) != sorted(nodes):
+        db_type = db_type or manifest.db_type
+        if manifest.db_type != db_type:
+            raise CheckpointCorruptError(url, f"written with db_type {manifest.db_type!r}, this job uses {db_type!r}")
+        if nodes and sorted(manifest.nodes) != sorted(nodes):
             raise CheckpointCorruptError(
-                url, f"nodes {sorted(manifest['nodes'])} do not match this job's {sorted(nodes)}"
+                url, f"nodes {sorted(manifest.nodes)} do not match this job's {sorted(nodes)}"
             )
         backend = get_db_type(db_type)
         fs = self.fs
         os.makedirs(db_dir, exist_ok=True)
         # room for the whole epoch before the first byte (OSError ENOSPC naming a db)
-        files = [e["file"] for e in manifest["nodes"].values()]
-        if files:
-            atomic.check_free_space(
-                os.path.join(db_dir, files[0]), sum(int(e["size"]) for e in manifest["nodes"].values())
-            )
-        for node, entry in manifest["nodes"].items():
-            final = os.path.join(db_dir, entry["file"])
-            db_url = self.url_of(entry["file"])
+        if manifest.nodes:
+            first = next(iter(manifest.nodes.values())).file
+            atomic.check_free_space(os.path.join(db_dir, first), manifest.size)
+        for node, entry in manifest.nodes.items():
+            final = os.path.join(db_dir, entry.file)
+            db_url = self.url_of(entry.file)
             tmp = atomic.temp_path_for(final)
             try:
                 try:
-                    fs.get_file(self._key(entry["file"]), tmp)
+                    fs.get_file(self._key(entry.file), tmp)
                 except FileNotFoundError:
                     raise CheckpointNotFoundError(f"the db of node {node!r} ({db_url}) does not exist") from None
                 size = os.path.getsize(tmp)
-                if size != int(entry["size"]):
-                    raise CheckpointCorruptError(db_url, f"{size} bytes, the manifest says {entry['size']}")
+                if size != entry.size:
+                    raise CheckpointCorruptError(db_url, f"{size} bytes, the manifest says {entry.size}")
                 digest = backend.digest(tmp)
-                if entry.get("digest") is not None and digest != entry["digest"]:
+                if entry.digest is not None and digest != entry.digest:
                     raise CheckpointCorruptError(db_url, "digest does not match the manifest")
                 try:
                     backend.verify(tmp)
@@ -189,7 +191,7 @@ class RemoteMirror:
                     os.unlink(tmp)
         atomic.fsync_dir(db_dir)
         os.makedirs(records_dir, exist_ok=True)
-        atomic.atomic_write_bytes(os.path.join(records_dir, manifest_name(epoch)), encode_manifest(manifest))
+        atomic.atomic_write_bytes(os.path.join(records_dir, manifest_name(epoch)), manifest.encode())
         return manifest
 
 

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ..errors import CheckpointError
+from .manifest import Manifest
 from .retention import RetentionPolicy, epochs_to_delete
 from .view import CheckpointDirectory
 
@@ -64,7 +65,7 @@ class MirrorSync:
         if epoch in self._unpushed:
             return  # its push, retried later, reads the manifest then
         try:
-            self.mirror.put_manifest(epoch, self._dir().manifest(epoch))
+            self.mirror.put_manifest(epoch, self._dir().read_manifest(epoch))
         except Exception as ex:
             logger.warning("Cannot mark epoch %d final at %s: %s", epoch, self.mirror.url, ex)
 
@@ -95,13 +96,13 @@ class MirrorSync:
                 return epoch
         return None
 
-    def _push(self, epoch: int, manifest: dict[str, Any]) -> None:
+    def _push(self, epoch: int, manifest: Manifest) -> None:
         """Push ``epoch`` (and earlier epochs whose push failed) to the mirror; never raises."""
         d = self._dir()
         assert self.mirror is not None
         for e in sorted(self._unpushed | {epoch}):
             try:
-                m = manifest if e == epoch else d.manifest(e)
+                m = manifest if e == epoch else d.read_manifest(e)
             except CheckpointError:
                 self._unpushed.discard(e)  # no longer committed here (retention)
                 continue

@@ -1,8 +1,15 @@
-"""Checkpoint names: one db per node per epoch at ``<db_prefix>/<node>.<epoch>``."""
+"""Checkpoint names: one db per node per epoch at ``<db_prefix>/<node>.<epoch>``.
+
+Every place that builds or parses a db name comes here: :func:`db_name` builds one,
+:func:`parse_db_file` parses one for known node names, :func:`split_db_file` for any name
+shaped like a db (tools, and listing a directory whose nodes are not known).
+"""
 
 from __future__ import annotations
 
 import os
+
+from ..storage.atomic import parse_temp_path
 
 #: the directory, beside the dbs, that holds a checkpoint directory's records (manifests,
 #: stats, pins, the writer lock)
@@ -46,9 +53,29 @@ def parse_db_file(filename: str, node_names: list[str], file_prefix: str = "") -
     for node in sorted(node_names, key=len, reverse=True):
         head = f"{node}."
         ep = rest[len(head):]
-        if rest.startswith(head) and ep.isascii() and ep.isdigit() and (ep == "0" or ep[0] != "0"):
+        if rest.startswith(head) and _is_epoch(ep):
             return node, int(ep)
     return None
+
+
+def _is_epoch(text: str) -> bool:
+    """An epoch as :func:`get_ckpt_filename` writes it: ASCII digits, no padding."""
+    return text.isascii() and text.isdigit() and (text == "0" or text[0] != "0")
+
+
+def split_db_file(filename: str, file_prefix: str = "") -> tuple[str, int] | None:
+    """``(node, epoch)`` of a file name (a base name) shaped like a db,
+    ``<file_prefix><node>.<epoch>`` with a non-empty node, when the node names are not known
+    (the last dot splits: ``a.b.3`` is node ``a.b``). None for any other name, among them the
+    temp files of interrupted writes and uploads and the records directory."""
+    if filename == RECORDS_DIR or not filename.startswith(file_prefix):
+        return None
+    if parse_temp_path(filename) is not None or ".tmp.upload." in filename:
+        return None
+    node, dot, ep = filename[len(file_prefix):].rpartition(".")
+    if not dot or not node or not _is_epoch(ep):
+        return None
+    return node, int(ep)
 
 
 def epochs_on_disk(db_prefix: str, node_names: list[str], path_prefix: str | None = None) -> list[int]:

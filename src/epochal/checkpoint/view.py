@@ -21,11 +21,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..storage import atomic
 from ..storage.base import get_db_type
 from .best import BestEpochs, best_of
-from .manifest import decode_manifest, manifest_name, parse_manifest_name
-from .naming import RECORDS_DIR, db_name
+from .manifest import Manifest, decode_manifest, manifest_name, parse_manifest_name
+from .naming import RECORDS_DIR, db_name, split_db_file
 from .records import STATS_FILE, RecordStore, records_for
 
 logger = logging.getLogger("epochal")
@@ -64,6 +63,12 @@ class CheckpointDirectory:
         return f"CheckpointDirectory({self.db_dir!r})"
 
     # -- names
+    @property
+    def file_prefix(self) -> str:
+        """What each db file name starts with before ``<node>.<epoch>`` (the base name of
+        ``path_prefix``; "" without one)."""
+        return self._file_prefix
+
     def db_path(self, node_name: str, epoch: int) -> str:
         """Where the db of ``node_name`` at ``epoch`` lives (the seed's ``db_name``)."""
         return db_name(epoch, node_name, self.db_prefix, self.path_prefix)
@@ -117,6 +122,12 @@ class CheckpointDirectory:
             raise CheckpointCorruptError(path, f"cannot read manifest: {ex}") from ex
         return decode_manifest(raw, path, epoch)
 
+    def read_manifest(self, epoch: int) -> Manifest:
+        """The manifest of ``epoch`` as a typed :class:`~.manifest.Manifest` (what the handler,
+        the mirror and the tools use; :meth:`manifest` is the same as its JSON dict, with the
+        same errors)."""
+        return Manifest.from_dict(self.manifest(epoch))
+
     def pins(self) -> set[int]:
         """Pinned epochs (empty when there is no pins file); CheckpointCorruptError if unreadable."""
         path = self.pins_path
@@ -159,14 +170,9 @@ class CheckpointDirectory:
         of interrupted saves and the records directory are ignored)."""
         found: dict[int, dict[str, str]] = {}
         for name, path in self.records.files(self.db_dir):
-            if name == RECORDS_DIR or not name.startswith(self._file_prefix):
-                continue
-            if atomic.parse_temp_path(name) is not None or ".tmp.upload." in name:
-                continue
-            node, dot, ep = name[len(self._file_prefix):].rpartition(".")
-            if not dot or not node or not ep.isascii() or not ep.isdigit():
-                continue
-            found.setdefault(int(ep), {})[node] = path
+            hit = split_db_file(name, self._file_prefix)
+            if hit is not None:
+                found.setdefault(hit[1], {})[hit[0]] = path
         return {e: dict(sorted(found[e].items())) for e in sorted(found)}
 
     # -- checking

@@ -455,11 +455,11 @@ def pull_cmd(ctx: click.Context, url: str, directory: str, epoch: int | None,
             if epoch is None:
                 out.note(f"skipped epoch {e}: {ex}")
             continue
-        files = sorted(n["file"] for n in got["nodes"].values())
-        size = sum(int(n["size"]) for n in got["nodes"].values())
+        files = sorted(n.file for n in got.nodes.values())
+        size = got.size
         if as_json:
             out.json({"url": url, "epoch": e, "directory": directory, "files": files, "bytes": size,
-                      "final": bool(got.get("final", False))})
+                      "final": got.final})
         else:
             out.console.print(f"restored epoch {e} from {url} into {directory}: "
                               f"{len(files)} db(s), {human_bytes(size)}, verified")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..checkpoint.manifest import DbEntry, Manifest
 from ..errors import CheckpointError
 from .dbs import verify_file
 from .names import RECORDS_DIR, parse_db_name
@@ -90,12 +91,13 @@ class Records:
     def committed(self) -> list[int]:
         return sorted(int(e) for e in self._call("committed_epochs", default=[]) or [])
 
-    def manifest(self, epoch: int) -> dict[str, Any] | None:
+    def manifest(self, epoch: int) -> Manifest | None:
+        """The typed manifest of ``epoch``; None when it has none or it does not read."""
         try:
-            m = self._call("manifest", epoch)
+            m = self._call("read_manifest", epoch)
         except Problem:
             return None
-        return m if isinstance(m, dict) else None
+        return m if isinstance(m, Manifest) else None
 
     def pins(self) -> set[int]:
         return {int(e) for e in self._call("pins", default=set()) or set()}
@@ -109,7 +111,7 @@ class Records:
         out: dict[int, str] = {}
         for e in self._call("manifest_epochs", default=[]) or []:
             try:
-                self._dir.manifest(e)
+                self._dir.read_manifest(e)
             except (CheckpointError, OSError, ValueError) as ex:
                 out[int(e)] = one_line(ex, self.prefix)
         return out
@@ -135,26 +137,26 @@ def list_prefix(prefix: str) -> dict[str, Any]:
     manifests = {e: rec.manifest(e) for e in sorted(committed)}
     nodes: list[str] = []
     for e in sorted(set(present) | committed):
-        m = manifests.get(e) or {}
-        for n in list((m.get("nodes") or {}).keys()) + sorted(present.get(e, {})):
+        m = manifests.get(e)
+        for n in list(m.nodes if m is not None else ()) + sorted(present.get(e, {})):
             if n not in nodes:
                 nodes.append(n)
     epochs = []
     for e in sorted(set(present) | committed):
-        m = manifests.get(e) or {}
-        mnodes: dict[str, Any] = m.get("nodes") or {}
+        m = manifests.get(e)
+        mnodes: dict[str, DbEntry] = m.nodes if m is not None else {}
         files: dict[str, Any] = {}
         for n in nodes:
             path = present.get(e, {}).get(n)
             if path is None and n in mnodes:
-                path = os.path.join(prefix, str(mnodes[n].get("file") or f"{n}.{e}"))
+                path = os.path.join(prefix, mnodes[n].file or f"{n}.{e}")
             if path is None:
                 continue
             files[n] = rec.file_record(path)
             if n in mnodes:
-                files[n]["recorded_size"] = mnodes[n].get("size")
+                files[n]["recorded_size"] = mnodes[n].size
         is_committed = e in committed
-        final = bool(m.get("final")) if is_committed else False
+        final = m.final if is_committed and m is not None else False
         missing = [n for n, f in files.items() if not f["present"]]
         if is_committed and missing:
             state = "missing files"
@@ -171,8 +173,8 @@ def list_prefix(prefix: str) -> dict[str, Any]:
             "committed": is_committed if rec.has_records else None,
             "final": final,
             "pinned": e in pins,
-            "db_type": m.get("db_type"),
-            "created": m.get("created") or (max(times) if times else None),
+            "db_type": m.db_type if m is not None else None,
+            "created": (m.created if m is not None else None) or (max(times) if times else None),
             "size": sum(f["size"] or 0 for f in files.values()),
             "files": files,
             "missing": missing,

@@ -64,11 +64,10 @@ def _source(ckpt: str, blob: str) -> tuple[str, str]:
     if not committed:
         raise CheckpointNotFoundError(f"{ckpt}: no committed checkpoint to export")
     epoch = committed[-1]
-    manifest = d.manifest(epoch)
-    db_type = manifest["db_type"]
-    backend = get_db_type(db_type)
+    manifest = d.read_manifest(epoch)
+    backend = get_db_type(manifest.db_type)
     holders = []
-    for node in manifest["nodes"]:
+    for node in manifest.nodes:
         path = d.db_path(node, epoch)
         if any(info.name == blob for info in backend.describe(path)):
             holders.append(path)
@@ -78,7 +77,7 @@ def _source(ckpt: str, blob: str) -> tuple[str, str]:
             f"{ckpt}: {what} of the newest committed epoch {epoch} hold blob {blob!r}"
             + ("; export one of them by its path" if holders else "")
         )
-    return holders[0], db_type
+    return holders[0], manifest.db_type
 
 
 def _tensors(value: Any, where: str) -> dict[str, Any]:

@@ -1,0 +1,117 @@
+"""What is deleted from a checkpoint directory, and the rules that keep each delete safe.
+
+* **Retention** (:func:`apply_retention`, after a commit): the epochs the policy of
+  :mod:`epochal.checkpoint.retention` drops go manifest first (the epoch then no longer
+  exists), then their dbs, so an interrupted delete never leaves a manifest naming missing
+  files; dbs of older epochs that were never committed (killed or failed saves) go too.
+  Only files named exactly as an epoch's db of a known node are ever deleted.
+* **Temp files** (:func:`clean_temp_files`, when a handler starts): the ``*.tmp.<host>.<pid>.*``
+  files of killed saves of this host whose process is gone. Another host's are never touched.
+
+:class:`~epochal.checkpoint.directory.DirectoryMetadataHandler` calls both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+from ..errors import CheckpointError
+from ..storage import atomic
+from .best import recorded_metrics
+from .lock import pid_alive
+from .retention import RetentionPolicy, epochs_to_delete
+from .view import CheckpointDirectory
+
+logger = logging.getLogger("epochal")
+
+__all__ = ["apply_retention", "clean_temp_files"]
+
+
+def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy, node_names: Iterable[str]) -> list[int]:
+    """Delete what ``policy`` drops from ``d`` now that ``newest`` is committed; return the
+    epochs deleted, oldest first. Epochs newer than ``newest`` (about to be overwritten) and
+    pinned ones are kept; dbs of older epochs that were never committed are removed.
+    ``node_names``: the job's nodes (with those the manifests list, the only db names touched)."""
+    if policy.keeps_everything:
+        return []
+    try:
+        pins = d.pins()
+    except CheckpointError as ex:
+        logger.warning("Retention skipped: %s", ex)
+        return []
+    manifests = d.manifest_epochs()
+    committed = d.committed_epochs()
+    newer = {e for e in manifests if e > newest}
+    doomed = epochs_to_delete(committed, newest, pins, policy, protect=newer,
+                              metrics=recorded_metrics(d, policy, committed))
+    # only files named exactly as an epoch's dbs of a known node are ever deleted (a
+    # README.1 beside the dbs is not one; nor a file a damaged manifest names: refused)
+    known = set(node_names)
+    for epoch in committed:
+        known.update(d.read_manifest(epoch).nodes)
+    on_disk = {e: {n: p for n, p in dbs.items() if n in known and os.path.basename(p) ==
+                   os.path.basename(d.db_path(n, e))} for e, dbs in d.scan().items()}
+    for epoch in doomed:
+        try:
+            nodes = d.read_manifest(epoch).nodes
+        except CheckpointError:
+            nodes = {}
+        files = [d.db_path(n, epoch) for n, entry in nodes.items()
+                 if entry.file == os.path.basename(d.db_path(n, epoch))]
+        d.records.delete(d.manifest_path(epoch))
+        d.records.sync_dir(d.records_dir)
+        for path in {*files, *on_disk.get(epoch, {}).values()}:
+            d.records.delete(path)
+        logger.info("Retention: deleted the checkpoint of epoch %d", epoch)
+    # leftovers of saves that never committed (or of a delete that was interrupted)
+    valid = set(committed)
+    for epoch, dbs in on_disk.items():
+        if epoch < newest and epoch not in valid and epoch not in pins:
+            if epoch in manifests:
+                d.records.delete(d.manifest_path(epoch))
+            for path in dbs.values():
+                d.records.delete(path)
+            logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs.values()))
+    d.records.sync_dir(d.db_dir)
+    return doomed
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def clean_temp_files(d: CheckpointDirectory) -> list[str]:
+    """Remove temp files (``*.tmp.<host>.<pid>.<token>``) in the checkpoint and records
+    directories of ``d`` whose host is this one and whose process is gone; return their
+    paths. Another host's temp files are never touched (its process may still be writing);
+    at a URL nothing is (staged uploads clean up after themselves)."""
+    if d.records.remote:
+        return []
+    me, removed = atomic.hostname(), []
+    for folder in (d.db_dir, d.records_dir):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            parsed = atomic.parse_temp_path(name)
+            if parsed is None:
+                continue
+            _, host, pid = parsed
+            if host != me or pid == os.getpid() or pid_alive(pid):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                if _unlink(path):
+                    removed.append(path)
+            except OSError as ex:
+                logger.warning("Cannot remove the leftover temp file %s: %s", path, ex)
+    if removed:
+        logger.info("Removed %d leftover temp file(s) of killed saves: %s", len(removed), removed)
+    return removed
