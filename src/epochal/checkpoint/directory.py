@@ -14,8 +14,10 @@ epoch whose dbs all verify; a damaged one is skipped with a warning naming the f
 
 :class:`DirectoryMetadataHandler` is the handler that JobRunner drives; the read-only view of
 such a directory (for tools: ``epochal ls/stats/verify``), :class:`CheckpointDirectory`, lives
-in :mod:`epochal.checkpoint.view` and is re-exported here. See docs/reliability.md for the
-guarantees and how they are tested.
+in :mod:`epochal.checkpoint.view` and is re-exported here. Each node's entry of a commit is
+:mod:`epochal.checkpoint.commit`'s, what retention and temp cleanup delete
+:mod:`epochal.checkpoint.cleanup`'s, the mirror work :mod:`epochal.checkpoint.mirror_sync`'s.
+See docs/reliability.md for the guarantees and how they are tested.
 """
 
 from __future__ import annotations

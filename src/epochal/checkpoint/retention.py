@@ -15,7 +15,7 @@ default keeps every epoch). For ``keep_best``, an epoch recorded without a value
 not known at all (absent from ``metrics``, e.g. one only a mirror holds) is kept, since it
 cannot be ranked. Ties go to the older epoch, so the set of the B best never changes except
 when a strictly better epoch arrives: over a resumed run it is exactly the B best of all.
-Deleting is the caller's job (:mod:`epochal.checkpoint.directory`): the manifest first, then
+Deleting is the caller's job (:mod:`epochal.checkpoint.cleanup`): the manifest first, then
 the dbs, so an interrupted delete never leaves a manifest that names missing files.
 """
 
