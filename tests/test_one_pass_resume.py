@@ -189,3 +189,28 @@ def test_checkpointer_restore_falls_back_and_never_half_restores(tmp_path, monke
     assert s["model"] is model and s["n"] == 1
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[1][k]), k
+
+
+def test_a_damaged_local_epoch_is_restored_from_the_mirror_once(tmp_path, caplog, reference):
+    import secrets
+
+    url = f"memory://one-pass-{secrets.token_hex(4)}/run"
+    assert run(tmp_path, handler=DirectoryMetadataHandler(mirror=url))[0] == 4
+    flip_data(tmp_path / "trainer_0.4")
+    with caplog.at_level(logging.INFO, logger="epochal"):
+        last, blobs, counts = run(tmp_path, handler=DirectoryMetadataHandler(mirror=url))
+    assert last == 4 and counts.epochs == []  # the finished job's epoch 4, from the mirror
+    cj.assert_same_blobs(blobs, reference)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("Restored epoch 4 from" in m for m in said), said
+    # damaged at both ends: restored once, then skipped for epoch 3 (which is retrained)
+    from epochal.storage import remote
+
+    fs, root = remote.filesystem(url)
+    flip_data(tmp_path / "trainer_0.4")
+    raw = bytearray(fs.cat_file(f"{root}/trainer_0.4"))
+    raw[len(raw) // 2] ^= 0x5A
+    fs.pipe_file(f"{root}/trainer_0.4", bytes(raw))
+    last, blobs, counts = run(tmp_path, handler=DirectoryMetadataHandler(mirror=url))
+    assert last == 4 and counts.epochs == [4]
+    cj.assert_same_blobs(blobs, reference)
