@@ -187,8 +187,8 @@ def test_db_name_joins_urls_with_a_slash() -> None:
     assert db_name(3, "t", "", "s3://b/run/pre_") == "s3://b/run/pre_t.3"
 
 
-def test_resume_at_a_url_reads_headers_only_and_a_damaged_db_is_named_by_the_load(
-    where: tuple[str, dict[str, Any] | None], monkeypatch: pytest.MonkeyPatch,
+def test_resume_at_a_url_reads_headers_only_and_a_damaged_db_found_by_the_load_falls_back(
+    where: tuple[str, dict[str, Any] | None], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     from epochal.storage.io import fsspec_store
 
@@ -217,6 +217,14 @@ def test_resume_at_a_url_reads_headers_only_and_a_damaged_db_is_named_by_the_loa
     assert at > 0
     data[at + 3] ^= 0x01  # same size, same header: only the checksums can tell
     fs.pipe_file(path, bytes(data))
+    # an explicit epoch: the load's error names the db
     with pytest.raises(CheckpointError) as e:
-        _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts)
+        _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts, resume=2)
     assert f"{url}/trainer_1.2" in str(e.value)
+    # the chosen epoch: the load finds the damage and the run falls back to epoch 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="epochal"):
+        assert _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts) == LAST
+    said = [r.getMessage() for r in caplog.records]
+    assert any("epoch 2 is damaged" in m and f"{url}/trainer_1.2" in m for m in said), said
+    assert any("Resuming from epoch 1" in m for m in said), said

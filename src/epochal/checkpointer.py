@@ -41,7 +41,7 @@ from typing import Any
 from .checkpoint.best import metric_number
 from .checkpoint.directory import DirectoryMetadataHandler, best_of_directory
 from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
-from .errors import CheckpointError, UnsupportedBlobError
+from .errors import CheckpointCorruptError, CheckpointError, UnsupportedBlobError
 from .jobs.cadence import Cadence, parse_interval
 from .jobs.preemption import SignalGuard
 from .storage.base import get_db_type
@@ -156,11 +156,25 @@ class Checkpointer:
         self._check_open()
         names = _check_state(state, "restore")
         self.wait()
-        step = self.handler.last_epoch()
         self._last_save = time.monotonic()
+        step = self.handler.resume_epoch()
+        while step is not None:
+            try:
+                self._load(step, names, state)
+                break
+            except CheckpointCorruptError as ex:  # found before any object was touched
+                if not self.handler.reject_epoch(step, str(ex)):
+                    raise
+                step = self.handler.resume_epoch()
         if step is None:
             logger.info("No checkpoint in %s: starting a new run", self.directory)
             return None
+        logger.info("Resumed from step %d in %s", step, self.directory)
+        self.last_step = step
+        return step
+
+    def _load(self, step: int, names: list[str], state: MutableMapping[str, Any]) -> None:
+        """Load ``step`` into ``state`` (every checksum verified before anything is touched)."""
         db = self.db_path(step)
         present = {b.name for b in get_db_type(DB_TYPE).describe(db)}
         missing = [n for n in names if n not in present]
@@ -170,9 +184,6 @@ class Checkpointer:
         start = time.perf_counter_ns()
         nbytes = LoadBlobs(db, DB_TYPE, [n for n in names if n in present], node=NODE, epoch=step)(state)
         self._report("checkpoint_load", db, time.perf_counter_ns() - start, nbytes)
-        logger.info("Resumed from step %d in %s", step, self.directory)
-        self.last_step = step
-        return step
 
     def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
         """Save ``state`` as the checkpoint of ``step`` and commit it (with ``async_save``: take

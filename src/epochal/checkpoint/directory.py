@@ -90,7 +90,10 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
     value given to ``write(epoch, metrics=...)``, else the scalar blob of that name in the
     epoch's db; it is recorded in the manifest (``"metrics"``). ``verify``: how a candidate resume
     epoch is checked: ``"full"`` (every checksum, the default), ``"quick"`` (size and digest)
-    or ``"none"`` (trust the manifest). ``clean_temp``: remove temp files of dead processes of
+    or ``"none"`` (trust the manifest). A resume through JobRunner or the Checkpointer reads a
+    ``"full"`` checkpoint once: the handler checks sizes and digests, the load every checksum
+    (before any live object is touched), and an epoch it finds damaged is skipped for the
+    previous committed one (:meth:`resume_epoch`, :meth:`reject_epoch`). ``clean_temp``: remove temp files of dead processes of
     this host on start (in ``set_params``). ``space_margin``: the fraction added to the previous
     checkpoint's size when ``cp_accessible`` checks for room.
 
@@ -163,6 +166,8 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         self._reported: dict[int, dict[str, DbReport]] = {}  # epoch -> what the nodes said
         self._node_pushed: set[int] = set()  # epochs whose every db its node pushed itself
         self.mirror_from_nodes = bool(mirror_from_nodes)
+        self._rejected: set[int] = set()  # epochs whose load failed its checks in this run
+        self._repulled: set[int] = set()  # ... and that were restored from the mirror once
 
     def __repr__(self) -> str:
         where = self.directory.db_dir if self.directory is not None else None
@@ -206,13 +211,48 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
 
     def last_epoch(self, user_epoch: int | None = None) -> int | None:
         """``user_epoch`` when given (it must be committed and intact, else CheckpointError);
-        otherwise the newest committed epoch whose dbs all verify, None when there is none."""
+        otherwise the newest committed epoch whose dbs all verify (at the ``verify`` level),
+        None when there is none."""
+        return self._choose(user_epoch, self.verify)
+
+    def resume_epoch(self, user_epoch: int | None = None) -> int | None:
+        """:meth:`last_epoch` for a resume whose load verifies every checksum itself (the
+        runner's, the Checkpointer's): with ``verify="full"`` the candidates are checked for
+        size and digest only and the load reads the checkpoint once, checking every byte
+        before any live object is touched; a damaged epoch it finds is passed to
+        :meth:`reject_epoch` and the previous intact one is chosen."""
+        return self._choose(user_epoch, self._load_level())
+
+    def reject_epoch(self, epoch: int, reason: str) -> bool:
+        """The load of ``epoch`` failed its checks (``reason``): with ``verify="full"``,
+        restore it once from the mirror, else never choose it again in this run, and return
+        True (choose again). With ``"quick"``/``"none"`` the user trusts the files: False, the
+        load's error stands."""
+        if self.verify != "full":
+            return False
+        epoch = int(epoch)
+        logger.warning("Checkpoint of epoch %d is damaged, not resuming from it: %s", epoch, reason)
+        if self.mirror is not None and epoch not in self._repulled:
+            self._repulled.add(epoch)
+            if self._pull(epoch):
+                return True
+        self._rejected.add(epoch)
+        return True
+
+    def _load_level(self) -> str:
+        """The check a candidate gets when its load verifies: "full" becomes "quick" for db
+        types whose loads check every checksum."""
+        if self.verify == "full" and get_db_type(self.db_type).load_verifies:
+            return "quick"
+        return self.verify
+
+    def _choose(self, user_epoch: int | None, level: str) -> int | None:
         d = self._dir()
         self.flush()  # our own pushes first: the mirror's listing must include them
         if user_epoch is not None:
-            problems = self._problems(int(user_epoch))
+            problems = self._problems(int(user_epoch), level)
             if problems and self.mirror is not None and self._pull(int(user_epoch)):
-                problems = self._problems(int(user_epoch))
+                problems = self._problems(int(user_epoch), level)
             if problems:
                 if not d.records.exists(d.manifest_path(user_epoch)):
                     raise CheckpointNotFoundError(problems[0])
@@ -223,7 +263,10 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         skipped: list[int] = []
         local: int | None = None
         for epoch in reversed(d.manifest_epochs()):
-            problems = self._problems(epoch)
+            if epoch in self._rejected:
+                skipped.append(epoch)
+                continue
+            problems = self._problems(epoch, level)
             if not problems:
                 if skipped:
                     logger.warning(
@@ -429,11 +472,12 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         """``{epoch: recorded value of the retention metric}`` (None when not keeping best)."""
         return recorded_metrics(self._dir(), self.policy, epochs)
 
-    def _problems(self, epoch: int) -> list[str]:
+    def _problems(self, epoch: int, level: str) -> list[str]:
         d = self._dir()
         # at a URL the driver checks sizes and digests only: reading every byte of every
         # node's db is each node's own load's job (it verifies every checksum)
-        level = "quick" if d.records.remote and self.verify == "full" else self.verify
+        if d.records.remote and level == "full":
+            level = "quick"
         problems = d.check_epoch(epoch, level, nodes=self.node_names or None)
         if problems:
             return problems

@@ -98,6 +98,19 @@ class HandlerCalls:
             return self._metadata_handler.last_epoch(user_epoch=user_epoch)  # type: ignore[no-any-return]
         return user_epoch
 
+    def resume_epoch(self, user_epoch: int | None = None) -> int | None:
+        """:meth:`get_resume_from_epoch_id` for the runner, whose load verifies every checksum
+        before any live object is touched: the handler may check less up front (one read of
+        the checkpoint); a load that fails is reported with :meth:`reject_epoch`."""
+        if self._handler is not None:
+            return self._handler.resume_epoch(user_epoch)
+        return user_epoch
+
+    def reject_epoch(self, epoch: int, reason: str) -> bool:
+        """The load of ``epoch`` found it damaged: True when the handler will choose another
+        (ask :meth:`resume_epoch` again), False when the load's error must stand."""
+        return bool(self._handler.reject_epoch(int(epoch), reason)) if self._handler is not None else False
+
     def cp_accessible(self, epoch: int | None = None) -> bool:
         if self._metadata_handler is not None:
             return self._metadata_handler.cp_accessible(epoch)  # type: ignore[no-any-return]

@@ -80,6 +80,14 @@ class MetadataHandlerExtensions(Protocol):
     - ``acquire_lock()``: take the exclusive writer lock of the checkpoint location for a run
       (called right after ``set_params``; raises ``CheckpointLockedError`` when another live
       writer holds it); ``release_lock()``: let it go (called when ``train`` ends, always).
+    - ``resume_epoch(user_epoch) -> int | None``: ``last_epoch`` for a caller whose load checks
+      every checksum of what it reads before any live object is touched, and reports a failure
+      with ``reject_epoch``: the handler may check less up front (sizes, digests), so a resume
+      reads the checkpoint once, not twice.
+    - ``reject_epoch(epoch, reason) -> bool``: the load of ``epoch``, which ``resume_epoch``
+      chose, found it damaged (``reason``). True: the handler will not choose it again in this
+      run and the caller asks ``resume_epoch`` again (an older epoch, or None); False: the
+      caller raises the load's error.
     """
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
@@ -99,6 +107,10 @@ class MetadataHandlerExtensions(Protocol):
     def acquire_lock(self) -> None: ...
 
     def release_lock(self) -> None: ...
+
+    def resume_epoch(self, user_epoch: int | None = None) -> int | None: ...
+
+    def reject_epoch(self, epoch: int, reason: str) -> bool: ...
 
 
 class BaseMetadataHandler:
@@ -155,13 +167,22 @@ class BaseMetadataHandler:
         """Where the checkpoints are, for messages (None: unknown)."""
         return None
 
+    def resume_epoch(self, user_epoch: int | None = None) -> int | None:
+        """The seed's ``last_epoch``: a handler that checks less when the load verifies
+        overrides this (see :class:`MetadataHandlerExtensions`)."""
+        return self.last_epoch(user_epoch)
+
+    def reject_epoch(self, epoch: int, reason: str) -> bool:
+        """No fallback: the load's error stands."""
+        return False
+
 
 class _Extended(BaseMetadataHandler):
     """A five-method (seed) handler seen through the full interface: each extension it has is
     forwarded, each it lacks is the base's no-op."""
 
     _EXTENSIONS = ("report_bytes", "report_dbs", "node_push_target", "expect_final", "mark_final", "is_final", "flush",
-                   "acquire_lock", "release_lock", "location")
+                   "acquire_lock", "release_lock", "location", "resume_epoch", "reject_epoch")
 
     def __init__(self, handler: Any) -> None:
         self.handler = handler

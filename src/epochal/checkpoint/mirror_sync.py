@@ -33,6 +33,7 @@ class MirrorSync:
     _unpushed: set[int]  # committed here, not yet at the mirror (worker-owned)
     _node_pushed: set[int]  # epochs whose dbs the nodes uploaded themselves
     _mirror_queue: Any
+    _rejected: set[int]  # epochs whose load failed its checks in this run
 
     def _dir(self) -> CheckpointDirectory:
         raise NotImplementedError
@@ -92,6 +93,8 @@ class MirrorSync:
         for epoch in reversed(remote):
             if local is not None and epoch <= local:
                 break
+            if epoch in self._rejected:  # its load failed in this run (see reject_epoch)
+                continue
             if self._pull(epoch):
                 return epoch
         return None

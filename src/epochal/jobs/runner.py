@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import (
     BlobMismatchError,
+    CheckpointCorruptError,
     CheckpointError,
     MissingBlobError,
     NodeLostError,
@@ -227,45 +228,43 @@ class JobRunner:
                     "them. To resume, pass resume_from_epoch=%d, or give the manager a "
                     "DirectoryMetadataHandler()", self._where(), found[-1], found[-1],
                 )
-        self.resume_from_epoch = manager.get_resume_from_epoch_id(self.resume_from_epoch)
-        resume = self.resume_from_epoch
-        limit = job.epoch_limit
+        resume = manager.resume_epoch(self.resume_from_epoch)
+        return resume, self._chosen(resume, user_epoch)
+
+    def _chosen(self, resume: int | None, user_epoch: int | None) -> bool:
+        """Record the resume epoch and say it; whether the job had finished there."""
+        self.resume_from_epoch = self.last_committed = resume
+        limit = self.job.epoch_limit
         if resume is None:
             finished = False
         elif limit is not None:  # the limit in the code now decides, not the saved one
             finished = resume >= limit
         else:
-            finished = user_epoch is None and manager.is_final(resume)
-        self.last_committed = resume
+            finished = user_epoch is None and self.checkpoint_manager.is_final(resume)
         if resume is None:
             self._say(f"starting a new job in {self._where()}")
         else:
             self._say(f"resuming from epoch {resume} in {self._where()}")
-        return resume, finished
+        return finished
 
     def _train(self, session: Any, guard: SignalGuard) -> int:
         job, manager = self.job, self.checkpoint_manager
+        user_epoch = self.resume_from_epoch
         resume, finished = self._start()
         self._emit("on_train_start", self.resume_from_epoch, list(job.nodes_to_checkpoint()))
-        if resume is None:
-            session.run(job.init_group)
         if manager:
-            logger.info("Preparing checkpoints ...")
-            nodes = job.nodes_to_checkpoint()
             self._outputs = set(self._output_names())  # once per run: read at every save
-            init = manager.init(nodes, retrieve_from_epoch=resume, exclude=sorted(self._outputs))
-            session.run(init)
-            if resume is None:
-                self.save_checkpoints(0, session, wait=not self.async_save)
-            else:
-                self._warn_added_blobs(resume)
-                logger.info("Loading checkpoints for epoch %d ...", resume)
-                start = time.perf_counter()
-                self._emit("on_checkpoint_start", "checkpoint_load", resume)
-                session.run(manager.load(resume))
-                manager.report_checkpoint_stats("checkpoint_load")
-                self._checkpoint_event("checkpoint_load", resume, start, True, None)
-                logger.info("Checkpoint loaded")
+        while True:
+            try:
+                self._restore(session, resume)
+                break
+            except CheckpointCorruptError as ex:
+                # the load found the chosen epoch damaged before touching any live object:
+                # the handler skips it and the previous committed epoch is loaded instead
+                if resume is None or user_epoch is not None or not manager.reject_epoch(resume, str(ex)):
+                    raise
+                resume = manager.resume_epoch(None)
+                finished = self._chosen(resume, None)
         logger.info("Finished initializing")
 
         epoch = 1 if resume is None else resume + 1
@@ -300,6 +299,32 @@ class JobRunner:
         logger.info("Finished running the exit group")
         self._emit("on_train_end", epoch, False)
         return epoch
+
+    def _restore(self, session: Any, resume: int | None) -> None:
+        """Initialize the job (``resume`` None) or the checkpoints of ``resume`` and load it."""
+        job, manager = self.job, self.checkpoint_manager
+        if resume is None:
+            session.run(job.init_group)
+        if not manager:
+            return
+        logger.info("Preparing checkpoints ...")
+        nodes = job.nodes_to_checkpoint()
+        session.run(manager.init(nodes, retrieve_from_epoch=resume, exclude=sorted(self._outputs)))
+        if resume is None:
+            self.save_checkpoints(0, session, wait=not self.async_save)
+            return
+        self._warn_added_blobs(resume)
+        logger.info("Loading checkpoints for epoch %d ...", resume)
+        start = time.perf_counter()
+        self._emit("on_checkpoint_start", "checkpoint_load", resume)
+        try:
+            session.run(manager.load(resume))
+        except Exception as ex:
+            self._checkpoint_event("checkpoint_load", resume, start, False, str(ex))
+            raise
+        manager.report_checkpoint_stats("checkpoint_load")
+        self._checkpoint_event("checkpoint_load", resume, start, True, None)
+        logger.info("Checkpoint loaded")
 
     def _epochs(self, session: Any, guard: SignalGuard, epoch: int, finished: bool) -> int:
         """The epoch loop; returns the last epoch run (``preempted_by`` set if a signal

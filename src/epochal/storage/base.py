@@ -109,6 +109,10 @@ class DbBackend(abc.ABC):
     :func:`register_db_type`."""
 
     name: str = "?"
+    #: ``read(verify=True)`` checks every checksum of what it reads before any value is
+    #: decoded or live object touched, as :meth:`verify` would: a resume may then skip the
+    #: separate full check and read the checkpoint once
+    load_verifies: bool = False
 
     @abc.abstractmethod
     def write(self, path: str, blobs: Mapping[str, Any]) -> int:

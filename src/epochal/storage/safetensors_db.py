@@ -81,6 +81,7 @@ class SafetensorsBackend(DbBackend):
     """``db_type="safetensors"``: see the module docstring."""
 
     name = "safetensors"
+    load_verifies = True
 
     # ------------------------------------------------------------------ write
     def write(self, path: str, blobs: Mapping[str, Any]) -> int:

@@ -18,6 +18,7 @@ class NativeBackend(DbBackend):
     """``db_type="native"``: the format of this package (docs/format.md)."""
 
     name = "native"
+    load_verifies = True
 
     def write(self, path: str, blobs: Mapping[str, Any]) -> int:
         return write_native(path, blobs)
