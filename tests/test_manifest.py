@@ -180,3 +180,16 @@ def test_db_names_are_parsed_in_one_place(tmp_path: Path) -> None:
     os.makedirs(tmp_path / ".epochal")
     assert CheckpointDirectory(str(tmp_path)).scan() == {0: {"n": str(tmp_path / "n.0")},
                                                           1: {"n": str(tmp_path / "n.1")}}
+
+
+def test_stats_lines_name_node_and_epoch_through_naming() -> None:
+    from epochal.checkpoint.stats import stats_lines
+
+    raw = stats_lines("T", "checkpoint_save", {"d/run-a.1.2": 5, "d/run-a.3": 6, "d/other": 7},
+                      {"d/run-a.3": 100}, ["a", "a.1"], "run-")
+    lines = [json.loads(x) for x in raw.decode().splitlines()]
+    assert raw.endswith(b"\n") and len(lines) == 3
+    assert [(x["node"], x["epoch"], x["ns"], x["bytes"]) for x in lines] == [
+        ("a.1", 2, 5, None), ("a", 3, 6, 100), (None, None, 7, None)]
+    assert lines[0] == {"time": "T", "action": "checkpoint_save", "epoch": 2, "node": "a.1", "db": "d/run-a.1.2",
+                        "ns": 5, "bytes": None}

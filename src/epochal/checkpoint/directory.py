@@ -16,7 +16,8 @@ epoch whose dbs all verify; a damaged one is skipped with a warning naming the f
 such a directory (for tools: ``epochal ls/stats/verify``), :class:`CheckpointDirectory`, lives
 in :mod:`epochal.checkpoint.view` and is re-exported here. Each node's entry of a commit is
 :mod:`epochal.checkpoint.commit`'s, what retention and temp cleanup delete
-:mod:`epochal.checkpoint.cleanup`'s, the mirror work :mod:`epochal.checkpoint.mirror_sync`'s.
+:mod:`epochal.checkpoint.cleanup`'s, the room check :mod:`epochal.checkpoint.room`'s, the stats
+lines :mod:`epochal.checkpoint.stats`'s, the mirror work :mod:`epochal.checkpoint.mirror_sync`'s.
 See docs/reliability.md for the guarantees and how they are tested.
 """
 
@@ -36,7 +37,7 @@ from ..errors import (
     CheckpointNotFoundError,
 )
 from ..storage.base import get_db_type
-from . import cleanup
+from . import cleanup, room
 from .best import collect_metrics, keep_best_record, recorded_metrics
 from .commit import durable_entries
 from .lease import DEFAULT_LEASE_SECONDS
@@ -49,14 +50,11 @@ from .manifest import (
 )
 from .metadata import BaseMetadataHandler, DbReport, PushTarget
 from .mirror_sync import MirrorSync
-from .naming import (
-    RECORDS_DIR,  # noqa: F401 - re-exported (its old home)
-    parse_db_file,
-    split_db_file,
-)
+from .naming import RECORDS_DIR  # noqa: F401 - re-exported (its old home)
 from .records import STATS_FILE, RecordLock  # noqa: F401
 from .records import read_local_record as read_record  # noqa: F401 - its old home
 from .retention import RetentionPolicy
+from .stats import STATS_ACTIONS, stats_lines  # noqa: F401 - STATS_ACTIONS: its old home
 from .view import (  # noqa: F401 - re-exported: this module was their home
     PINS_FILE,
     VERIFY_LEVELS,
@@ -69,7 +67,6 @@ from .view import (  # noqa: F401 - re-exported: this module was their home
 logger = logging.getLogger("epochal")
 
 PINS_FORMAT = "epochal-pins"
-STATS_ACTIONS = ("checkpoint_save", "checkpoint_load", "checkpoint_partial_load")
 
 # the manifest's own module has these; kept here for code that imported them from here
 _MANIFEST_RE = MANIFEST_RE
@@ -322,17 +319,9 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         sizes, self._pending_bytes = self._pending_bytes, {}
         if self.directory is None or not stats:
             return
-        now = _utcnow()
-        lines = []
-        for db, ns in stats.items():
-            node, epoch = self._parse_db(db)  # (None, None): not named as a db
-            nbytes = sizes.get(db)
-            lines.append(json.dumps({
-                "time": now, "action": action_name, "epoch": epoch, "node": node, "db": db,
-                "ns": int(ns), "bytes": int(nbytes) if nbytes is not None else None,
-            }, separators=(",", ":")))
+        data = stats_lines(_utcnow(), action_name, stats, sizes, self.node_names, self.directory.file_prefix)
         try:
-            self._append_stats(("\n".join(lines) + "\n").encode("utf-8"))
+            self._append_stats(data)
         except OSError as ex:
             logger.warning("Cannot append checkpoint stats to %s: %s", self.directory.stats_path, ex)
 
@@ -343,29 +332,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         d = self._dir()
         if d.records.remote:
             return True  # object storage: no folder to make, no free space to measure
-        try:
-            os.makedirs(d.records_dir, exist_ok=True)
-        except OSError as ex:
-            logger.warning("Checkpoint directory %s cannot be created: %s", d.records_dir, ex)
-            return False
-        for path in (d.db_dir, d.records_dir):
-            if not os.access(path, os.W_OK | os.X_OK):
-                logger.warning("Checkpoint directory %s is not writable", path)
-                return False
-        need, basis = self._space_needed()
-        if need:
-            try:
-                st = os.statvfs(d.db_dir)
-            except (OSError, AttributeError):
-                return True
-            free = st.f_bavail * st.f_frsize
-            if free < need:
-                logger.warning(
-                    "Not enough free space in %s for the next checkpoint: %d bytes free, about %d "
-                    "needed (the size of epoch %d)", d.db_dir, free, need, basis,
-                )
-                return False
-        return True
+        return room.writable(d) and room.fits(d, *self._space_needed())
 
     # -- epochal's optional extensions
     def acquire_lock(self) -> None:
@@ -482,7 +449,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         if problems:
             return problems
         if self.node_names:
-            db_type = d.manifest(epoch)["db_type"]
+            db_type = d.read_manifest(epoch).db_type
             if db_type != self.db_type:
                 return [f"{d.manifest_path(epoch)}: written with db_type {db_type!r}, this job uses {self.db_type!r}"]
         return []
@@ -490,23 +457,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
     def _space_needed(self) -> tuple[int, int]:
         """(bytes needed for the next checkpoint, epoch the estimate is based on); (0, -1) when
         there is no committed checkpoint to go by."""
-        d = self._dir()
-        for epoch in reversed(d.manifest_epochs()):
-            try:
-                nodes = d.read_manifest(epoch).nodes
-            except CheckpointError:
-                continue
-            size = sum(e.size for n, e in nodes.items() if not self.node_names or n in self.node_names)
-            return int(size * (1 + self.space_margin)) + 64 * 1024, epoch
-        return 0, -1
-
-    def _parse_db(self, db: str) -> tuple[str | None, int | None]:
-        """``(node, epoch)`` of a db path for a stats line: one of the job's nodes first (a
-        node named ``a.1`` is not node ``a``), else any db-shaped name; (None, None) if none."""
-        base = os.path.basename(db)
-        prefix = self.directory.file_prefix if self.directory is not None else ""
-        hit = parse_db_file(base, self.node_names, prefix) or split_db_file(base, prefix)
-        return hit if hit is not None else (None, None)
+        return room.space_needed(self._dir(), self.node_names, self.space_margin)
 
     def _append_stats(self, data: bytes) -> None:
         d = self._dir()
@@ -516,14 +467,12 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         d = self._dir()
         pins = (d.pins() | add) - remove
         d.records.makedirs(d.records_dir)
-        self._write_json(d.pins_path, {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)})
+        data = {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)}
+        d.records.write(d.pins_path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
 
     def _write_manifest(self, path: str, manifest: Manifest) -> None:
         """Write a manifest atomically, with its content checksum."""
         self._dir().records.write(path, manifest.encode())
-
-    def _write_json(self, path: str, data: dict[str, Any]) -> None:
-        self._dir().records.write(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
 
     def node_push_target(self) -> PushTarget | None:
         """With ``mirror_from_nodes`` and a mirror (a :class:`~.mirror.RemoteMirror`): each
