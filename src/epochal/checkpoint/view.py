@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..storage.base import get_db_type
+from ..storage.base import DbBackend, get_db_type
 from .best import BestEpochs, best_of
-from .manifest import Manifest, decode_manifest, manifest_name, parse_manifest_name
+from .manifest import DbEntry, Manifest, decode_manifest, manifest_name, parse_manifest_name
 from .naming import RECORDS_DIR, db_name, split_db_file
 from .records import STATS_FILE, RecordStore, records_for
 
@@ -188,15 +188,15 @@ class CheckpointDirectory:
         if level not in VERIFY_LEVELS:
             raise ValueError(f"verify level must be one of {VERIFY_LEVELS}, got {level!r}")
         try:
-            manifest = self.manifest(epoch)
+            manifest = self.read_manifest(epoch)
         except CheckpointError as ex:
             return [str(ex)]
         mpath = self.manifest_path(epoch)
-        listed: dict[str, Any] = manifest["nodes"]
+        listed = manifest.nodes
         wanted = list(listed) if nodes is None else [str(n) for n in nodes]
         problems = []
         try:
-            backend = get_db_type(manifest["db_type"])
+            backend = get_db_type(manifest.db_type)
         except CheckpointError as ex:
             return [f"{mpath}: {ex}"]
         for node in wanted:
@@ -204,16 +204,16 @@ class CheckpointDirectory:
             if entry is None:
                 problems.append(f"{mpath}: lists no db for node {node!r}")
                 continue
-            path = os.path.join(self.db_dir, entry["file"])
+            path = os.path.join(self.db_dir, entry.file)
             expected = self.db_path(node, epoch)
             if os.path.normpath(path) != os.path.normpath(expected):
-                problems.append(f"{mpath}: node {node!r} names {entry['file']!r}, expected {expected}")
+                problems.append(f"{mpath}: node {node!r} names {entry.file!r}, expected {expected}")
                 continue
             problems.extend(_check_db(self.records, backend, path, entry, level))
         return problems
 
 
-def _check_db(records: RecordStore, backend: Any, path: str, entry: dict[str, Any], level: str) -> list[str]:
+def _check_db(records: RecordStore, backend: DbBackend, path: str, entry: DbEntry, level: str) -> list[str]:
     try:
         size = records.size(path)
     except FileNotFoundError:
@@ -222,17 +222,17 @@ def _check_db(records: RecordStore, backend: Any, path: str, entry: dict[str, An
         return [f"{path}: cannot stat ({ex})"]
     if level == "none":
         return []
-    if size != entry["size"]:
-        return [f"{path}: size is {size} bytes, the manifest says {entry['size']} (truncated or replaced)"]
-    if entry["digest"] is not None:
+    if size != entry.size:
+        return [f"{path}: size is {size} bytes, the manifest says {entry.size} (truncated or replaced)"]
+    if entry.digest is not None:
         try:
             digest = backend.digest(path)
         except CheckpointError as ex:
             return [str(ex)]
         except OSError as ex:
             return [f"{path}: cannot read ({ex})"]
-        if digest != entry["digest"]:
-            return [f"{path}: digest is {digest}, the manifest says {entry['digest']} (replaced or damaged)"]
+        if digest != entry.digest:
+            return [f"{path}: digest is {digest}, the manifest says {entry.digest} (replaced or damaged)"]
     if level == "full":
         try:
             backend.verify(path)
