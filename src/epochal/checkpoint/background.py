@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -204,6 +205,7 @@ class _Switch:
         self.interval = interval
         self._count = 0
         self._old: float | None = None
+        self._set = 0.0
         self._lock = threading.Lock()
 
     def enter(self) -> None:
@@ -212,12 +214,13 @@ class _Switch:
             if self._count == 1 and self.interval is not None and sys.getswitchinterval() > self.interval:
                 self._old = sys.getswitchinterval()
                 sys.setswitchinterval(self.interval)
+                self._set = sys.getswitchinterval()
 
     def exit(self) -> None:
         with self._lock:
             self._count -= 1
             if self._count == 0 and self._old is not None:
-                if self.interval is not None and abs(sys.getswitchinterval() - self.interval) < 1e-9:
+                if sys.getswitchinterval() == self._set:  # nobody changed it meanwhile
                     sys.setswitchinterval(self._old)
                 self._old = None
 
@@ -231,9 +234,20 @@ class BackgroundSaver:
                  switch_interval: float | None = DEFAULT_SWITCH_INTERVAL) -> None:
         self.pool = SnapshotPool(max_host_bytes)
         self._switch = _Switch(switch_interval)
+        #: reports of the newest writes joined, oldest first (for benches and diagnostics)
+        self.recent: deque[SaveDone] = deque(maxlen=64)
         self._pending: dict[str, tuple[Future[SaveDone], Snapshot]] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+
+    @property
+    def switch_interval(self) -> float | None:
+        """The switch interval in force while a write is in flight (None: left alone)."""
+        return self._switch.interval
+
+    @switch_interval.setter
+    def switch_interval(self, value: float | None) -> None:
+        self._switch.interval = value
 
     @property
     def running(self) -> bool:
@@ -293,7 +307,9 @@ class BackgroundSaver:
             entry = self._pending.pop(db, None)
         if entry is None:
             raise CheckpointError(f"checkpoint {db}: no background save is pending")
-        return entry[0].result()
+        done = entry[0].result()
+        self.recent.append(done)
+        return done
 
     def close(self) -> None:
         """Wait for the writes in flight (their errors stay with their futures: a later
