@@ -25,6 +25,7 @@ Reported, as medians of per-round figures (each round's figure is the median ove
 
     python bench/bench_async.py --rounds 5            # the figures in bench/RESULTS.md
     python bench/bench_async.py --rounds 5 --torch    # the same with an MLP + AdamW state
+    python bench/bench_async.py --gil --rounds 5      # the writer's GIL share (see gil())
     python bench/bench_async.py --quick               # a tiny run that only checks it works
 """
 
@@ -202,7 +203,9 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
         "rss": float(rss.peak - base),
     }
     if variant != "sync":  # the writes joined: epochs 0..E-1, in order
-        out["write"] = statistics.median(d.write_ns / 1e9 for d in list(saver.recent)[1:epochs])
+        done = list(saver.recent)[1:epochs]
+        out["write"] = statistics.median(d.write_ns / 1e9 for d in done)
+        out["snapshot"] = statistics.median(d.snapshot_ns / 1e9 for d in done)
     return out
 
 
@@ -226,13 +229,108 @@ def memcpys(src: list[np.ndarray], reps: int = 3) -> tuple[float, float]:
     return statistics.median(alloc), statistics.median(fresh)
 
 
+# ---------------------------------------------------------------- --gil: the writer's share
+def _load(kind: str, stop: threading.Event) -> None:
+    """Training-thread stand-ins: a pure-Python loop (holds the GIL) or the numpy loop."""
+    a = np.random.default_rng(0).normal(size=(384, 384))
+    while not stop.is_set():
+        if kind == "numpy":
+            a = np.tanh(a @ a / 384.0)
+        else:
+            x = 0
+            for i in range(10_000):
+                x += i
+
+
+def _write_from_shm(name: str, shapes: list[tuple[int, ...]], path: str) -> None:
+    """(In a worker process) write the arrays laid out in shared memory ``name``."""
+    from multiprocessing import shared_memory
+
+    from epochal.storage.native.writer import write_native
+
+    shm = shared_memory.SharedMemory(name=name)
+    at, blobs = 0, {}
+    for i, shape in enumerate(shapes):
+        arr = np.ndarray(shape, dtype=np.float32, buffer=shm.buf, offset=at)
+        blobs[f"w{i}"] = arr
+        at += arr.nbytes
+    write_native(path, blobs)
+    del blobs, arr
+    shm.close()
+
+
+def gil(arrays: list[np.ndarray], directory: str, rounds: int) -> None:
+    """The background write of the state while another thread runs Python or numpy work:
+    from this process's writer thread at the default switch interval (5 ms) and at the
+    saver's (0.5 ms), and from a worker process reading shared memory (no GIL shared), each
+    over a sync save with the main thread idle; variants rotated, medians of paired ratios."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import shared_memory
+
+    from epochal.checkpoint.background import BackgroundSaver
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "n.1")
+    blobs = {f"w{i}": x for i, x in enumerate(arrays)}
+    total = sum(x.nbytes for x in arrays)
+    shm = shared_memory.SharedMemory(create=True, size=total)
+    at = 0
+    for x in arrays:
+        np.ndarray(x.shape, dtype=x.dtype, buffer=shm.buf, offset=at)[...] = x
+        at += x.nbytes
+    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+    pool.submit(time.sleep, 0).result()  # started before the timing
+    from epochal.storage.native.writer import write_native
+
+    def thread(interval: float) -> float:
+        saver = BackgroundSaver(switch_interval=interval)
+        snap = saver.snapshot("n", blobs)  # not timed: the process variant's copy is made
+        t = time.perf_counter()
+        saver.start(path, "native", snap)
+        saver.join(path)
+        elapsed = time.perf_counter() - t
+        saver.close()
+        return elapsed
+
+    def process() -> float:
+        t = time.perf_counter()
+        pool.submit(_write_from_shm, shm.name, [x.shape for x in arrays], path).result()
+        return time.perf_counter() - t
+
+    variants = {"thread, 5 ms": lambda: thread(0.005), "thread, 0.5 ms": lambda: thread(0.0005),
+                "process, shm": process}
+    try:
+        for kind in ("python", "numpy"):
+            ratios: dict[str, list[float]] = {k: [] for k in variants}
+            for r in range(rounds):
+                keys = list(variants)
+                for k in keys[r % 3:] + keys[: r % 3]:
+                    t = time.perf_counter()
+                    write_native(path, blobs)
+                    sync = time.perf_counter() - t
+                    stop = threading.Event()
+                    th = threading.Thread(target=_load, args=(kind, stop))
+                    th.start()
+                    ratios[k].append(variants[k]() / sync)
+                    stop.set()
+                    th.join()
+            print(f"training thread running {kind}: background write / sync save (N={rounds}): "
+                  + ", ".join(f"{k} {statistics.median(v):.2f}x" for k, v in ratios.items()), flush=True)
+    finally:
+        pool.shutdown()
+        shm.close()
+        shm.unlink()
+
+
 def describe(rows: list[dict[str, dict[str, float]]], v: str, state_bytes: int) -> str:
     """The summary line of background variant ``v`` (medians of per-round figures)."""
 
     def med(fn) -> float:
         return statistics.median(fn(g[v], g) for g in rows)
 
-    return (f"blocked {med(lambda x, g: x['blocked']) * 1e3:.0f} ms/epoch = "
+    return (f"blocked {med(lambda x, g: x['blocked']) * 1e3:.0f} ms/epoch "
+            f"(snapshot {med(lambda x, g: x['snapshot']) * 1e3:.0f} ms) = "
             f"{med(lambda x, g: x['blocked'] / g['memcpy']['alloc']):.2f}x memcpy-alloc, "
             f"{med(lambda x, g: x['blocked'] / g['memcpy']['fresh']):.2f}x memcpy-fresh; "
             f"write {med(lambda x, g: x['write']) * 1e3:.0f} ms = "
@@ -248,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dir", default=None)
     p.add_argument("--torch", action="store_true", help="an MLP + AdamW state instead of arrays")
+    p.add_argument("--gil", action="store_true", help="only the writer's GIL share (see gil())")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     if a.quick:
@@ -255,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     base = a.dir or tempfile.mkdtemp(prefix="epochal-bench-async-", dir="/tmp")
     ws, arrays, work = make_state(a.mib, a.torch)
     state_bytes = sum(x.nbytes for x in arrays)
+    if a.gil:
+        gil([x.reshape(-1).view(np.float32) if x.dtype == np.float32 else x for x in arrays],
+            base, a.rounds)
+        shutil.rmtree(base, ignore_errors=True)
+        return 0
     rows: list[dict[str, dict[str, float]]] = []
     for r in range(a.rounds):
         order = list(VARIANTS[r % 3:] + VARIANTS[: r % 3])
@@ -268,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         m = got["memcpy"]
         print(f"round {r}: memcpy alloc {m['alloc'] * 1e3:.0f} ms fresh {m['fresh'] * 1e3:.0f} ms; "
               + "; ".join(f"{v}: blocked {got[v]['blocked'] * 1e3:.0f} ms (epoch 0 {got[v]['first'] * 1e3:.0f})"
-                          + (f" write {got[v]['write'] * 1e3:.0f} ms" if "write" in got[v] else
+                          + (f" snapshot {got[v]['snapshot'] * 1e3:.0f} ms write {got[v]['write'] * 1e3:.0f} ms"
+                             if "write" in got[v] else
                              f" save {got[v]['saved'] * 1e3:.0f} ms")
                           + f" rss +{got[v]['rss'] / 2**20:.0f} MiB" for v in VARIANTS), flush=True)
     shutil.rmtree(base, ignore_errors=True)

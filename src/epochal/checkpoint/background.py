@@ -168,7 +168,8 @@ class SnapshotPool:
             arena.busy = False
 
     def clear(self) -> None:
-        """Forget every idle arena (leased ones are dropped once their write ends)."""
+        """Free every idle arena and forget the state sizes (leased ones stay until released;
+        :meth:`BackgroundSaver.close` waits for their writes first)."""
         with self._lock:
             self._arenas = [a for a in self._arenas if a.busy]
             self._state_bytes.clear()
