@@ -21,7 +21,8 @@ Reported, as medians of per-round figures (each round's figure is the median ove
 - write: the background write alone (``SaveDone.write_ns``), and its ratio to the sync save
   of the same epoch (save and commit; goal <= 1.3x);
 - RSS: the peak resident memory during ``train`` above the RSS before it, over the state's
-  bytes (goal <= 1x); sampled every 5 ms from /proc/self/statm.
+  bytes, and the same above the sync run's (what the background save adds; goal <= 1x);
+  sampled every 5 ms from /proc/self/statm.
 
     python bench/bench_async.py --rounds 5            # the figures in bench/RESULTS.md
     python bench/bench_async.py --rounds 5 --torch    # the same with an MLP + AdamW state
@@ -335,7 +336,8 @@ def describe(rows: list[dict[str, dict[str, float]]], v: str, state_bytes: int) 
             f"{med(lambda x, g: x['blocked'] / g['memcpy']['fresh']):.2f}x memcpy-fresh; "
             f"write {med(lambda x, g: x['write']) * 1e3:.0f} ms = "
             f"{med(lambda x, g: x['write'] / g['sync']['saved']):.2f}x sync save; "
-            f"peak extra RSS {med(lambda x, g: x['rss'] / state_bytes):.2f}x the state")
+            f"peak extra RSS {med(lambda x, g: x['rss'] / state_bytes):.2f}x the state "
+            f"({med(lambda x, g: (x['rss'] - g['sync']['rss']) / state_bytes):.2f}x over the sync run's)")
 
 
 def main(argv: list[str] | None = None) -> int:
