@@ -20,6 +20,7 @@ Reported, as medians of per-round figures (each round's figure is the median ove
   the allocated one);
 - write: the background write alone (``SaveDone.write_ns``), and its ratio to the sync save
   of the same epoch (save and commit; goal <= 1.3x);
+- wall: the whole run's time, sync over async (>1: async is faster);
 - RSS: the peak resident memory during ``train`` above the RSS before it, over the state's
   bytes, and the same above the sync run's (what the background save adds; goal <= 1x);
   sampled every 5 ms from /proc/self/statm.
@@ -193,15 +194,18 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     times = Times()
     rss = PeakRSS()
     base = rss.rss()
+    start = time.perf_counter()
     with rss:
         JobRunner(job, CheckpointManager(directory, "n"), listeners=[times], progress=False,
                   async_save=variant != "sync").train(LocalSession(ws))
+    wall = time.perf_counter() - start
     steady = range(1, epochs)  # epoch 0 allocates the pool; the final epoch is saved in sync
     out = {
         "blocked": statistics.median(times.blocked[e] for e in steady),
         "first": times.blocked[0],
         "saved": statistics.median(times.saved[e] for e in steady),
         "rss": float(rss.peak - base),
+        "wall": wall,
     }
     if variant != "sync":  # the writes joined: epochs 0..E-1, in order
         done = list(saver.recent)[1:epochs]
@@ -390,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
           f"sync save {med(lambda g: g['sync']['saved']) * 1e3:.0f} ms")
     for v in ("async", "async-old"):
         print(f"  {v:9s}: " + describe(rows, v, state_bytes))
+    print(f"  median sync/async wall-time ratio {med(lambda g: g['sync']['wall'] / g['async']['wall']):.2f} "
+          f"(async-old: {med(lambda g: g['sync']['wall'] / g['async-old']['wall']):.2f})")
     print(f"  sync     : peak extra RSS {med(lambda g: g['sync']['rss'] / state_bytes):.2f}x the state")
     return 0
 
