@@ -1,12 +1,33 @@
-"""Background (async) saves vs synchronous saves: wall time of a training run.
+"""Background (async) saves against their limits (issue 17.2), in one run.
 
-A job whose epochs do numpy work (matrix products, ``--compute`` seconds each) and
-checkpoint ``--mib`` MiB of weights every epoch, run with ``JobRunner(async_save=False)`` and
-``async_save=True`` in alternation, ``--rounds`` times. Reported: the median of the paired
-ratios sync/async of whole-run wall time (>1: async is faster), and the time the training
-loop spent blocked on checkpoints in each mode.
+A job whose epochs do numpy work (matrix products, ``--compute`` seconds each, then an in-place
+update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run through
+``JobRunner`` in three variants, alternated and in rotated order, ``--rounds`` times:
+
+- ``sync``: ``async_save=False``;
+- ``async``: ``async_save=True`` as shipped (snapshot arenas reused, switch interval lowered
+  while a write is in flight);
+- ``async-old``: ``async_save=True`` with the pool bound at 0 (fresh memory for every
+  snapshot) and the switch interval left alone: the behaviour before issue 17.2.
+
+Each round also measures, in the same process, a memcpy of the state into memory already
+allocated and touched, and into fresh memory (``np.empty`` + copy: first-touch faults).
+Reported, as medians of per-round figures (each round's figure is the median over epochs
+1..E-1: epoch 0's snapshot allocates the pool, the final epoch is saved synchronously):
+
+- blocked: the time the loop spent between epochs (from an epoch's end to the next epoch's
+  start: join of the previous write, commit, snapshot), and its ratio to the two memcpys (goal <= 1.2x
+  the allocated one);
+- write: the background write alone (``SaveDone.write_ns``), and its ratio to the sync save
+  of the same epoch (save and commit; goal <= 1.3x);
+- wall: the whole run's time, sync over async (>1: async is faster);
+- RSS: the peak resident memory during ``train`` above the RSS before it, over the state's
+  bytes, and the same above the sync run's (what the background save adds; goal <= 1x);
+  sampled every 5 ms from /proc/self/statm.
 
     python bench/bench_async.py --rounds 5            # the figures in bench/RESULTS.md
+    python bench/bench_async.py --rounds 5 --torch    # the same with an MLP + AdamW state
+    python bench/bench_async.py --gil --rounds 5      # the writer's GIL share (see gil())
     python bench/bench_async.py --quick               # a tiny run that only checks it works
 """
 
@@ -18,7 +39,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,19 +53,34 @@ from epochal import (
     Node,
     RunListener,
     Task,
+    Workspace,
     epoch_limiter,
 )
+from epochal.checkpoint.background import DEFAULT_SWITCH_INTERVAL, process_saver
+
+NARRAYS = 8
+VARIANTS = ("sync", "async", "async-old")
 
 
-class Init:
-    def __init__(self, mib: int) -> None:
-        self.mib = mib
+class TorchWork:
+    """Training steps of the model in ``ws["model"]`` with AdamW ``ws["opt"]`` for about
+    ``seconds`` (at least one step)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
 
     def __call__(self, ws) -> None:
-        n = self.mib * (1 << 20) // 4 // 8
-        for i in range(8):
-            ws[f"w{i}"] = np.full(n, float(i), dtype=np.float32)
-        ws["a"] = np.random.default_rng(0).normal(size=(384, 384))
+        import torch
+
+        model, opt = ws["model"], ws["opt"]
+        end = time.perf_counter() + self.seconds
+        x = torch.ones(8, model[0].in_features)
+        while True:
+            opt.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+            opt.step()
+            if time.perf_counter() >= end:
+                break
 
 
 class Work:
@@ -56,66 +94,309 @@ class Work:
         a = ws["a"]
         while time.perf_counter() < end:
             a = np.tanh(a @ a / 384.0)
-        for i in range(8):
+        for i in range(NARRAYS):
             ws[f"w{i}"] += 1.0
 
 
-class Blocked(RunListener):
-    """Sums the time the loop spent in checkpoint calls (start to committed event)."""
+@dataclass
+class Times(RunListener):
+    """Per epoch: seconds the loop was blocked between epochs (from an epoch's end, or the
+    init save's start, to the next epoch's start: the join of the write in flight, commit,
+    snapshot), and the checkpoint event's own seconds (for a sync save: save + commit)."""
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._t: float | None = None
+    blocked: dict[int, float] = field(default_factory=dict)
+    saved: dict[int, float] = field(default_factory=dict)
+    _at: tuple[int, float] | None = None
 
     def on_checkpoint_start(self, action: str, epoch: int) -> None:
-        self._t = time.perf_counter()
+        if action == "checkpoint_save" and epoch == 0:
+            self._at = (0, time.perf_counter())
+
+    def on_epoch_end(self, epoch: int, seconds: float) -> None:
+        self._at = (epoch, time.perf_counter())
+
+    def on_checkpoint(self, event) -> None:
+        if event.action == "checkpoint_save" and event.ok:
+            self.saved[event.epoch] = event.seconds
 
     def on_epoch_start(self, epoch: int) -> None:
-        if self._t is not None:
-            self.seconds += time.perf_counter() - self._t
-            self._t = None
+        if self._at is not None:
+            self.blocked[self._at[0]] = time.perf_counter() - self._at[1]
+            self._at = None
 
 
-def run(directory: str, mib: int, epochs: int, compute: float, async_save: bool) -> tuple[float, float]:
+class PeakRSS:
+    """The peak resident set size of this process while running (sampled every 5 ms)."""
+
+    def __init__(self) -> None:
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.005)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def make_state(mib: int, use_torch: bool) -> tuple[Workspace, list[np.ndarray], type]:
+    """The workspace, numpy views of every byte the checkpoint holds, and the epoch's work.
+
+    numpy: NARRAYS float32 arrays of ``mib`` MiB in all. torch: an MLP of 4 square Linear
+    layers with AdamW after one step (weights + two moments: 3x the parameters), ~``mib`` MiB."""
+    ws = Workspace()
+    if not use_torch:
+        n = mib * (1 << 20) // 4 // NARRAYS
+        for i in range(NARRAYS):
+            ws[f"w{i}"] = np.full(n, float(i), dtype=np.float32)
+        ws["a"] = np.random.default_rng(0).normal(size=(384, 384))
+        return ws, [ws[f"w{i}"] for i in range(NARRAYS)], Work
+    import torch
+
+    width = int((mib * (1 << 20) / 12 / 4) ** 0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ws["model"], ws["opt"] = model, opt
+    TorchWork(0.0)(ws)  # the moments exist from here on
+    tensors = [*model.state_dict().values()]
+    tensors += [t for st in opt.state.values() for t in st.values() if t.dim()]
+    return ws, [t.detach().numpy() for t in tensors], TorchWork
+
+
+def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, variant: str) -> dict[str, float]:
+    """One training run of ``variant``; its per-epoch medians (seconds) and the peak extra RSS."""
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
+    saver = process_saver()
+    old = variant == "async-old"
+    saver.pool.max_host_bytes = 0 if old else None
+    saver.switch_interval = None if old else DEFAULT_SWITCH_INTERVAL
+    saver.recent.clear()
     with Node("n"):
         with Job() as job:
-            with job.init_group:
-                Task(step=Init(mib))
-            Task(step=Work(compute))
+            Task(step=work(compute))
             epoch_limiter(job, epochs)
-    blocked = Blocked()
+    times = Times()
+    rss = PeakRSS()
+    base = rss.rss()
     start = time.perf_counter()
-    JobRunner(job, CheckpointManager(directory, "n"), listeners=[blocked], progress=False,
-              async_save=async_save).train(LocalSession())
-    return time.perf_counter() - start, blocked.seconds
+    with rss:
+        JobRunner(job, CheckpointManager(directory, "n"), listeners=[times], progress=False,
+                  async_save=variant != "sync").train(LocalSession(ws))
+    wall = time.perf_counter() - start
+    steady = range(1, epochs)  # epoch 0 allocates the pool; the final epoch is saved in sync
+    out = {
+        "blocked": statistics.median(times.blocked[e] for e in steady),
+        "first": times.blocked[0],
+        "saved": statistics.median(times.saved[e] for e in steady),
+        "rss": float(rss.peak - base),
+        "wall": wall,
+    }
+    if variant != "sync":  # the writes joined: epochs 0..E-1, in order
+        done = list(saver.recent)[1:epochs]
+        out["write"] = statistics.median(d.write_ns / 1e9 for d in done)
+        out["snapshot"] = statistics.median(d.snapshot_ns / 1e9 for d in done)
+    return out
+
+
+def memcpys(src: list[np.ndarray], reps: int = 3) -> tuple[float, float]:
+    """Seconds to copy the state into memory already touched, and into fresh memory."""
+    dst = [np.empty_like(a) for a in src]
+    for d in dst:
+        d.fill(0)
+    alloc, fresh = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for s, d in zip(src, dst):
+            np.copyto(d, s)
+        alloc.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        new = [np.empty_like(s) for s in src]
+        for s, d in zip(src, new):
+            np.copyto(d, s)
+        fresh.append(time.perf_counter() - t)
+        del new
+    return statistics.median(alloc), statistics.median(fresh)
+
+
+# ---------------------------------------------------------------- --gil: the writer's share
+def _load(kind: str, stop: threading.Event) -> None:
+    """Training-thread stand-ins: a pure-Python loop (holds the GIL) or the numpy loop."""
+    a = np.random.default_rng(0).normal(size=(384, 384))
+    while not stop.is_set():
+        if kind == "numpy":
+            a = np.tanh(a @ a / 384.0)
+        else:
+            x = 0
+            for i in range(10_000):
+                x += i
+
+
+def _write_from_shm(name: str, shapes: list[tuple[int, ...]], path: str) -> None:
+    """(In a worker process) write the arrays laid out in shared memory ``name``."""
+    from multiprocessing import shared_memory
+
+    from epochal.storage.native.writer import write_native
+
+    shm = shared_memory.SharedMemory(name=name)
+    at, blobs = 0, {}
+    for i, shape in enumerate(shapes):
+        arr = np.ndarray(shape, dtype=np.float32, buffer=shm.buf, offset=at)
+        blobs[f"w{i}"] = arr
+        at += arr.nbytes
+    write_native(path, blobs)
+    del blobs, arr
+    shm.close()
+
+
+def gil(arrays: list[np.ndarray], directory: str, rounds: int) -> None:
+    """The background write of the state while another thread runs Python or numpy work:
+    from this process's writer thread at the default switch interval (5 ms) and at the
+    saver's (0.5 ms), and from a worker process reading shared memory (no GIL shared), each
+    over a sync save with the main thread idle; variants rotated, medians of paired ratios."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import shared_memory
+
+    from epochal.checkpoint.background import BackgroundSaver
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "n.1")
+    blobs = {f"w{i}": x for i, x in enumerate(arrays)}
+    total = sum(x.nbytes for x in arrays)
+    shm = shared_memory.SharedMemory(create=True, size=total)
+    at = 0
+    for x in arrays:
+        np.ndarray(x.shape, dtype=x.dtype, buffer=shm.buf, offset=at)[...] = x
+        at += x.nbytes
+    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+    pool.submit(time.sleep, 0).result()  # started before the timing
+    from epochal.storage.native.writer import write_native
+
+    def thread(interval: float) -> float:
+        saver = BackgroundSaver(switch_interval=interval)
+        snap = saver.snapshot("n", blobs)  # not timed: the process variant's copy is made
+        t = time.perf_counter()
+        saver.start(path, "native", snap)
+        saver.join(path)
+        elapsed = time.perf_counter() - t
+        saver.close()
+        return elapsed
+
+    def process() -> float:
+        t = time.perf_counter()
+        pool.submit(_write_from_shm, shm.name, [x.shape for x in arrays], path).result()
+        return time.perf_counter() - t
+
+    variants = {"thread, 5 ms": lambda: thread(0.005), "thread, 0.5 ms": lambda: thread(0.0005),
+                "process, shm": process}
+    try:
+        for kind in ("python", "numpy"):
+            ratios: dict[str, list[float]] = {k: [] for k in variants}
+            for r in range(rounds):
+                keys = list(variants)
+                for k in keys[r % 3:] + keys[: r % 3]:
+                    t = time.perf_counter()
+                    write_native(path, blobs)
+                    sync = time.perf_counter() - t
+                    stop = threading.Event()
+                    th = threading.Thread(target=_load, args=(kind, stop))
+                    th.start()
+                    ratios[k].append(variants[k]() / sync)
+                    stop.set()
+                    th.join()
+            print(f"training thread running {kind}: background write / sync save (N={rounds}): "
+                  + ", ".join(f"{k} {statistics.median(v):.2f}x" for k, v in ratios.items()), flush=True)
+    finally:
+        pool.shutdown()
+        shm.close()
+        shm.unlink()
+
+
+def describe(rows: list[dict[str, dict[str, float]]], v: str, state_bytes: int) -> str:
+    """The summary line of background variant ``v`` (medians of per-round figures)."""
+
+    def med(fn) -> float:
+        return statistics.median(fn(g[v], g) for g in rows)
+
+    return (f"blocked {med(lambda x, g: x['blocked']) * 1e3:.0f} ms/epoch "
+            f"(snapshot {med(lambda x, g: x['snapshot']) * 1e3:.0f} ms) = "
+            f"{med(lambda x, g: x['blocked'] / g['memcpy']['alloc']):.2f}x memcpy-alloc, "
+            f"{med(lambda x, g: x['blocked'] / g['memcpy']['fresh']):.2f}x memcpy-fresh; "
+            f"write {med(lambda x, g: x['write']) * 1e3:.0f} ms = "
+            f"{med(lambda x, g: x['write'] / g['sync']['saved']):.2f}x sync save; "
+            f"peak extra RSS {med(lambda x, g: x['rss'] / state_bytes):.2f}x the state "
+            f"({med(lambda x, g: (x['rss'] - g['sync']['rss']) / state_bytes):.2f}x over the sync run's)")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=512)
-    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--compute", type=float, default=1.5, help="seconds of numpy work per epoch")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dir", default=None)
+    p.add_argument("--torch", action="store_true", help="an MLP + AdamW state instead of arrays")
+    p.add_argument("--gil", action="store_true", help="only the writer's GIL share (see gil())")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     if a.quick:
-        a.mib, a.epochs, a.compute, a.rounds = 4, 3, 0.05, 1
+        a.mib, a.epochs, a.compute, a.rounds = 8, 3, 0.05, 1
     base = a.dir or tempfile.mkdtemp(prefix="epochal-bench-async-", dir="/tmp")
-    ratios, rows = [], []
+    ws, arrays, work = make_state(a.mib, a.torch)
+    state_bytes = sum(x.nbytes for x in arrays)
+    if a.gil:
+        gil([x.reshape(-1).view(np.float32) if x.dtype == np.float32 else x for x in arrays],
+            base, a.rounds)
+        shutil.rmtree(base, ignore_errors=True)
+        return 0
+    rows: list[dict[str, dict[str, float]]] = []
     for r in range(a.rounds):
-        order = [False, True] if r % 2 == 0 else [True, False]
-        got = {mode: run(os.path.join(base, "ckpt"), a.mib, a.epochs, a.compute, mode) for mode in order}
-        ratios.append(got[False][0] / got[True][0])
-        rows.append((r, got[False], got[True]))
-        print(f"round {r}: sync {got[False][0]:6.2f} s (blocked {got[False][1]:5.2f} s)   "
-              f"async {got[True][0]:6.2f} s (blocked {got[True][1]:5.2f} s)   ratio {ratios[-1]:.2f}", flush=True)
+        order = list(VARIANTS[r % 3:] + VARIANTS[: r % 3])
+        got: dict[str, dict[str, float]] = {}
+        for i, variant in enumerate(order):
+            if i == r % 2:  # the memcpys at a rotating place among the runs
+                alloc, fresh = memcpys(arrays)
+                got["memcpy"] = {"alloc": alloc, "fresh": fresh}
+            got[variant] = run(os.path.join(base, "ckpt"), ws, work, a.epochs, a.compute, variant)
+        rows.append(got)
+        m = got["memcpy"]
+        print(f"round {r}: memcpy alloc {m['alloc'] * 1e3:.0f} ms fresh {m['fresh'] * 1e3:.0f} ms; "
+              + "; ".join(f"{v}: blocked {got[v]['blocked'] * 1e3:.0f} ms (epoch 0 {got[v]['first'] * 1e3:.0f})"
+                          + (f" snapshot {got[v]['snapshot'] * 1e3:.0f} ms write {got[v]['write'] * 1e3:.0f} ms"
+                             if "write" in got[v] else
+                             f" save {got[v]['saved'] * 1e3:.0f} ms")
+                          + f" rss +{got[v]['rss'] / 2**20:.0f} MiB" for v in VARIANTS), flush=True)
     shutil.rmtree(base, ignore_errors=True)
-    print(f"{a.mib} MiB checkpoint, {a.epochs} epochs of {a.compute} s compute, {a.rounds} rounds: "
-          f"median sync/async wall-time ratio {statistics.median(ratios):.2f}; blocked on checkpoints: "
-          f"sync {statistics.median(r[1][1] for r in rows):.2f} s, async {statistics.median(r[2][1] for r in rows):.2f} s")
+
+    def med(fn) -> float:
+        return statistics.median(fn(g) for g in rows)
+
+    print(f"\n{state_bytes / 2**20:.0f} MiB {'torch MLP + AdamW' if a.torch else 'numpy'} state, {a.epochs} epochs of {a.compute} s compute, "
+          f"N={a.rounds} rounds (medians of per-round figures):")
+    print(f"  memcpy into allocated memory {med(lambda g: g['memcpy']['alloc']) * 1e3:.0f} ms, "
+          f"into fresh memory {med(lambda g: g['memcpy']['fresh']) * 1e3:.0f} ms; "
+          f"sync save {med(lambda g: g['sync']['saved']) * 1e3:.0f} ms")
+    for v in ("async", "async-old"):
+        print(f"  {v:9s}: " + describe(rows, v, state_bytes))
+    print(f"  median sync/async wall-time ratio {med(lambda g: g['sync']['wall'] / g['async']['wall']):.2f} "
+          f"(async-old: {med(lambda g: g['sync']['wall'] / g['async-old']['wall']):.2f})")
+    print(f"  sync     : peak extra RSS {med(lambda g: g['sync']['rss'] / state_bytes):.2f}x the state")
     return 0
 
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from .checkpoint.background import BackgroundSaver
 from .checkpoint.best import metric_number
 from .checkpoint.directory import DirectoryMetadataHandler, best_of_directory
 from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
@@ -86,7 +87,9 @@ class Checkpointer:
     ``keep_best`` the ranking value is ``metrics[metric]`` of :meth:`save`, else the scalar
     ``state[metric]``; both are recorded in the step's manifest). ``async_save``: :meth:`save`
     takes a snapshot (a copy in memory) and writes it on a background thread; it is committed
-    by :meth:`wait`, the next :meth:`save`, :meth:`restore` or :meth:`close`.
+    by :meth:`wait`, the next :meth:`save`, :meth:`restore` or :meth:`close`. The snapshot's
+    memory is reused from save to save, up to ``max_host_bytes`` (None: one state's worth; see
+    :mod:`epochal.checkpoint.background`).
     ``storage_options``: for a remote (URL) directory, passed to the handler where it
     supports them.
 
@@ -105,6 +108,7 @@ class Checkpointer:
         metric: str | None = None,
         mode: str = "min",
         async_save: bool = False,
+        max_host_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.directory = os.fspath(directory)
@@ -127,6 +131,7 @@ class Checkpointer:
         self._dir = self.handler.directory
         self.handler.acquire_lock()  # one writer per directory, until close()
         self.async_save = bool(async_save)
+        self._saver = BackgroundSaver(max_host_bytes=max_host_bytes)
         #: the newest step committed (or restored) by this Checkpointer, None before any
         self.last_step: int | None = None
         self._pending: tuple[int, str, dict[str, Any] | None] | None = None
@@ -200,7 +205,7 @@ class Checkpointer:
         db = self.db_path(step)
         self._last_save = time.monotonic()
         if self.async_save:
-            SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step)(state)
+            SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver)(state)
             self._pending = (step, db, recorded)
             return
         start = time.perf_counter_ns()
@@ -215,7 +220,7 @@ class Checkpointer:
             return
         step, db, recorded = pending
         scratch: dict[str, Any] = {}
-        JoinSave(db, "ns", "bytes")(scratch)
+        JoinSave(db, "ns", "bytes", saver=self._saver)(scratch)
         self._commit(step, db, recorded, int(scratch["ns"][0]), int(scratch["bytes"]))
 
     def due(self, step: int, every: int | None = None, interval: float | str | None = None) -> bool:
@@ -247,6 +252,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._saver.close()
             self._guard.__exit__(None, None, None)
             try:
                 self.handler.flush()

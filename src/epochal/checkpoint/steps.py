@@ -22,6 +22,7 @@ from ..errors import (
 )
 from ..storage.base import ReadStats, get_db_type
 from ..storage.codecs import LOAD_OPTIONS, check_live
+from .background import BackgroundSaver, process_saver
 
 logger = logging.getLogger("epochal")
 
@@ -267,49 +268,31 @@ class Timed:
 
 
 # ---------------------------------------------------------------- background saves
-class _Pending:
-    """A background write of one db: its future and when its snapshot started."""
-
-    def __init__(self, future: Any, started_ns: int) -> None:
-        self.future, self.started_ns = future, started_ns
-
-
-_pending: dict[str, _Pending] = {}  # db path -> its write in flight, in this (node's) process
-_executor: Any = None
-
-
-def _write_in_background(db_type: str, db: str, blobs: dict[str, Any]) -> tuple[int, int]:
-    nbytes = int(get_db_type(db_type).write(db, blobs))
-    return nbytes, time.perf_counter_ns()
-
-
 class SnapshotAndSave(SaveBlobs):
     """Snapshot the blobs now (encoded and copied: later updates can't reach them) and write
-    them on a background thread of this node's process; :class:`JoinSave` waits for it.
+    them on the background thread of this node's process (:mod:`.background`);
+    :class:`JoinSave` waits for it.
 
-    The snapshot costs a copy of the checkpoint in memory; the write overlaps the next epoch.
-    """
+    The snapshot costs a copy of the checkpoint in memory, reused from epoch to epoch; the
+    write overlaps the next epoch. ``saver``: whose pool and thread (None: the process's)."""
+
+    def __init__(self, *args: Any, saver: BackgroundSaver | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.saver = saver
 
     def __call__(self, ws: Any) -> int:
-        global _executor
-        from concurrent.futures import ThreadPoolExecutor
-
-        from ..storage.codecs import Frozen
-
-        started = time.perf_counter_ns()
         use_storage_options(self.db, self.storage_options)
-        if self.db in _pending:
+        saver = self.saver or process_saver()
+        if saver.pending(self.db):
             raise CheckpointError(f"checkpoint {self.db}: a background save of it is still running")
         blobs = self._gather(ws)
         self._note_untracked(ws)
         try:
-            frozen = {name: Frozen(value, name) for name, value in blobs.items()}
+            snap = saver.snapshot(f"{self.node}@{self.db.rpartition('/')[0]}", blobs)
         except UnsupportedBlobError as ex:
             raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochal-save")
-        _pending[self.db] = _Pending(_executor.submit(_write_in_background, self.db_type, self.db, frozen), started)
-        return sum(f.nbytes for f in frozen.values())
+        saver.start(self.db, self.db_type, snap)
+        return snap.nbytes
 
 
 class JoinSave:
@@ -317,18 +300,17 @@ class JoinSave:
     file) and bytes like a synchronous save's; re-raise its error."""
 
     def __init__(self, db: str, ns_blob: str, bytes_blob: str, *, db_type: str = "native",
-                 digest_output: str | None = None, push: Any = None, pushed_output: str | None = None) -> None:
+                 digest_output: str | None = None, push: Any = None, pushed_output: str | None = None,
+                 saver: BackgroundSaver | None = None) -> None:
         self.db, self.ns_blob, self.bytes_blob = db, ns_blob, bytes_blob
+        self.saver = saver
         self.db_type, self.digest_output = db_type, digest_output
         self.push, self.pushed_output = push, pushed_output
         self.name = "checkpoint_save"
 
     def __call__(self, ws: Any) -> None:
-        pending = _pending.pop(self.db, None)
-        if pending is None:
-            raise CheckpointError(f"checkpoint {self.db}: no background save is pending")
-        nbytes, done_ns = pending.future.result()
-        ws[self.ns_blob] = np.array([done_ns - pending.started_ns], dtype=np.int64)
-        ws[self.bytes_blob] = np.int64(nbytes)
+        done = (self.saver or process_saver()).join(self.db)
+        ws[self.ns_blob] = np.array([done.done_ns - done.started_ns], dtype=np.int64)
+        ws[self.bytes_blob] = np.int64(done.nbytes)
         note_digest(ws, self.digest_output, self.db_type, self.db)
         note_push(ws, self.pushed_output, self.push, self.db)

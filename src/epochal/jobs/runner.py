@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..checkpoint.background import close_process_saver
 from ..errors import (
     BlobMismatchError,
     CheckpointCorruptError,
@@ -191,6 +192,7 @@ class JobRunner:
                 manager.flush()
             raise
         finally:
+            close_process_saver()  # its writer thread and snapshot pool (when nothing is pending)
             if manager:
                 manager.release_lock()
             for listener in self._active:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -324,25 +324,52 @@ class PyScalarCodec:
         raise ValueError(f"unknown Python scalar type {t!r}")
 
 
+#: ``alloc(nbytes) -> writable flat uint8 memoryview``: where a snapshot's segment copies go
+SegmentAlloc = Callable[[int], memoryview]
+
+
+def _fresh_segment(nbytes: int) -> memoryview:
+    return memoryview(np.empty(nbytes, dtype=np.uint8))  # type: ignore[arg-type]
+
+
 class Frozen:
     """A value already encoded, with its segments copied: a snapshot that later changes to
-    the live value cannot reach. Background saves write these while training goes on."""
+    the live value cannot reach. Background saves write these while training goes on.
+
+    ``alloc`` gives the memory each segment is copied into (fresh memory by default; a
+    background saver passes buffers it reuses across epochs, see
+    :mod:`epochal.checkpoint.background`)."""
 
     __slots__ = ("encoded",)
 
-    def __init__(self, value: Any, name: str = "?") -> None:
-        enc = encode(value, name)
-        copies = []
-        for seg in enc.segments:
-            buf = np.empty(seg.nbytes, dtype=np.uint8)
-            if seg.nbytes:
-                buf[:] = np.frombuffer(seg, dtype=np.uint8)
-            copies.append(memoryview(buf))  # type: ignore[arg-type]
-        self.encoded = Encoded(enc.kind, enc.meta, copies)
+    def __init__(self, value: Any, name: str = "?", alloc: SegmentAlloc | None = None) -> None:
+        self.encoded = copy_segments(encode(value, name), alloc)
+
+    @classmethod
+    def of(cls, encoded: Encoded) -> Frozen:
+        """A snapshot of segments already copied (they must not change until written)."""
+        frozen = cls.__new__(cls)
+        frozen.encoded = encoded
+        return frozen
 
     @property
     def nbytes(self) -> int:
         return self.encoded.nbytes
+
+
+def copy_segments(enc: Encoded, alloc: SegmentAlloc | None = None) -> Encoded:
+    """``enc`` with every segment copied into memory from ``alloc`` (fresh by default)."""
+    alloc = alloc or _fresh_segment
+    copies = []
+    for seg in enc.segments:
+        src = flat_segment(seg)
+        if not src.nbytes:
+            copies.append(memoryview(b""))
+            continue
+        dst = alloc(src.nbytes)
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+        copies.append(dst)
+    return Encoded(enc.kind, enc.meta, copies)
 
 
 class FrozenCodec:
