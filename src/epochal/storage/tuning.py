@@ -47,3 +47,12 @@ PARALLEL_MIN = 64 << 20
 IO_THREADS = 4
 #: at most this many threads for the CPU-bound in-place passes (checksums of mapped pages)
 CPU_THREADS = 4
+
+#: local files of at least this many bytes are written with O_DIRECT through reused aligned
+#: buffers (storage/io/direct.py): no page-cache pages to find, fault in and write back
+DIRECT_MIN = 64 << 20
+#: size of each of those buffers, how many a save uses (kept across saves) and the threads
+#: writing them (requests in flight, not cores)
+DIRECT_BUFFER = 8 << 20
+DIRECT_BUFFERS = 6
+DIRECT_THREADS = 4
