@@ -25,6 +25,7 @@ import mmap
 import os
 import queue
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from .. import atomic, tuning
@@ -71,11 +72,12 @@ class DirectSink:
         self.name = path
         self._file = atomic.AtomicFile(path, size=size)
         self._file.__enter__()
-        self._dfd = -1
+        self._dfd = -1  # the O_DIRECT descriptor (closed at the end)
         try:
             self._dfd = os.open(self._file.temp_path, os.O_WRONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
         except OSError:
-            self._dfd = -1  # refused (tmpfs...): plain pwrite of the same buffers
+            pass  # refused (tmpfs...): plain pwrite of the same buffers
+        self._direct = self._dfd >= 0
         nbuf = max(2, tuning.DIRECT_BUFFERS)
         self._bufs = _take(nbuf)
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
@@ -87,6 +89,7 @@ class DirectSink:
         self._fill = 0  # bytes in self._cur
         self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
         self._error: OSError | None = None
+        self._late: list[tuple[int, bytes]] = []  # patches beyond the first buffer
         self._threads = [
             threading.Thread(target=self._run, name="epochal-direct-write", daemon=True)
             for _ in range(max(1, tuning.DIRECT_THREADS))
@@ -101,13 +104,13 @@ class DirectSink:
         try:
             done = 0
             while done < nbytes:
-                fd = self._dfd if self._dfd >= 0 else self._file.fd
+                direct = self._direct
                 try:
-                    n = os.pwrite(fd, view[done:], offset + done)
+                    n = os.pwrite(self._dfd if direct else self._file.fd, view[done:], offset + done)
                 except OSError as e:
-                    if e.errno != errno.EINVAL or self._dfd < 0:
+                    if e.errno != errno.EINVAL or not direct:
                         raise
-                    self._dfd = -1  # O_DIRECT refused at write time: plain writes from now
+                    self._direct = False  # O_DIRECT refused at write time: plain writes from now
                     continue
                 if n <= 0:  # pragma: no cover - regular files do not return 0
                     raise OSError(errno.EIO, "write returned 0")
@@ -146,7 +149,13 @@ class DirectSink:
         self._fill = 0
 
     def write(self, buffer: Any) -> int:
-        views = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+        views: Sequence[Any]
+        if not isinstance(buffer, (list, tuple)):
+            views = [buffer]
+        elif len(buffer) > 8:  # many small pieces: one C-level gather, then one copy each
+            views = [b"".join(buffer)]
+        else:
+            views = buffer
         total = 0
         for b in views:
             src = memoryview(b)
@@ -166,9 +175,13 @@ class DirectSink:
     def patch(self, offset: int, data: Any) -> None:
         src = memoryview(data).cast("B")
         end = offset + src.nbytes
-        if end > len(self._head) or (self._cur is self._head and end > self._fill):
-            raise ValueError(f"{self.name}: patch at {offset}+{src.nbytes} is outside the first buffer")
-        self._head[offset:end] = src
+        if offset < 0 or end > self._cur_off + self._fill:
+            raise ValueError(f"{self.name}: patch at {offset}+{src.nbytes} is past the end written")
+        cut = min(end, len(self._head))
+        if offset < cut:  # the first buffer is still in memory
+            self._head[offset:cut] = src[: cut - offset]
+        if end > cut:  # the rest is written at commit, once the data is on disk
+            self._late.append((max(offset, cut), bytes(src[max(offset, cut) - offset :])))
 
     def commit(self) -> None:
         try:
@@ -181,6 +194,8 @@ class DirectSink:
             self._todo.put((self._head, 0, len(self._head) if self._cur is not self._head else padded))
             self._stop()
             self._check()
+            for offset, data in self._late:
+                os.pwrite(self._file.fd, data, offset)
             if padded != tail:
                 os.ftruncate(self._file.fd, size)
             self._close_direct()
