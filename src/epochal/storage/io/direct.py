@@ -78,8 +78,12 @@ class DirectSink:
         except OSError:
             pass  # refused (tmpfs...): plain pwrite of the same buffers
         self._direct = self._dfd >= 0
-        nbuf = max(2, tuning.DIRECT_BUFFERS)
-        self._bufs = _take(nbuf)
+        try:
+            self._bufs = _take(max(2, tuning.DIRECT_BUFFERS))
+        except BaseException:  # e.g. MemoryError: no temp file left behind
+            self._close_direct()
+            self._file.abort()
+            raise
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         for b in self._bufs[1:]:
             self._free.put(b)
