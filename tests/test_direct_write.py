@@ -175,3 +175,13 @@ def test_safetensors_db_written_directly_reads_back(tmp_path, small_direct):
     st.write(str(tmp_path / "s.db"), blobs)
     out = st.read(str(tmp_path / "s.db"))
     assert all(out[k].tobytes() == v.tobytes() for k, v in blobs.items())
+
+
+def test_any_error_in_a_writer_thread_is_raised_not_hung(tmp_path, small_direct, monkeypatch):
+    def pwrite(fd, data, offset):
+        raise RuntimeError("writer broke")
+
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+    with pytest.raises(RuntimeError, match="writer broke"):
+        NativeBackend().write(str(tmp_path / "y.db"), _blobs(60, 2))
+    assert os.listdir(tmp_path) == []

@@ -92,7 +92,7 @@ class DirectSink:
         self._cur_off = 0  # file offset of self._cur
         self._fill = 0  # bytes in self._cur
         self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
-        self._error: OSError | None = None
+        self._error: BaseException | None = None
         self._late: list[tuple[int, bytes]] = []  # patches beyond the first buffer
         self._threads = [
             threading.Thread(target=self._run, name="epochal-direct-write", daemon=True)
@@ -131,15 +131,17 @@ class DirectSink:
             try:
                 if self._error is None:
                     self._pwrite(buf, offset, nbytes)
-            except OSError as e:
+            except BaseException as e:  # noqa: BLE001 - re-raised by the stream (_check)
                 self._error = e
             finally:
                 if buf is not self._head:
                     self._free.put(buf)
 
     def _check(self) -> None:
-        if self._error is not None:
+        if isinstance(self._error, OSError):
             raise self._file._named(self._error)
+        if self._error is not None:
+            raise self._error
 
     # ---- the stream
     def _flush(self) -> None:
