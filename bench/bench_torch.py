@@ -26,11 +26,16 @@ before it is loaded. Data goes under ``--dir`` (default /tmp) and is removed at 
 re-saving one unchanged state over one file: a model + AdamW, one optimizer step before
 every epoch's saves (so every value changes), each epoch saved to a *new* file, retention
 deleting the old ones. epochal saves through ``epochal.Checkpointer(keep_last=K)`` (its
-sync save: temp file, fsync, rename, directory fsync, manifest commit, retention);
+sync save: temp file, fsync, rename, directory fsync, manifest commit, retention), and once
+more with O_DIRECT writes (``tuning.DIRECT_MIN = 0``, storage/io/direct.py);
 torch.save writes ``epoch-N.pt`` through a temp file + flush + fsync + rename + directory
 fsync and then deletes ``epoch-(N-K).pt``, as a careful loop does. The limits are timed in
 the same epochs: a parallel ``O_DIRECT`` write of the same number of bytes to a new file
-(+ fsync, then deleted) and a memcpy of the state into allocated and into fresh memory::
+(+ fsync, then deleted) and a memcpy of the state into allocated and into fresh memory.
+``--gap`` seconds (default 3) pass before each save, as the training between two saves: in a
+loop the pages of the file retention deleted are long free by the next save (a VM hands
+free pages back to its host after ~2 s), while saves back to back (``--gap 0``) reuse
+them at once::
 
     python bench/bench_torch.py --loop --gib 0.3 --rounds 6 --dir /tmp/epochal_bench_loop
 """
@@ -189,7 +194,7 @@ def _tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.T
     return out
 
 
-SUBDIRS = ("epochal", "buffered", "torch")
+SUBDIRS = ("epochal", "direct", "torch")
 
 
 class Loop:
@@ -205,7 +210,7 @@ class Loop:
         self.model, self.opt = build(args.gib, args.width, torch.optim.AdamW)
         self.nbytes = nbytes_of(self.model, self.opt)
         self.ckpt = epochal.Checkpointer(os.path.join(self.dir, "epochal"), keep_last=args.keep)
-        self.ckpt_buffered = epochal.Checkpointer(os.path.join(self.dir, "buffered"), keep_last=args.keep)
+        self.ckpt_direct = epochal.Checkpointer(os.path.join(self.dir, "direct"), keep_last=args.keep)
         self.tdir = os.path.join(self.dir, "torch")
         self.state = {"model": self.model, "opt": self.opt}
         arrays = [t.numpy() for t in _tensors(self.model, self.opt)]
@@ -216,11 +221,11 @@ class Loop:
     def save_epochal(self, epoch: int) -> None:
         self.ckpt.save(epoch, self.state)
 
-    def save_epochal_buffered(self, epoch: int) -> None:
-        """The same save through the page cache (O_DIRECT off): the A/B of issue 17.4."""
-        direct_min, tuning.DIRECT_MIN = tuning.DIRECT_MIN, 1 << 62
+    def save_epochal_direct(self, epoch: int) -> None:
+        """The same save with O_DIRECT writes (tuning.DIRECT_MIN = 0): the A/B of issue 17.4."""
+        direct_min, tuning.DIRECT_MIN = tuning.DIRECT_MIN, 0
         try:
-            self.ckpt_buffered.save(epoch, self.state)
+            self.ckpt_direct.save(epoch, self.state)
         finally:
             tuning.DIRECT_MIN = direct_min
 
@@ -243,7 +248,7 @@ class Loop:
     def run(self) -> dict[str, list[float]]:
         saves: dict[str, Callable[[int], None]] = {
             "epochal (Checkpointer)": self.save_epochal, "torch.save tmp+fsync+rename": self.save_torch,
-            "epochal, page cache (no O_DIRECT)": self.save_epochal_buffered,
+            "epochal, O_DIRECT writes": self.save_epochal_direct,
             "O_DIRECT write, 4 threads": self.limit_direct,
         }
         times: dict[str, list[float]] = {k: [] for k in saves}
@@ -253,6 +258,7 @@ class Loop:
             train_step(self.model, self.opt)
             for name in rotate(list(saves), epoch):
                 gc.collect()
+                time.sleep(self.args.gap)  # the training between two saves
                 t0 = time.perf_counter()
                 saves[name](epoch)
                 if epoch > 1:
@@ -265,7 +271,7 @@ class Loop:
                 print(f"epoch {epoch}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
                       flush=True)
         self.ckpt.close()
-        self.ckpt_buffered.close()
+        self.ckpt_direct.close()
         return times
 
 
@@ -273,7 +279,7 @@ def loop_main(args: argparse.Namespace) -> dict[str, Any]:
     lp = Loop(args)
     print(f"loop: state {lp.nbytes / 2**30:.2f} GiB ({len(lp.model)} Linear layers of "
           f"{args.width}^2 + AdamW), {args.rounds} timed epochs (+1 warm-up), keep_last "
-          f"{args.keep}; torch {torch.__version__}", flush=True)
+          f"{args.keep}, {args.gap:g} s between saves; torch {torch.__version__}", flush=True)
     try:
         times = lp.run()
     finally:
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--loop", action="store_true", help="saves as a training loop makes them")
     p.add_argument("--keep", type=int, default=2, help="--loop: checkpoints kept (retention)")
+    p.add_argument("--gap", type=float, default=3.0,
+                   help="--loop: seconds of 'training' (a sleep) before each save; 0 = back to back")
     args = p.parse_args(argv)
     if not args.dir.startswith("/tmp"):
         sys.exit("--dir must be under /tmp (benchmark data never goes into the repository)")

@@ -185,3 +185,12 @@ def test_any_error_in_a_writer_thread_is_raised_not_hung(tmp_path, small_direct,
     with pytest.raises(RuntimeError, match="writer broke"):
         NativeBackend().write(str(tmp_path / "y.db"), _blobs(60, 2))
     assert os.listdir(tmp_path) == []
+
+
+def test_off_by_default(tmp_path):
+    assert tuning.DIRECT_MIN is None
+    sink = local.LocalStore().create(str(tmp_path / "big"), 1 << 20)
+    try:
+        assert type(sink) is local.LocalSink
+    finally:
+        sink.abort()

@@ -49,12 +49,13 @@ IO_THREADS = 4
 CPU_THREADS = 4
 
 #: local files of at least this many bytes are written with O_DIRECT through reused aligned
-#: buffers (storage/io/direct.py): no page-cache pages to find, fault in and write back. In a
-#: training loop (a new file each epoch, old ones deleted long before) that was 1.26-1.75x
-#: faster for a 0.94 GiB state; when the pages of a file deleted just before can be reused
-#: (bench_format deletes the old file right before each save) buffered writes were 1.2x
-#: faster at 290-512 MiB. Below this size a save costs little either way.
-DIRECT_MIN = 512 << 20
+#: buffers (storage/io/direct.py) instead of through the page cache; None: never (the
+#: default). Measured in a training loop (bench_torch --loop, 0.94 GiB per save, paired):
+#: 1.26x and 1.75x faster than buffered under heavy machine load, 0.81x and 0.73x under
+#: moderate load; buffered was also faster at 290-512 MiB in bench_format's setting. Not a
+#: robust gain on this VM, so it is off; set it (e.g. 512 << 20) where the disk is faster
+#: without the page cache in the way.
+DIRECT_MIN: int | None = None
 #: size of each of those buffers, how many a save uses (kept across saves) and the threads
 #: writing them (requests in flight, not cores)
 DIRECT_BUFFER = 4 << 20

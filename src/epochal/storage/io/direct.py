@@ -3,11 +3,12 @@
 A training loop saves a new file every epoch and retention deletes old ones, so a buffered
 write lands in page-cache pages the kernel must find, zero and later write back; on a VM
 whose host reclaims freed guest memory (free-page reporting) every such page is also a host
-page fault on first touch. Saves into new files then ran at 0.3-0.6 GB/s here, far from the
-disk's ~2 GB/s (bench/RESULTS.md, issue 17.4). :class:`DirectSink` copies the stream into a
+page fault on first touch. :class:`DirectSink` copies the stream into a
 few page-aligned buffers that stay allocated across saves (warm memory, no faults) and hands
 each full buffer to writer threads that ``pwrite`` it with ``O_DIRECT``: the disk works
-while the next buffer is filled, and no page-cache memory is taken at all.
+while the next buffer is filled, and no page-cache memory is taken at all. Used only when
+``tuning.DIRECT_MIN`` is set: measured, it was not a robust gain on this VM (some runs
+faster, some slower than the page cache).
 
 Same contract as :class:`~epochal.storage.io.local.LocalSink` (temp name, fsync, rename,
 directory fsync through :class:`~epochal.storage.atomic.AtomicFile`); the bytes on disk are

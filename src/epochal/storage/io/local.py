@@ -144,9 +144,11 @@ class LocalStore:
         return LocalSource(path, what)
 
     def create(self, path: str, size: int | None = None) -> LocalSink | DirectSink:
-        """A :class:`LocalSink`; for a file of at least tuning.DIRECT_MIN bytes a
-        :class:`~.direct.DirectSink` (O_DIRECT from reused buffers), where supported."""
-        if size is not None and size >= tuning.DIRECT_MIN and direct_supported():
+        """A :class:`LocalSink`; when tuning.DIRECT_MIN is set (off by default), for a file
+        of at least that many bytes a :class:`~.direct.DirectSink` (O_DIRECT from reused
+        buffers), where supported."""
+        direct_min = tuning.DIRECT_MIN
+        if size is not None and direct_min is not None and size >= direct_min and direct_supported():
             return DirectSink(path, size)
         return LocalSink(path, size)
 
