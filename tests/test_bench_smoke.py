@@ -27,3 +27,12 @@ def test_bench_torch_tiny_runs(tmp_path):
     out = _run("bench_torch.py", "--gib", "0.01", "--rounds", "1", "--dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "save: torch.save / epochal" in out.stdout
+
+
+def test_bench_torch_loop_tiny_runs(tmp_path):
+    pytest.importorskip("torch")
+    out = _run("bench_torch.py", "--loop", "--gib", "0.01", "--rounds", "1", "--gap", "0",
+               "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "torch.save tmp+fsync+rename / epochal" in out.stdout
+    assert sorted(os.listdir(tmp_path)) == []  # its checkpoints and limit files are removed

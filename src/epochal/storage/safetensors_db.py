@@ -43,14 +43,15 @@ from ..errors import (
     MissingBlobError,
     UnsupportedBlobError,
 )
-from . import atomic, strict_json, tuning
 from . import codecs as _codecs
-from .base import BlobInfo, DbBackend, DbStat, ReadStats, register_db_type, report_progress
-from .checksum import ChecksumFn, Checksummer, checksum_function, default_algorithm, format_checksum
+from . import strict_json, tuning
+from .base import BlobInfo, DbBackend, DbStat, ReadStats, register_db_type
+from .checksum import ChecksumFn, checksum_function, default_algorithm, format_checksum
 from .codecs import flat_segment
 from .io.reads import read_exact
 from .io.seam import ByteSource, committed, store_for
 from .safetensors_names import named_tensors
+from .stream import stream_segments
 
 __all__ = ["SafetensorsBackend", "SAFETENSORS_DTYPES"]
 
@@ -163,24 +164,9 @@ class SafetensorsBackend(DbBackend):
         total = 8 + len(head) + data_len
         with committed(store_for(path).create(path, size=total)) as out:
             out.write(struct.pack("<Q", len(head)) + head)  # placeholder, same length as the final
-            with Checksummer(fn, len(tensors)) as ck:
-                batch: list[Any] = []
-                todo: list[tuple[int, Any]] = []
-                nbytes = 0
-                for k, (_, _, _, seg) in enumerate(tensors):
-                    batch.append(seg)
-                    todo.append((k, seg))
-                    nbytes += seg.nbytes
-                    if nbytes >= tuning.STREAM_BATCH or len(batch) >= atomic.IOV_MAX:
-                        ck.submit(todo)
-                        out.write(batch)
-                        report_progress(nbytes)
-                        batch, todo, nbytes = [], [], 0
-                if batch:
-                    ck.submit(todo)
-                    out.write(batch)
-                    report_progress(nbytes)
-                crcs = ck.results()
+            segs = [t[3] for t in tensors]
+            crcs = stream_segments(out, fn, segs, [sg.nbytes for sg in segs],
+                                   batch_bytes=tuning.STREAM_BATCH)
             for (rec, j), crc in zip(crc_slots, crcs):
                 rec["segs"][j]["crc"] = f"{crc:08x}"
             final = header_bytes()

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CheckpointError, CheckpointNotFoundError
-from .. import atomic
+from .. import atomic, tuning
+from .direct import DirectSink, direct_supported
 
 __all__ = ["RWF_NOWAIT", "LocalSink", "LocalSource", "LocalStore"]
 
@@ -142,7 +143,13 @@ class LocalStore:
     def open_read(self, path: str, *, what: str = "db") -> LocalSource:
         return LocalSource(path, what)
 
-    def create(self, path: str, size: int | None = None) -> LocalSink:
+    def create(self, path: str, size: int | None = None) -> LocalSink | DirectSink:
+        """A :class:`LocalSink`; when tuning.DIRECT_MIN is set (off by default), for a file
+        of at least that many bytes a :class:`~.direct.DirectSink` (O_DIRECT from reused
+        buffers), where supported."""
+        direct_min = tuning.DIRECT_MIN
+        if size is not None and direct_min is not None and size >= direct_min and direct_supported():
+            return DirectSink(path, size)
         return LocalSink(path, size)
 
     def exists(self, path: str) -> bool:

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from ...errors import UnsupportedBlobError
-from .. import atomic, tuning
 from .. import codecs as _codecs
-from ..base import report_progress
-from ..checksum import ALGORITHM_IDS, Checksummer, checksum_function, default_algorithm
+from .. import tuning
+from ..checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ..codecs import flat_segment
 from ..io.seam import ByteSink, committed, store_for
+from ..stream import stream_segments
 from .layout import (
     ALIGN,
     INDEX_HEAD,
@@ -71,41 +71,50 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
     encode = _codecs.encode
     # Fast path for plain numpy arrays (the common case of many small blobs): the same kind,
     # meta and bytes NdarrayCodec.encode gives, without the codec lookup and the per-blob
-    # meta dict / repr; metas are deduplicated by (dtype, shape).
+    # meta dict / repr; metas are deduplicated by (dtype, shape). Per dtype object (keyed
+    # by id: every value, so its dtype, stays alive during the call) it is decided once
+    # whether it is plain, what its JSON is and whether its buffer casts straight to bytes.
     fast_nd = _codecs.plain_ndarray_codec() is not None
-    nd_mids: dict[tuple[np.dtype, tuple[int, ...]], int] = {}
-    nd_dtypes: dict[np.dtype, str] = {}
+    nd_mids: dict[tuple[int, tuple[int, ...]], int] = {}
+    nd_dtypes: dict[int, tuple[np.dtype, bool, str, bool]] = {}
     text_ids: dict[str, int] = {}
     ndarray = np.ndarray
     for name, value in blobs.items():
         if not isinstance(name, str):
             raise UnsupportedBlobError(f"blob name {name!r} is not a str")
-        if (
-            fast_nd
-            and type(value) is ndarray
-            and value.dtype.fields is None
-            and value.dtype.subdtype is None
-            and not value.dtype.hasobject
-        ):
-            dkey = (value.dtype, value.shape)
-            mid = nd_mids.get(dkey)
-            if mid is None:  # first of its kind: the meta text NdarrayCodec's meta dumps to
-                dt_text = nd_dtypes.get(value.dtype)
-                if dt_text is None:
-                    dt_text = nd_dtypes[value.dtype] = dumps(_codecs.dtype_to_json(value.dtype))
-                text = f'["ndarray",{{"dtype":{dt_text},"shape":[{",".join(map(str, value.shape))}]}}]'
-                mid = text_ids.get(text)
-                if mid is None:
-                    mid = text_ids[text] = len(meta_texts)
-                    meta_texts.append(text)
-                nd_mids[dkey] = mid
-            names_b.append(name.encode("utf-8", "surrogatepass"))
-            rec_meta.append(mid)
-            rec_nseg.append(1)
-            if not value.flags.c_contiguous:
-                value = np.ascontiguousarray(value)
-            views.append(memoryview(value.reshape(-1).view(np.uint8)) if value.size else _EMPTY)  # type: ignore[arg-type]
-            continue
+        if fast_nd and type(value) is ndarray:
+            dt = value.dtype
+            dinfo = nd_dtypes.get(id(dt))
+            if dinfo is None:
+                plain = dt.fields is None and dt.subdtype is None and not dt.hasobject
+                dinfo = nd_dtypes[id(dt)] = (
+                    dt, plain, dumps(_codecs.dtype_to_json(dt)) if plain else "",
+                    dt.kind in "biufcSU",  # buffer formats memoryview casts to bytes
+                )
+            if dinfo[1]:
+                shape = value.shape
+                dkey = (id(dt), shape)
+                mid = nd_mids.get(dkey)
+                if mid is None:  # first of its kind: the meta text NdarrayCodec's meta dumps to
+                    text = f'["ndarray",{{"dtype":{dinfo[2]},"shape":[{",".join(map(str, shape))}]}}]'
+                    mid = text_ids.get(text)
+                    if mid is None:
+                        mid = text_ids[text] = len(meta_texts)
+                        meta_texts.append(text)
+                    nd_mids[dkey] = mid
+                names_b.append(name.encode("utf-8", "surrogatepass"))
+                rec_meta.append(mid)
+                rec_nseg.append(1)
+                try:
+                    mv = memoryview(value).cast("B") if dinfo[3] else None  # type: ignore[arg-type]
+                except TypeError:  # not C-contiguous
+                    mv = None
+                if mv is None:
+                    if not value.flags.c_contiguous:
+                        value = np.ascontiguousarray(value)
+                    mv = memoryview(value.reshape(-1).view(np.uint8)) if value.size else _EMPTY  # type: ignore[arg-type]
+                views.append(mv)
+                continue
         enc = encode(value, name)
         # dedupe metas by repr (cheap) and JSON-encode only the distinct ones
         key = (enc.kind, repr(enc.meta))
@@ -182,54 +191,14 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
 
 def write_data(out: ByteSink, plan: Plan, algorithm: str) -> list[int]:
     """Stream the superblock placeholder and every segment (with its padding) to ``out``;
-    return the segment checksums.
-
-    Segments go out in ``writev`` batches of about batch_bytes (big ones in CHUNK pieces);
-    each batch is handed to a background thread for checksumming just before it is written,
-    so the checksums run on the other core while the kernel copies the batch."""
-    views, pads = plan.views, plan.segs["pad"].tolist()
-    big, chunk, batch_bytes = tuning.BIG_SEGMENT, tuning.CHUNK, tuning.BATCH_BYTES
-    ck = Checksummer(checksum_function(algorithm), len(views))
-    try:
-        bufs: list[Any] = [_ZEROS]  # superblock placeholder, rewritten at the end
-        todo: list[tuple[int, memoryview]] = []
-        nbytes = SUPERBLOCK_SIZE
-        for i, mv in enumerate(views):
-            pad = pads[i]
-            size = mv.nbytes
-            if size >= big:
-                if bufs:
-                    ck.submit(todo)
-                    out.write(bufs)
-                    report_progress(nbytes)
-                    bufs, todo, nbytes = [], [], 0
-                for start in range(0, size, chunk):
-                    piece = mv[start : start + chunk]
-                    ck.submit([(i, piece)])
-                    out.write(piece)
-                    report_progress(piece.nbytes)
-                if pad:
-                    bufs.append(_ZEROS[:pad])
-                    nbytes += pad
-                continue
-            if size:
-                todo.append((i, mv))
-                bufs.append(mv)
-            if pad:
-                bufs.append(_ZEROS[:pad])
-            nbytes += size + pad
-            if nbytes >= batch_bytes or len(bufs) >= atomic.IOV_MAX - 2:
-                ck.submit(todo)
-                out.write(bufs)
-                report_progress(nbytes)
-                bufs, todo, nbytes = [], [], 0
-        if bufs:
-            ck.submit(todo)
-            out.write(bufs)
-            report_progress(nbytes)
-        return ck.results()
-    finally:
-        ck.close()
+    return the segment checksums (:func:`~epochal.storage.stream.stream_segments`: ``writev``
+    batches of about tuning.BATCH_BYTES, big segments in tuning.CHUNK pieces, checksums on a
+    background thread while the kernel copies each batch)."""
+    return stream_segments(
+        out, checksum_function(algorithm), plan.views, plan.segs["length"].tolist(),
+        batch_bytes=tuning.BATCH_BYTES, pads=plan.segs["pad"].tolist(), head=[_ZEROS],
+        big=tuning.BIG_SEGMENT, chunk=tuning.CHUNK,
+    )
 
 
 def index_bytes(plan: Plan) -> bytes:

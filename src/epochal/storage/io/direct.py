@@ -1,0 +1,239 @@
+"""Big local files written around the page cache (``O_DIRECT``), through reused buffers.
+
+A training loop saves a new file every epoch and retention deletes old ones, so a buffered
+write lands in page-cache pages the kernel must find, zero and later write back; on a VM
+whose host reclaims freed guest memory (free-page reporting) every such page is also a host
+page fault on first touch. :class:`DirectSink` copies the stream into a
+few page-aligned buffers that stay allocated across saves (warm memory, no faults) and hands
+each full buffer to writer threads that ``pwrite`` it with ``O_DIRECT``: the disk works
+while the next buffer is filled, and no page-cache memory is taken at all. Used only when
+``tuning.DIRECT_MIN`` is set: measured, it was not a robust gain on this VM (some runs
+faster, some slower than the page cache).
+
+Same contract as :class:`~epochal.storage.io.local.LocalSink` (temp name, fsync, rename,
+directory fsync through :class:`~epochal.storage.atomic.AtomicFile`); the bytes on disk are
+identical. The first buffer is held back until commit so that :meth:`DirectSink.patch` (the
+header filled in at the end) is a copy into memory, not a read-modify-write of the disk.
+The tail is written padded to the alignment and the file truncated to its real size. Where
+the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems), at open or at the
+first write (EINVAL), the same buffers are written with plain ``pwrite`` instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .. import atomic, tuning
+
+__all__ = ["DirectSink", "direct_supported"]
+
+#: O_DIRECT offsets, lengths and buffer addresses are multiples of this (the page size
+#: covers every common logical block size)
+ALIGN = 4096
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+_pool_lock = threading.Lock()
+#: free page-aligned buffers of tuning.DIRECT_BUFFER bytes, kept across saves (bounded)
+_pool: list[mmap.mmap] = []
+
+
+def direct_supported() -> bool:
+    return bool(_O_DIRECT) and hasattr(os, "pwrite")
+
+
+def _take(n: int) -> list[mmap.mmap]:
+    size = tuning.DIRECT_BUFFER
+    with _pool_lock:
+        got = [b for b in _pool if len(b) == size][:n]
+        for b in got:
+            _pool.remove(b)
+    return got + [mmap.mmap(-1, size) for _ in range(n - len(got))]
+
+
+def _give(bufs: list[mmap.mmap]) -> None:
+    with _pool_lock:
+        keep = max(0, tuning.DIRECT_BUFFERS - len(_pool))
+        _pool.extend(bufs[:keep])
+        for b in bufs[keep:]:
+            b.close()
+
+
+class DirectSink:
+    """A new local file written with ``O_DIRECT`` from reused aligned buffers (see the
+    module doc); a :class:`~epochal.storage.io.seam.ByteSink`."""
+
+    def __init__(self, path: str, size: int | None = None) -> None:
+        self.name = path
+        self._file = atomic.AtomicFile(path, size=size)
+        self._file.__enter__()
+        self._dfd = -1  # the O_DIRECT descriptor (closed at the end)
+        try:
+            self._dfd = os.open(self._file.temp_path, os.O_WRONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            pass  # refused (tmpfs...): plain pwrite of the same buffers
+        self._direct = self._dfd >= 0
+        try:
+            self._bufs = _take(max(2, tuning.DIRECT_BUFFERS))
+        except BaseException:  # e.g. MemoryError: no temp file left behind
+            self._close_direct()
+            self._file.abort()
+            raise
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        for b in self._bufs[1:]:
+            self._free.put(b)
+        self._head = self._bufs[0]  # file offset 0, written at commit (after patch)
+        self._cur: mmap.mmap = self._head
+        self._cur_off = 0  # file offset of self._cur
+        self._fill = 0  # bytes in self._cur
+        self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._late: list[tuple[int, bytes]] = []  # patches beyond the first buffer
+        self._threads = [
+            threading.Thread(target=self._run, name="epochal-direct-write", daemon=True)
+            for _ in range(max(1, tuning.DIRECT_THREADS))
+        ]
+        for t in self._threads:
+            t.start()
+        self._closed = False
+
+    # ---- the writer threads
+    def _pwrite(self, buf: mmap.mmap, offset: int, nbytes: int) -> None:
+        view = memoryview(buf)[:nbytes]
+        try:
+            done = 0
+            while done < nbytes:
+                direct = self._direct
+                try:
+                    n = os.pwrite(self._dfd if direct else self._file.fd, view[done:], offset + done)
+                except OSError as e:
+                    if e.errno != errno.EINVAL or not direct:
+                        raise
+                    self._direct = False  # O_DIRECT refused at write time: plain writes from now
+                    continue
+                if n <= 0:  # pragma: no cover - regular files do not return 0
+                    raise OSError(errno.EIO, "write returned 0")
+                done += n
+        finally:
+            view.release()
+
+    def _run(self) -> None:
+        while True:
+            job = self._todo.get()
+            if job is None:
+                return
+            buf, offset, nbytes = job
+            try:
+                if self._error is None:
+                    self._pwrite(buf, offset, nbytes)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the stream (_check)
+                self._error = e
+            finally:
+                if buf is not self._head:
+                    self._free.put(buf)
+
+    def _check(self) -> None:
+        if isinstance(self._error, OSError):
+            raise self._file._named(self._error)
+        if self._error is not None:
+            raise self._error
+
+    # ---- the stream
+    def _flush(self) -> None:
+        """Hand the full current buffer to the writers and take a free one."""
+        size = len(self._cur)
+        if self._cur is not self._head:
+            self._todo.put((self._cur, self._cur_off, size))
+        self._check()
+        self._cur = self._free.get()
+        self._cur_off += size
+        self._fill = 0
+
+    def write(self, buffer: Any) -> int:
+        views: Sequence[Any]
+        if not isinstance(buffer, (list, tuple)):
+            views = [buffer]
+        elif len(buffer) > 8:  # many small pieces: one C-level gather, then one copy each
+            views = [b"".join(buffer)]
+        else:
+            views = buffer
+        total = 0
+        for b in views:
+            src = memoryview(b)
+            if src.ndim != 1 or src.format != "B":
+                src = src.cast("B")
+            n, done = src.nbytes, 0
+            while done < n:
+                if self._fill == len(self._cur):
+                    self._flush()
+                k = min(n - done, len(self._cur) - self._fill)
+                self._cur[self._fill : self._fill + k] = src[done : done + k]
+                self._fill += k
+                done += k
+            total += n
+        return total
+
+    def patch(self, offset: int, data: Any) -> None:
+        src = memoryview(data).cast("B")
+        end = offset + src.nbytes
+        if offset < 0 or end > self._cur_off + self._fill:
+            raise ValueError(f"{self.name}: patch at {offset}+{src.nbytes} is past the end written")
+        cut = min(end, len(self._head))
+        if offset < cut:  # the first buffer is still in memory
+            self._head[offset:cut] = src[: cut - offset]
+        if end > cut:  # the rest is written at commit, once the data is on disk
+            self._late.append((max(offset, cut), bytes(src[max(offset, cut) - offset :])))
+
+    def commit(self) -> None:
+        try:
+            size = self._cur_off + self._fill
+            tail = self._fill
+            padded = -(-tail // ALIGN) * ALIGN
+            self._cur[tail:padded] = bytes(padded - tail)
+            if self._cur is not self._head:
+                self._todo.put((self._cur, self._cur_off, padded))
+            self._todo.put((self._head, 0, len(self._head) if self._cur is not self._head else padded))
+            self._stop()
+            self._check()
+            for offset, data in self._late:
+                os.pwrite(self._file.fd, data, offset)
+            if padded != tail:
+                os.ftruncate(self._file.fd, size)
+            self._close_direct()
+            self._file.commit()
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        self._stop()
+        self._close_direct()
+        self._file.abort()
+        self._release()
+
+    # ---- cleanup
+    def _stop(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for _ in self._threads:
+                self._todo.put(None)
+            for t in self._threads:
+                t.join()
+
+    def _close_direct(self) -> None:
+        if self._dfd >= 0:
+            os.close(self._dfd)
+            self._dfd = -1
+
+    def _release(self) -> None:
+        if self._bufs:
+            bufs, self._bufs = self._bufs, []
+            _give(bufs)
