@@ -16,7 +16,8 @@ Variants, alternated with the order rotated every round:
 * ``torch``: ``torch.load(weights_only=True)`` of a ``torch.save`` of the same state, then
   ``load_state_dict`` on the model and optimizer (no checksums at all).
 
-Reported: per-variant medians and the medians of the paired per-round ratios. Goals:
+With ``--warm`` the files are read into the page cache before each load instead (a job
+restarted on the same machine soon after a crash). Reported: per-variant medians and the medians of the paired per-round ratios. Goals:
 train/bare <= 1.1, train/torch <= 0.8.
 
     python bench/bench_resume.py --mib 300 --rounds 5 --dir /var/tmp/epochal_bench_resume
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import evict  # noqa: E402
+from _measure import evict, warm  # noqa: E402
 
 import epochal  # noqa: E402
 from epochal.storage.base import get_db_type  # noqa: E402
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=300, help="MiB of model weights (AdamW adds 2x)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default="/var/tmp/epochal_bench_resume")
+    ap.add_argument("--warm", action="store_true", help="files in the page cache (read first), not evicted")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -146,7 +148,10 @@ def main() -> None:
         order = names[r % len(names):] + names[: r % len(names)]
         for n in order:
             fn, path = variants[n]
-            evict(path, drop_caches=True)
+            if args.warm:
+                warm(path)
+            else:
+                evict(path, drop_caches=True)
             t = time.perf_counter()
             fn()
             times[n].append(time.perf_counter() - t)
@@ -154,7 +159,7 @@ def main() -> None:
             with torch.no_grad():  # scramble, so the next load has something to restore
                 for p in live_model.parameters():
                     p.add_(1.0)
-    print(f"cold resume of {nbytes / 2**20:.0f} MiB (LM {args.mib:g} MiB + AdamW), N={args.rounds} rounds")
+    print(f"{'warm' if args.warm else 'cold'} resume of {nbytes / 2**20:.0f} MiB (LM {args.mib:g} MiB + AdamW), N={args.rounds} rounds")
     for n in names:
         print(f"  {n:12s} median {statistics.median(times[n]) * 1e3:8.1f} ms   runs "
               + " ".join(f"{x * 1e3:.0f}" for x in times[n]))

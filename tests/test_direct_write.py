@@ -187,10 +187,10 @@ def test_any_error_in_a_writer_thread_is_raised_not_hung(tmp_path, small_direct,
     assert os.listdir(tmp_path) == []
 
 
-def test_off_by_default(tmp_path):
-    assert tuning.DIRECT_MIN is None
-    sink = local.LocalStore().create(str(tmp_path / "big"), 1 << 20)
+def test_on_by_default_for_big_files_only(tmp_path):
+    assert tuning.DIRECT_MIN == 512 << 20
+    small = local.LocalStore().create(str(tmp_path / "small"), 1 << 20)
     try:
-        assert type(sink) is local.LocalSink
+        assert type(small) is local.LocalSink
     finally:
-        sink.abort()
+        small.abort()

@@ -49,13 +49,14 @@ IO_THREADS = 4
 CPU_THREADS = 4
 
 #: local files of at least this many bytes are written with O_DIRECT through reused aligned
-#: buffers (storage/io/direct.py) instead of through the page cache; None: never (the
-#: default). Measured in a training loop (bench_torch --loop, 0.94 GiB per save, paired):
-#: 1.26x and 1.75x faster than buffered under heavy machine load, 0.81x and 0.73x under
-#: moderate load; buffered was also faster at 290-512 MiB in bench_format's setting. Not a
-#: robust gain on this VM, so it is off; set it (e.g. 512 << 20) where the disk is faster
-#: without the page cache in the way.
-DIRECT_MIN: int | None = None
+#: buffers (storage/io/direct.py) instead of through the page cache; None: never. Measured
+#: on a quiet machine (session 11, bench/RESULTS.md): a training loop's saves of 0.94 GiB
+#: (bench_torch --loop, N=6) 1.17 s O_DIRECT vs 5.6 s buffered (new page-cache pages cost a
+#: host fault each on this VM); 896 MiB native saves, paired N=6: 1.63x (same file
+#: rewritten) and 2.45x (a new file each time) the buffered speed, and steady (1.1-1.5 s
+#: where buffered took 0.5-9.3 s). Under heavy load from other processes the gain was
+#: smaller and sometimes a loss (0.73-1.75x).
+DIRECT_MIN: int | None = 512 << 20
 #: size of each of those buffers, how many a save uses (kept across saves) and the threads
 #: writing them (requests in flight, not cores)
 DIRECT_BUFFER = 4 << 20

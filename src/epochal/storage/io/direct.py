@@ -6,9 +6,10 @@ whose host reclaims freed guest memory (free-page reporting) every such page is 
 page fault on first touch. :class:`DirectSink` copies the stream into a
 few page-aligned buffers that stay allocated across saves (warm memory, no faults) and hands
 each full buffer to writer threads that ``pwrite`` it with ``O_DIRECT``: the disk works
-while the next buffer is filled, and no page-cache memory is taken at all. Used only when
-``tuning.DIRECT_MIN`` is set: measured, it was not a robust gain on this VM (some runs
-faster, some slower than the page cache).
+while the next buffer is filled, and no page-cache memory is taken at all. Used for files of at least
+``tuning.DIRECT_MIN`` bytes (512 MiB by default; None turns it off): on a quiet machine it
+was 1.6-4.8x the buffered speed and steady; under heavy load from other processes the gain
+was smaller and sometimes a loss (bench/RESULTS.md).
 
 Same contract as :class:`~epochal.storage.io.local.LocalSink` (temp name, fsync, rename,
 directory fsync through :class:`~epochal.storage.atomic.AtomicFile`); the bytes on disk are

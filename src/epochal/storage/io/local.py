@@ -144,7 +144,7 @@ class LocalStore:
         return LocalSource(path, what)
 
     def create(self, path: str, size: int | None = None) -> LocalSink | DirectSink:
-        """A :class:`LocalSink`; when tuning.DIRECT_MIN is set (off by default), for a file
+        """A :class:`LocalSink`; when tuning.DIRECT_MIN is set (512 MiB by default), for a file
         of at least that many bytes a :class:`~.direct.DirectSink` (O_DIRECT from reused
         buffers), where supported."""
         direct_min = tuning.DIRECT_MIN
