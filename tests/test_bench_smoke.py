@@ -1,4 +1,4 @@
-"""The async and torch benchmarks run at a tiny size, so they cannot rot (no timing asserted)."""
+"""The async, torch and resume benchmarks run at a tiny size, so they cannot rot (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,11 @@ def test_bench_torch_loop_tiny_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "torch.save tmp+fsync+rename / epochal" in out.stdout
     assert sorted(os.listdir(tmp_path)) == []  # its checkpoints and limit files are removed
+
+
+def test_bench_resume_quick_runs(tmp_path):
+    pytest.importorskip("torch")
+    out = _run("bench_resume.py", "--quick", "--dir", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
+    assert "train / bare" in out.stdout and "train_2pass / train" in out.stdout
+    assert not (tmp_path / "r").exists()  # its data is removed
