@@ -180,11 +180,7 @@ class RemoteMirror:
                     backend.verify(tmp)
                 except CheckpointCorruptError as ex:
                     raise CheckpointCorruptError(db_url, f"node {node!r}: {ex}") from None
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    atomic.fsync(fd)
-                finally:
-                    os.close(fd)
+                atomic.fsync_file(tmp)
                 os.replace(tmp, final)
             finally:
                 if os.path.exists(tmp):

@@ -31,16 +31,6 @@ class _StateDictOf:
         return dict(self._tensors)
 
 
-def _fsync_file(path: str) -> None:
-    from ..storage import atomic
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        atomic.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _db_type_of(path: str) -> str:
     from ..storage.native import MAGIC
 
@@ -129,7 +119,7 @@ def export_safetensors(
     tmp = atomic.temp_path_for(target)  # save_model writes it; then fsync, rename into place
     try:
         save_model(_StateDictOf(tensors), tmp, metadata=meta)  # type: ignore[arg-type]
-        _fsync_file(tmp)
+        atomic.fsync_file(tmp)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -91,6 +91,15 @@ def fsync(fd: int) -> None:
     os.fsync(fd)
 
 
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """:func:`fsync` a file by name (one another writer or library closed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename or create in it is durable (no-op where unsupported)."""
     try:
