@@ -2,8 +2,10 @@
 bench/fuzz.py): what an attacker (or a buggy writer) could hand epochal.
 
 ``NativeParts.parse(raw)`` splits a native file into its tables (numpy copies), names heap,
-metas text and data area; ``.pack()`` puts them back with every checksum recomputed, so only
-the structural and semantic checks of the reader stand between a forgery and a load. For
+metas text and data area; ``.pack()`` puts them back with every checksum recomputed (the
+index, the superblock and the checksum groups of format 2.0; segment checksums are the
+forger's to set), so only the structural and semantic checks of the reader stand between a
+forgery and a load. For
 safetensors, ``st_parts(raw)`` / ``st_pack(header, data)`` do the same with the JSON header
 and ``st_blobs_crc`` recomputes the blob list checksum.
 """
@@ -19,6 +21,7 @@ import numpy as np
 
 from epochal.storage.checksum import ALGORITHM_IDS, ALGORITHM_NAMES, checksum_function
 from epochal.storage.native.layout import (
+    GROUP_DTYPE,
     INDEX_HEAD,
     INDEX_MAGIC,
     MOFF_DTYPE,
@@ -42,13 +45,16 @@ class NativeParts:
     names: bytes
     metas: bytes
     data_bytes: int
+    groups: np.ndarray
+    version: tuple[int, int]
 
     @classmethod
     def parse(cls, raw: bytes) -> NativeParts:
         f = SUPER.unpack(raw[:SUPERBLOCK_SIZE])
-        algo, ioff, nblobs, nsegs, dbytes = f[3], f[5], f[8], f[9], f[10]
+        major, minor, algo, ioff, nblobs, nsegs, dbytes = f[1], f[2], f[3], f[5], f[8], f[9], f[10]
         index = raw[ioff:]
-        _, _, nlen, mlen, nmetas, _ = INDEX_HEAD.unpack_from(index, 0)
+        _, _, nlen, mlen, nmetas, ngroups = INDEX_HEAD.unpack_from(index, 0)
+        ngroups = ngroups if major >= 2 else 0
         pos = INDEX_HEAD.size
 
         def take(dtype: np.dtype, count: int) -> np.ndarray:
@@ -58,11 +64,12 @@ class NativeParts:
             return arr
 
         recs, segs = take(REC_DTYPE, nblobs), take(SEG_DTYPE, nsegs)
+        groups = take(GROUP_DTYPE, ngroups)
         moffs, order = take(MOFF_DTYPE, nmetas), take(ORDER_DTYPE, nblobs)
         names = index[pos : pos + nlen]
         metas = index[pos + nlen : pos + nlen + mlen]
         return cls(ALGORITHM_NAMES[algo], raw[SUPERBLOCK_SIZE:ioff], recs, segs, moffs, order,
-                   names, metas, dbytes)
+                   names, metas, dbytes, groups, (major, minor))
 
     def set_metas(self, entries: list[Any]) -> None:
         """Replace the metas text by ``entries`` (a list of [kind, meta]) and rebuild the table."""
@@ -75,17 +82,36 @@ class NativeParts:
             off += len(p) + 1
         self.metas, self.moffs = text.encode("ascii"), moffs
 
-    def pack(self) -> bytes:
+    def fix_groups(self) -> None:
+        """Recompute each checksum group's checksum from the data area (groups whose
+        segments lie outside the table or the data are left as they are)."""
         fn = checksum_function(self.algorithm)
+        for g in self.groups:
+            a, n = int(g["seg_first"]), int(g["seg_count"])
+            if n < 1 or a + n > len(self.segs):
+                continue
+            last = self.segs[a + n - 1]
+            lo = int(self.segs[a]["offset"]) - SUPERBLOCK_SIZE
+            hi = int(last["offset"]) + int(last["length"]) + int(last["pad"]) - SUPERBLOCK_SIZE
+            if 0 <= lo <= hi <= len(self.data):
+                g["crc"] = fn(self.data[lo:hi], 0)
+
+    def pack(self, *, fix_groups: bool = True) -> bytes:
+        """The file, with the index and superblock checksums (and, with ``fix_groups``, the
+        group checksums) recomputed."""
+        fn = checksum_function(self.algorithm)
+        if fix_groups:
+            self.fix_groups()
+        ngroups = len(self.groups) if self.version[0] >= 2 else 0
         index = b"".join([
-            INDEX_HEAD.pack(INDEX_MAGIC, 0, len(self.names), len(self.metas), len(self.moffs), 0),
-            self.recs.tobytes(), self.segs.tobytes(), self.moffs.tobytes(), self.order.tobytes(),
-            self.names, self.metas,
+            INDEX_HEAD.pack(INDEX_MAGIC, 0, len(self.names), len(self.metas), len(self.moffs), ngroups),
+            self.recs.tobytes(), self.segs.tobytes(), self.groups[:ngroups].tobytes(),
+            self.moffs.tobytes(), self.order.tobytes(), self.names, self.metas,
         ])
         ioff = SUPERBLOCK_SIZE + len(self.data)
         size = ioff + len(index)
         sb = pack_superblock(ALGORITHM_IDS[self.algorithm], ioff, len(index), size, len(self.recs),
-                             len(self.segs), self.data_bytes, fn(index, 0), fn)
+                             len(self.segs), self.data_bytes, fn(index, 0), fn, self.version)
         return sb + self.data + index
 
 

@@ -94,7 +94,8 @@ def regions(raw: bytes, db_type: str) -> list[tuple[str, int, int]]:
                 out.append(("padding", off + ln, off + ln + pad))
         pos = SUPERBLOCK_SIZE + len(p.data)
         for name, size in (("index head", INDEX_HEAD.size), ("blob table", p.recs.nbytes),
-                           ("segment table", p.segs.nbytes), ("meta table", p.moffs.nbytes),
+                           ("segment table", p.segs.nbytes), ("group table", p.groups.nbytes),
+                           ("meta table", p.moffs.nbytes),
                            ("name order", p.order.nbytes), ("names heap", len(p.names)),
                            ("metas text", len(p.metas))):
             out.append((name, pos, pos + size))

@@ -476,10 +476,10 @@ def test_flip_in_header(db: tuple[str, dict[str, Any]], where: str) -> None:
 
 def test_newer_major_version_rejected(db: tuple[str, dict[str, Any]]) -> None:
     path, _ = db
-    rewrite_superblock(path, major=2, minor=5)
+    rewrite_superblock(path, major=layout.FORMAT_MAJOR + 1, minor=5)
     with pytest.raises(CheckpointVersionError) as ei:
         NativeBackend().read(path)
-    assert "2.5" in str(ei.value) and "upgrade" in str(ei.value)
+    assert f"{layout.FORMAT_MAJOR + 1}.5" in str(ei.value) and "upgrade" in str(ei.value)
     with pytest.raises(CheckpointVersionError):
         stat_native(path)
 
@@ -618,5 +618,6 @@ def test_nothing_decoded_before_all_checksums(tmp_path: Path) -> None:
 def test_format_doc_exists() -> None:
     doc = Path(__file__).resolve().parents[1] / "docs" / "format.md"
     text = doc.read_text()
-    assert "version 1.0" in text.lower() and "CheckpointCorruptError" in text
+    version = f"version {layout.FORMAT_MAJOR}.{layout.FORMAT_MINOR}"
+    assert version in text.lower() and "CheckpointCorruptError" in text
     json.dumps(text)  # plain text

@@ -116,12 +116,19 @@ class Checksummer:
                 continue
             try:
                 for slot, data in batch:
-                    values[slot] = fn(data, values[slot])
+                    if type(data) is list:  # several buffers in order, one running checksum
+                        v = values[slot]
+                        for part in data:
+                            v = fn(part, v)
+                        values[slot] = v
+                    else:
+                        values[slot] = fn(data, values[slot])
             except BaseException as e:  # noqa: BLE001 - re-raised in results()
                 self._error = e
 
     def submit(self, batch: Sequence[tuple[int, Any]]) -> None:
-        """Queue ``(slot, bytes-like)`` pairs; each continues that slot's checksum."""
+        """Queue ``(slot, bytes-like)`` pairs (or ``(slot, [bytes-like, ...])``: several in
+        order); each continues that slot's checksum."""
         self._queue.put(list(batch))
 
     def results(self) -> list[int]:

@@ -41,12 +41,22 @@ def stream_segments(
     head: Sequence[Any] = (),
     big: int | None = None,
     chunk: int = 0,
+    groups: Sequence[tuple[int, int]] = (),
 ) -> list[int]:
     """Write ``head`` (not checksummed), then every ``views[k]`` (``sizes[k]`` bytes) followed
     by ``pads[k]`` zero bytes (< 64), in order, to ``out``; return each view's checksum
-    (continuing from 0 with ``fn``)."""
+    (continuing from 0 with ``fn``), then the checksum of each of ``groups``: ``(first,
+    count)`` runs of views, each checksummed as one range (its views and their padding, in
+    order)."""
     n = len(views)
-    ck = Checksummer(fn, n)
+    ck = Checksummer(fn, n + len(groups))
+    # per view: the checksum slot of its group, or -1 (for big views, written in pieces)
+    gslot = [-1] * n if groups else None
+    g_first = np.asarray([a for a, _ in groups], dtype=np.int64)
+    g_end = g_first + np.asarray([c for _, c in groups], dtype=np.int64)
+    for g, (first, count) in enumerate(groups):
+        assert gslot is not None
+        gslot[first : first + count] = [n + g] * count
     try:
         size_a = np.asarray(sizes, dtype=np.int64).reshape(n)
         pad_l = list(pads) if pads is not None else None
@@ -65,11 +75,14 @@ def stream_segments(
                     out.write(carry)
                     report_progress(carry_bytes)
                 mv = views[i]
+                g = gslot[i] if gslot is not None else -1  # (a group may hold big views too)
                 for start in range(0, sizes[i], chunk):
                     piece = mv[start : start + chunk]
-                    ck.submit([(i, piece)])
+                    ck.submit([(i, piece), (g, piece)] if g >= 0 else [(i, piece)])
                     out.write(piece)
                     report_progress(piece.nbytes)
+                if g >= 0 and zpads is not None and pad_l is not None and pad_l[i]:
+                    ck.submit([(g, zpads[i])])
                 carry = [zpads[i]] if zpads is not None and pad_l is not None and pad_l[i] else []
                 carry_bytes = pad_l[i] if carry and pad_l is not None else 0
                 i += 1
@@ -85,7 +98,14 @@ def stream_segments(
                 bufs = carry + [x for k in range(i, j) for x in (views[k], zpads[k])]
             else:
                 bufs = carry + list(views[i:j])
-            ck.submit(list(zip(range(i, j), views[i:j])))
+            pairs: list[tuple[int, Any]] = list(zip(range(i, j), views[i:j]))
+            if len(g_first):  # each group's part of this batch: a slice of bufs, one job
+                c0 = len(carry)
+                for g in range(int(np.searchsorted(g_end, i, side="right")),
+                               int(np.searchsorted(g_first, j))):
+                    lo, hi = max(i, int(g_first[g])), min(j, int(g_end[g]))
+                    pairs.append((n + g, bufs[c0 + per * (lo - i) : c0 + per * (hi - i)]))
+            ck.submit(pairs)
             out.write(bufs)
             report_progress(carry_bytes + int(cum[j - 1]) - before)
             carry, carry_bytes = [], 0

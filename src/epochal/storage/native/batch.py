@@ -21,6 +21,10 @@ from .layout import ALIGN, corrupt
 
 __all__ = ["read_small_arrays"]
 
+_DAMAGED = "data checksum mismatch (blob damaged)"
+_DAMAGED_PAD = "nonzero padding after the data (blob damaged)"
+_DAMAGED_GROUP = "checksum group mismatch (its segments verify: index and data disagree)"
+
 
 def read_small_arrays(
     f: Opened, ids: list[int], verify: bool
@@ -29,17 +33,19 @@ def read_small_arrays(
 
     Blobs whose codec is the built-in NdarrayCodec and whose one segment is small are
     read in groups of adjacent segments (about GROUP_BYTES each) with one ``preadv``
-    into one fresh buffer per group; each segment's checksum and padding are checked;
-    the arrays are writable, non-overlapping views of that buffer, exactly the dtype,
-    shape and bytes NdarrayCodec would give. Returns ``{name: array}`` in file order,
-    the blob indices left to the general path (other kinds, big or empty segments,
-    metas that do not fit: the general path reports those) and the data bytes read.
+    into one fresh buffer per group; the checksums are checked (one call per checksum
+    group of the file, docs/format.md, when the read holds all of its segments; else each
+    segment's checksum and padding); the arrays are writable, non-overlapping views of that
+    buffer, exactly the dtype, shape and bytes NdarrayCodec would give. Returns ``{name:
+    array}`` in file order, the blob indices left to the general path (other kinds, big or
+    empty segments, metas that do not fit: the general path reports those) and the data
+    bytes read.
 
     The calling thread only issues the ``preadv`` calls (candidates are chosen from the
-    segment table alone); a worker thread meanwhile parses the metas, then per group
-    (in order, as each is read) checks the checksums and padding of the blobs that fit
-    and builds their views. Candidates whose meta does not fit are left to the general
-    path (their bytes here are not used)."""
+    segment table alone); a worker thread meanwhile parses the metas, then per read
+    (in order, as each is read) checks the checksums and builds the views of the blobs
+    that fit. Candidates whose meta does not fit are left to the general path (their bytes
+    here are not used)."""
     if _codecs.plain_ndarray_codec() is None:
         return {}, ids, 0
     idx, path = f.index, f.path
@@ -61,98 +67,177 @@ def read_small_arrays(
     lens = seg_len[cand]
     pads = segs["pad"][ks].astype(np.int64)
     ends = offs + lens + pads
-    # groups of file-adjacent segments, cut where the file is not contiguous or a
-    # GROUP_BYTES boundary is crossed
+    # the file's checksum groups whose every segment is a candidate ("whole"): one checksum
+    # call each; per candidate, its whole group (-1: none) and whether it starts it
+    whole_w, wfirst_j = _whole_groups(idx.groups, ks) if verify else (np.zeros(0, np.int64),) * 2
+    w_of_j = np.full(len(ks), -1, dtype=np.int64)
+    if len(whole_w):
+        gcount = idx.groups["seg_count"][whole_w].astype(np.int64)
+        for_j = np.repeat(np.arange(len(whole_w)), gcount)
+        w_of_j[np.concatenate([np.arange(a, a + c) for a, c in zip(wfirst_j.tolist(), gcount.tolist())])] = for_j
+    # reads of file-adjacent segments, cut where the file is not contiguous, or a
+    # GROUP_BYTES boundary is crossed outside a whole group
     cut = np.ones(len(ks), dtype=bool)
-    cut[1:] = (offs[1:] != ends[:-1]) | (offs[1:] // group_bytes != offs[:-1] // group_bytes)
+    inside = (w_of_j[1:] >= 0) & (w_of_j[1:] == w_of_j[:-1])
+    cut[1:] = (offs[1:] != ends[:-1]) | ((offs[1:] // group_bytes != offs[:-1] // group_bytes) & ~inside)
     starts_j = np.flatnonzero(cut).tolist()
     bounds = list(zip(starts_j, [*starts_j[1:], len(ks)]))
     offs_l, ends_l = offs.tolist(), ends.tolist()
     ranges = merged_ranges([(offs_l[a], ends_l[b - 1]) for a, b in bounds])
     ahead = Prefetcher(f.src, ranges if int(lens.sum()) >= tuning.PREFETCH_MIN else [])
     fn = checksum_function(idx.header.algorithm, inline=True)
+    fn_big = checksum_function(idx.header.algorithm)  # releases the GIL
     cols64 = np.arange(ALIGN, dtype=np.int64)
-    bad: list[str] = []
+    bad: list[tuple[str, int]] = []  # (message, candidate j) of the first damage found
     out: dict[str, np.ndarray] = {}
     # filled by prepare() on the worker
     st: dict[str, Any] = {}
 
     def prepare() -> None:
         entries = idx.all_entries()
-        st["names"] = idx.names()
-        # per distinct meta: (dtype, shape) when it is a well-formed ndarray meta
+        names_ = idx.names()
+        # per distinct meta: (dtype, shape) when it is a well-formed ndarray meta; and
+        # whether the array is a slice of a typed view of its read's buffer (1-D, an
+        # itemsize dividing ALIGN: a quarter of the cost of one np.ndarray call each):
+        # code = which view, -1 = built with np.ndarray
         layouts: list[tuple[np.dtype, tuple[int, ...]] | None] = []
         nbytes_of = np.full(len(entries) + 1, -1, dtype=np.int64)
-        dtypes: dict[Any, np.dtype] = {}
+        code_of = np.full(len(entries) + 1, -1, dtype=np.int64)
+        isz_of = np.ones(len(entries) + 1, dtype=np.int64)
+        dtypes: dict[Any, tuple[np.dtype, int]] = {}  # dtype JSON -> (dtype, view code)
+        views: list[np.dtype] = []
+        view_ids: dict[np.dtype, int] = {}
         for mid, (kind, meta) in enumerate(entries):
             lay: tuple[np.dtype, tuple[int, ...]] | None = None
             if kind == "ndarray":
                 d, sh = meta.get("dtype"), meta.get("shape")
-                dt = dtypes.get(d) if type(d) is str else None
+                known = dtypes.get(d) if type(d) is str else None
                 if (  # the common 1-D case, checked as check_shape would
-                    dt is not None and type(sh) is list and len(sh) == 1
+                    known is not None and type(sh) is list and len(sh) == 1
                     and type(sh[0]) is int and 0 <= sh[0] <= _codecs.MAX_DIM
                 ):
+                    dt, c = known
                     nbytes_of[mid] = sh[0] * dt.itemsize
                     lay = (dt, (sh[0],))
+                    if c >= 0:
+                        code_of[mid], isz_of[mid] = c, dt.itemsize
                 else:
                     try:
                         dt = _codecs.dtype_from_json(d)
                         shape = _codecs.check_shape(sh)
                         nbytes_of[mid] = _codecs.expected_nbytes(dt, shape)
                         lay = (dt, shape)
-                        if type(d) is str:
-                            dtypes[d] = dt
                     except ValueError:
                         lay = None  # the general path raises the error, naming the blob
+                    else:
+                        c = -1
+                        if dt.itemsize and ALIGN % dt.itemsize == 0:
+                            c = view_ids.get(dt, -1)
+                            if c < 0:
+                                c = view_ids[dt] = len(views)
+                                views.append(dt)
+                        if type(d) is str:
+                            dtypes[d] = (dt, c)
+                        if c >= 0 and len(shape) == 1:
+                            code_of[mid], isz_of[mid] = c, dt.itemsize
             layouts.append(lay)
         mids = recs["meta_id"][cand_ids].astype(np.int64)
         fit = nbytes_of[mids] == lens
-        st["layouts"] = layouts
-        st["fit"] = fit
-        st["mids_l"] = mids.tolist()
-        st["fast_l"] = cand_ids.tolist()
-        st["lens_l"] = lens.tolist()
-        st["crcs_l"] = segs["crc"][ks].tolist() if verify else None
-        # fitting blobs per group: sel_lists[g] = relative indices j of fitting segments
+        isz = isz_of[mids]
+        e0 = offs // isz  # element offset in the file (offsets are ALIGN-aligned)
+        st["views"], st["isz"] = views, [v.itemsize for v in views]
+        st["code_l"] = code_of[mids].tolist()
+        st["e0_l"], st["e1_l"] = e0.tolist(), (e0 + lens // isz).tolist()
+        st["names_l"] = [names_[i] for i in cand_ids.tolist()]
+        st["layouts"], st["mids_l"], st["fit"] = layouts, mids.tolist(), fit
+        # fitting blobs per read: fj[gcut[g] : gcut[g + 1]] are its candidates j
         fj = np.flatnonzero(fit)
         st["fj"] = fj.tolist()
         st["gcut"] = np.searchsorted(fj, np.asarray(starts_j + [len(ks)], dtype=np.int64)).tolist()
+        if verify:
+            st["lens_l"] = lens.tolist()
+            st["crcs_l"] = segs["crc"][ks].tolist()
+            # per read: the whole groups it holds (as [wcut[g], wcut[g + 1]) of whole_w)
+            # and the fitting candidates outside them, checked one by one
+            loose = fit & (w_of_j < 0)
+            lj = np.flatnonzero(loose)
+            st["lj"] = lj.tolist()
+            st["lcut"] = np.searchsorted(lj, np.asarray(starts_j + [len(ks)], dtype=np.int64)).tolist()
+            st["wcut"] = np.searchsorted(wfirst_j, np.asarray(starts_j + [len(ks)], dtype=np.int64)).tolist()
+            if len(whole_w):
+                gstart, gend = idx.group_ranges()
+                st["w_l"] = list(zip(gstart[whole_w].tolist(), gend[whole_w].tolist(),
+                                     idx.groups["crc"][whole_w].tolist(), wfirst_j.tolist()))
+            else:
+                st["w_l"] = []
+
+    def check_groups(g: int, mv: memoryview, start: int) -> bool:
+        """One checksum per whole group of this read; on a mismatch, name the damaged blob."""
+        w_l, wcut = st["w_l"], st["wcut"]
+        for gs, ge, want, j0 in w_l[wcut[g] : wcut[g + 1]]:
+            if fn_big(mv[gs - start : ge - start], 0) != want:
+                crcs_l, lens_l = st["crcs_l"], st["lens_l"]
+                j = j0
+                while j < len(offs_l) and offs_l[j] < ge:  # which segment (or padding) it is
+                    rel = offs_l[j] - start
+                    if fn(mv[rel : rel + lens_l[j]], 0) != crcs_l[j]:
+                        bad.append((_DAMAGED, j))
+                        return False
+                    if any(mv[rel + lens_l[j] : ends_l[j] - start]):
+                        bad.append((_DAMAGED_PAD, j))
+                        return False
+                    j += 1
+                bad.append((_DAMAGED_GROUP, j0))
+                return False
+        return True
+
+    def check_loose(g: int, buf: np.ndarray, mv: memoryview, start: int) -> bool:
+        """Each segment's checksum and padding, for the fitting candidates outside whole groups."""
+        lj_l, lcut = st["lj"], st["lcut"]
+        sel_j = lj_l[lcut[g] : lcut[g + 1]]
+        if not sel_j:
+            return True
+        crcs_l, lens_l = st["crcs_l"], st["lens_l"]
+        for j in sel_j:
+            rel = offs_l[j] - start
+            if fn(mv[rel : rel + lens_l[j]], 0) != crcs_l[j]:
+                bad.append((_DAMAGED, j))
+                return False
+        # each padding is the tail of the 64-byte block that ends where it ends
+        sel = np.asarray(sel_j, dtype=np.int64)
+        p_ = pads[sel]
+        nz = np.flatnonzero(p_)
+        if len(nz):
+            rows = buf.reshape(-1, ALIGN)[(ends[sel[nz]] - start) // ALIGN - 1]
+            badm = (rows != 0) & (cols64[None, :] >= ALIGN - p_[nz][:, None])
+            if badm.any():
+                bad.append((_DAMAGED_PAD, int(sel[nz[int(np.flatnonzero(badm.any(axis=1))[0])]])))
+                return False
+        return True
 
     def check(g: int, buf: np.ndarray, start: int) -> None:
-        # runs on the worker thread, overlapped with the next group's preadv
+        # runs on the worker thread, overlapped with the next read's preadv
         if bad:
             return
-        a, b = bounds[g]
-        fj_l, gcut = st["fj"], st["gcut"]
-        sel_j = fj_l[gcut[g] : gcut[g + 1]]
-        if not sel_j:
-            return
-        crcs_l = st["crcs_l"]
-        lens_l = st["lens_l"]
         mv = memoryview(buf)  # type: ignore[arg-type]
-        if crcs_l is not None:
-            for j in sel_j:
-                rel = offs_l[j] - start
-                if fn(mv[rel : rel + lens_l[j]], 0) != crcs_l[j]:
-                    bad.append(f"d{j}")
-                    return
-            # each padding is the tail of the 64-byte block that ends where it ends
-            fit_g = st["fit"][a:b]
-            p_ = np.where(fit_g, pads[a:b], 0)
-            sel = np.flatnonzero(p_)
-            if len(sel):
-                rows = buf.reshape(-1, ALIGN)[(ends[a:b][sel] - start) // ALIGN - 1]
-                badm = (rows != 0) & (cols64[None, :] >= ALIGN - p_[sel][:, None])
-                if badm.any():
-                    bad.append(f"p{a + int(sel[int(np.flatnonzero(badm.any(axis=1))[0])])}")
-                    return
-        names, layouts, mids_l, fast_l = st["names"], st["layouts"], st["mids_l"], st["fast_l"]
+        if verify and not (check_groups(g, mv, start) and check_loose(g, buf, mv, start)):
+            return
+        fj_l, gcut = st["fj"], st["gcut"]
+        names_l, code_l, e0_l, e1_l = st["names_l"], st["code_l"], st["e0_l"], st["e1_l"]
+        isz_l, views = st["isz"], st["views"]
+        tvs: list[Any] = [None] * len(views)  # (typed view of the buffer, its first element)
         new_array = np.ndarray
-        for j in sel_j:
-            i = fast_l[j]
-            dt, shape = layouts[mids_l[j]]
-            out[names[i]] = new_array(shape, dtype=dt, buffer=buf, offset=offs_l[j] - start)
+        for j in fj_l[gcut[g] : gcut[g + 1]]:
+            c = code_l[j]
+            if c >= 0:
+                tv = tvs[c]
+                if tv is None:
+                    tv = tvs[c] = (buf.view(views[c]), start // isz_l[c])
+                b0 = tv[1]
+                out[names_l[j]] = tv[0][e0_l[j] - b0 : e1_l[j] - b0]
+            else:
+                dt, shape = st["layouts"][st["mids_l"][j]]
+                out[names_l[j]] = new_array(shape, dtype=dt, buffer=buf, offset=offs_l[j] - start)
 
     worker = Worker()
     cand_l = cand_ids.tolist()
@@ -170,10 +255,8 @@ def read_small_arrays(
     finally:
         worker.close()
     if bad:
-        what, j = bad[0][0], int(bad[0][1:])
-        msg = ("data checksum mismatch (blob damaged)" if what == "d"
-               else "nonzero padding after the data (blob damaged)")
-        raise corrupt(path, msg, st["names"][cand_l[j]])
+        msg, j = bad[0]
+        raise corrupt(path, msg, st["names_l"][j])
     fit = st["fit"]
     if not fit.all():
         rest_ids = np.sort(np.concatenate([ids_arr[~cand], cand_ids[~fit]]))
@@ -181,3 +264,20 @@ def read_small_arrays(
         rest_ids = ids_arr[~cand]
     total = int(lens[fit].sum())
     return out, rest_ids.tolist(), total
+
+
+def _whole_groups(groups: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The checksum groups all of whose segments are among the (sorted) candidate segments
+    ``ks``, and the candidate index of each one's first segment."""
+    if not len(groups):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    gfirst = groups["seg_first"].astype(np.int64)
+    gcount = groups["seg_count"].astype(np.int64)
+    j0 = np.searchsorted(ks, gfirst)  # where each group's first segment would be
+    j1 = np.searchsorted(ks, gfirst + gcount)
+    # candidates are distinct and sorted: all members present iff the count matches and
+    # the first one is there
+    ok = ((j1 - j0) == gcount) & (j0 < len(ks))
+    ok &= ks[np.minimum(j0, len(ks) - 1)] == gfirst
+    w = np.flatnonzero(ok)
+    return w, j0[w]

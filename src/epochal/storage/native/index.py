@@ -20,6 +20,9 @@ from ..base import BlobInfo
 from ..checksum import checksum_function, format_checksum
 from .layout import (
     ALIGN,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    GROUP_DTYPE,
     INDEX_HEAD,
     INDEX_MAGIC,
     MOFF_DTYPE,
@@ -58,16 +61,23 @@ class Index:
             raise corrupt(path, "file is truncated inside the index")
         if self.fn(raw, 0) != header.index_crc:
             raise corrupt(path, "index checksum mismatch (header damaged)")
-        magic, _flags, names_len, metas_len, nmetas, _ = INDEX_HEAD.unpack_from(raw, 0)
+        magic, _flags, names_len, metas_len, nmetas, ngroups = INDEX_HEAD.unpack_from(raw, 0)
         n, nseg = header.blob_count, header.seg_count
         if magic != INDEX_MAGIC:
             raise corrupt(path, "bad index magic")
+        if header.major < 2:
+            ngroups = 0  # a reserved field in version 1
         expect = (
             INDEX_HEAD.size + n * REC_DTYPE.itemsize + nseg * SEG_DTYPE.itemsize
-            + nmetas * MOFF_DTYPE.itemsize + n * 4 + names_len + metas_len
+            + ngroups * GROUP_DTYPE.itemsize + nmetas * MOFF_DTYPE.itemsize + n * 4
+            + names_len + metas_len
         )
-        if expect != len(raw):
-            raise corrupt(path, f"absurd index counts ({n} blobs, {nseg} segments, {nmetas} metas)")
+        # a newer minor version may append parts this reader does not know (and ignores)
+        newer = (header.major, header.minor) > (FORMAT_MAJOR, FORMAT_MINOR)
+        if expect > len(raw) or (expect != len(raw) and not newer):
+            raise corrupt(
+                path, f"absurd index counts ({n} blobs, {nseg} segments, {ngroups} groups, {nmetas} metas)"
+            )
         pos = INDEX_HEAD.size
 
         def table(dtype: np.dtype, count: int) -> np.ndarray:
@@ -78,11 +88,12 @@ class Index:
 
         self.recs = table(REC_DTYPE, n)
         self.segs = table(SEG_DTYPE, nseg)
+        self.groups = table(GROUP_DTYPE, ngroups)
         self.moffs = table(MOFF_DTYPE, nmetas)
         self.order = table(ORDER_DTYPE, n)
         self.names_heap = raw[pos : pos + names_len]
         # a view, not a copy: a forged metas text as big as the file is refused before any copy
-        self.metas_text = memoryview(raw)[pos + names_len :]
+        self.metas_text = memoryview(raw)[pos + names_len : pos + names_len + metas_len]
         self._validate()
         self._names: list[str] | None = None
         self._ids: dict[str, int] | None = None
@@ -136,7 +147,34 @@ class Index:
             self._check_permutation()
         elif nseg:
             raise corrupt(path, "segments without blobs")
+        self._check_groups()
         self._check_meta_table()
+
+    def _check_groups(self) -> None:
+        """Checksum groups are non-empty runs of segments, in file order, disjoint, inside
+        the segment table (so each covers one contiguous range of the data area)."""
+        g = self.groups
+        if not len(g):
+            return
+        first = g["seg_first"].astype(np.int64)
+        end = first + g["seg_count"].astype(np.int64)
+        if np.any(end <= first) or end[-1] > len(self.segs) or np.any(first[1:] < end[:-1]):
+            raise corrupt(self.path, "checksum group table is inconsistent")
+
+    def blob_of_segment(self, k: int) -> int:
+        """The blob that segment ``k`` belongs to (blobs without segments share their
+        successor's seg_first, so the owner is the last blob starting at or before ``k``)."""
+        return int(np.searchsorted(self.recs["seg_first"], k, side="right")) - 1
+
+    def group_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each checksum group's file range: start offsets and end offsets (after the last
+        segment's padding), int64 arrays."""
+        g, segs = self.groups, self.segs
+        first = g["seg_first"].astype(np.int64)
+        last = first + g["seg_count"].astype(np.int64) - 1
+        start = segs["offset"][first].astype(np.int64)
+        end = (segs["offset"][last] + segs["length"][last] + segs["pad"][last]).astype(np.int64)
+        return start, end
 
     def _check_permutation(self) -> None:
         order = self.order
@@ -148,7 +186,9 @@ class Index:
         so bisection and a dict of all names find the same blob and no name is stored twice.
         Checked once every name is decoded (full loads, describe, verify); a lookup by
         bisection checks its neighbours instead (:meth:`find`), so partial loads stay cheap."""
-        ordered = [names[i] for i in self.order.tolist()]
+        ordered = list(map(names.__getitem__, self.order.tolist()))
+        if all(map(str.__lt__, ordered, ordered[1:])):  # (a C-speed loop: 20,000 names in 1 ms)
+            return
         for a, b in zip(ordered, ordered[1:]):
             if not a < b:
                 what = "blob name stored twice" if a == b else "name order table is not sorted"
@@ -266,17 +306,14 @@ class Index:
         if self._entries is None:
             self.parse_all_metas()
             assert self._metas is not None
-            out = []
-            for item in self._metas:
-                if (
-                    not isinstance(item, list)
-                    or len(item) != 2
-                    or not isinstance(item[0], str)
-                    or not isinstance(item[1], dict)
-                ):
-                    raise corrupt(self.path, "blob meta is not a [kind, meta] pair")
-                out.append((item[0], item[1]))
-            self._entries = out
+            metas = self._metas
+            # (json gives exact list/str/dict types, so ``type() is`` is isinstance here)
+            if not all(
+                type(item) is list and len(item) == 2 and type(item[0]) is str and type(item[1]) is dict
+                for item in metas
+            ):
+                raise corrupt(self.path, "blob meta is not a [kind, meta] pair")
+            self._entries = list(map(tuple, metas))  # type: ignore[arg-type]
         return self._entries
 
     def parse_all_metas(self) -> None:

@@ -19,8 +19,12 @@ from ...errors import CheckpointCorruptError, CheckpointError, CheckpointVersion
 from ..checksum import ALGORITHM_NAMES, ChecksumFn, checksum_function
 
 MAGIC = b"\x89EPCK\r\n\x1a"
-FORMAT_MAJOR = 1
+#: the newest version this code reads and writes; a file is written in the oldest version
+#: that describes it: 1.0 without checksum groups, 2.0 with them (docs/format.md)
+FORMAT_MAJOR = 2
 FORMAT_MINOR = 0
+#: the version of files without checksum groups (byte-identical to what 1.0 writers wrote)
+V1 = (1, 0)
 #: every segment starts at a multiple of ALIGN bytes and owns the zero padding up to the next
 ALIGN = 64
 INDEX_MAGIC = b"EPIX"
@@ -31,7 +35,8 @@ SUPER = struct.Struct("<8sHHHHQQQIIQII")
 SUPERBLOCK_SIZE = SUPER.size  # 64
 #: the superblock's checksum covers its first SUPER_CHECKED bytes
 SUPER_CHECKED = SUPERBLOCK_SIZE - 4
-# magic, flags, names heap length, metas text length, meta count, reserved
+# magic, flags, names heap length, metas text length, meta count, group count (version 2;
+# reserved and 0 in version 1)
 INDEX_HEAD = struct.Struct("<4sIQQII")
 
 #: one record per blob, in file order
@@ -47,6 +52,10 @@ REC_DTYPE = np.dtype(
 )
 #: one record per segment, in file order
 SEG_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u8"), ("crc", "<u4"), ("pad", "<u4")])
+#: one record per checksum group (version 2): a run of adjacent small segments whose data and
+#: padding, as one contiguous range of the file, have one more checksum, so that a reader of
+#: the whole run checks it with one call instead of one per segment
+GROUP_DTYPE = np.dtype([("seg_first", "<u4"), ("seg_count", "<u4"), ("crc", "<u4"), ("flags", "<u4")])
 #: where each distinct ``[kind, meta]`` JSON text sits in the metas array
 MOFF_DTYPE = np.dtype([("off", "<u4"), ("len", "<u4")])
 #: name-sorted permutation of the blob records (for bisection)
@@ -75,8 +84,8 @@ class Header:
     index_crc: int
 
     def digest(self) -> str:
-        """``native1:<algorithm>:<index checksum>:<file size>``: the content's identity (the
-        index checksum covers every data checksum)."""
+        """``native<major>:<algorithm>:<index checksum>:<file size>``: the content's identity
+        (the index checksum covers every data checksum)."""
         return f"native{self.major}:{self.algorithm}:{self.index_crc:08x}:{self.file_size}"
 
 
@@ -125,10 +134,11 @@ def is_native(head: bytes) -> bool:
 def pack_superblock(
     algo_id: int, index_offset: int, index_length: int, file_size: int, nblobs: int,
     nsegs: int, data_bytes: int, index_crc: int, fn: ChecksumFn,
+    version: tuple[int, int] = (FORMAT_MAJOR, FORMAT_MINOR),
 ) -> bytes:
     """The 64-byte superblock, its own checksum (with ``fn``) last."""
     fields = (
-        MAGIC, FORMAT_MAJOR, FORMAT_MINOR, algo_id, ALIGN.bit_length() - 1, index_offset,
+        MAGIC, version[0], version[1], algo_id, ALIGN.bit_length() - 1, index_offset,
         index_length, file_size, nblobs, nsegs, data_bytes, index_crc,
     )
     body = SUPER.pack(*fields, 0)[:SUPER_CHECKED]

@@ -236,7 +236,8 @@ class NativeFile:
         """Re-check the data checksums of ``names`` (all when None) without decoding or
         allocating the values: data streams through a small reusable buffer. Each blob's
         meta is checked too (strict JSON, a known kind, an array meta that fits its length),
-        so a file that verifies also loads."""
+        and so is every checksum group all of whose segments belong to those blobs (all
+        groups when None), so a file that verifies also loads."""
         idx = self._index
         assert self._src is not None, "native db is closed"
         src = self._src
@@ -246,6 +247,7 @@ class NativeFile:
         segs = idx.segs
         chunk = tuning.CHUNK
         scratch = memoryview(bytearray(chunk))
+        groups = _GroupSums(idx, None if names is None else {k for i in ids for k in idx.seg_range(i)})
         for i in ids:
             check_meta(self.path, idx, i)
             for k in idx.seg_range(i):
@@ -253,17 +255,70 @@ class NativeFile:
                 left = int(segs["length"][k])
                 pad = int(segs["pad"][k])
                 crc = 0
+                g = groups.slot(k)
                 while left:
                     n = min(left, chunk)
                     piece = scratch[:n]
                     read_exact(src, [piece], off, idx.name(i))
                     crc = idx.fn(piece, crc)
+                    if g is not None:
+                        groups.add(g, piece)
                     off += n
                     left -= n
                 if crc != int(segs["crc"][k]):
                     raise corrupt(self.path, "data checksum mismatch (blob damaged)", idx.name(i))
-                if pad and any(read_bytes(src, pad, off, "padding", idx.name(i))):
-                    raise corrupt(self.path, "nonzero padding after the data (blob damaged)", idx.name(i))
+                if pad:
+                    tail = read_bytes(src, pad, off, "padding", idx.name(i))
+                    if any(tail):
+                        raise corrupt(self.path, "nonzero padding after the data (blob damaged)", idx.name(i))
+                    if g is not None:
+                        groups.add(g, tail)
+                if g is not None and not groups.end(g, k):
+                    raise corrupt(
+                        self.path,
+                        "checksum group mismatch (its segments verify: index and data disagree)",
+                        idx.name(idx.blob_of_segment(int(groups.first[g]))),
+                    )
+
+
+class _GroupSums:
+    """Running checksums of the checksum groups a verify reads whole (in any order of blobs:
+    a group is compared once its last segment is read, if every one of its segments was)."""
+
+    def __init__(self, idx: Index, wanted: set[int] | None) -> None:
+        self.fn = idx.fn
+        g = idx.groups
+        self.first = g["seg_first"].astype(np.int64)
+        self.last = self.first + g["seg_count"].astype(np.int64) - 1
+        self.want = g["crc"].tolist()
+        if wanted is not None and len(g):  # only groups all of whose segments are verified
+            ks = np.fromiter(sorted(wanted), dtype=np.int64, count=len(wanted))
+            held = np.searchsorted(ks, self.last, side="right") - np.searchsorted(ks, self.first)
+            self.keep = set(np.flatnonzero(held == self.last - self.first + 1).tolist())
+        else:
+            self.keep = set(range(len(g)))
+        self.value: dict[int, int] = {}
+        self.next: dict[int, int] = {}  # the segment each group expects next (in order)
+
+    def slot(self, k: int) -> int | None:
+        """The group segment ``k`` belongs to, if it is verified whole."""
+        if not self.keep:
+            return None
+        w = int(np.searchsorted(self.first, k, side="right")) - 1
+        if w < 0 or k > self.last[w] or w not in self.keep:
+            return None
+        if self.next.get(w, int(self.first[w])) != k:  # blobs asked out of file order
+            self.keep.discard(w)
+            return None
+        self.next[w] = k + 1
+        return w
+
+    def add(self, w: int, data: Any) -> None:
+        self.value[w] = self.fn(data, self.value.get(w, 0))
+
+    def end(self, w: int, k: int) -> bool:
+        """False when segment ``k`` ends group ``w`` and its checksum does not match."""
+        return k != self.last[w] or self.value.get(w, 0) == self.want[w]
 
 
 def check_meta(path: str, idx: Index, i: int) -> None:

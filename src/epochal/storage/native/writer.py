@@ -27,6 +27,9 @@ from ..io.seam import ByteSink, committed, store_for
 from ..stream import stream_segments
 from .layout import (
     ALIGN,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    GROUP_DTYPE,
     INDEX_HEAD,
     INDEX_MAGIC,
     MAX_U32,
@@ -34,6 +37,7 @@ from .layout import (
     REC_DTYPE,
     SEG_DTYPE,
     SUPERBLOCK_SIZE,
+    V1,
     pack_superblock,
 )
 
@@ -41,6 +45,17 @@ __all__ = ["Plan", "index_bytes", "plan_file", "write_data", "write_native"]
 
 _ZEROS = memoryview(bytes(ALIGN))
 _EMPTY = memoryview(b"")
+
+#: the writer's checksum groups (format 2.0): runs of adjacent segments of fewer than
+#: GROUP_SEGMENT bytes each, cut every GROUP_TARGET bytes, kept when they hold at least
+#: GROUP_MIN segments, in files of at least GROUP_FILE_MIN such segments (readers accept any
+#: grouping). 20,000 small arrays are then ~300 group checksums for a full load to check
+#: instead of 20,000 (bench/RESULTS.md, issue 17.3); a file of a few dozen blobs, which
+#: loads blob by blob, has none and stays a 1.0 file. GROUP_TARGET = 0 writes no groups.
+GROUP_SEGMENT = 1 << 20
+GROUP_TARGET = 1 << 20
+GROUP_MIN = 16
+GROUP_FILE_MIN = 64
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,13 @@ class Plan:
     index_offset: int
     index_length: int
     data_bytes: int
+    #: checksum groups (GROUP_DTYPE, checksums filled in after the data is written)
+    groups: np.ndarray
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """The oldest format version that describes the file: 1.0 without groups."""
+        return (FORMAT_MAJOR, FORMAT_MINOR) if len(self.groups) else V1
 
 
 def plan_file(blobs: Mapping[str, Any]) -> Plan:
@@ -174,10 +196,12 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
         raise UnsupportedBlobError("too many blobs or names for one native db file")
 
     order = np.asarray(sorted(range(n), key=names_b.__getitem__), dtype="<u4")
+    groups = plan_groups(lengths, padded)
     index_length = (
         INDEX_HEAD.size
         + recs.nbytes
         + segs.nbytes
+        + groups.nbytes
         + moffs.nbytes
         + order.nbytes
         + len(names_heap)
@@ -185,31 +209,65 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
     )
     return Plan(
         views, recs, segs, moffs, order, names_heap, metas_text, index_offset, index_length,
-        int(lengths.sum()),
+        int(lengths.sum()), groups,
     )
+
+
+def plan_groups(lengths: np.ndarray, padded: np.ndarray) -> np.ndarray:
+    """The checksum groups of a file whose segments have these lengths and padded lengths:
+    each run of adjacent segments under GROUP_SEGMENT bytes, cut where its bytes cross a
+    multiple of GROUP_TARGET; groups of fewer than GROUP_MIN segments are dropped (their
+    segments' own checksums are cheap enough)."""
+    none = np.zeros(0, dtype=GROUP_DTYPE)
+    if GROUP_TARGET <= 0:
+        return none
+    k = np.flatnonzero(lengths < np.uint64(GROUP_SEGMENT))
+    if len(k) < max(GROUP_FILE_MIN, GROUP_MIN, 2):
+        return none
+    pad64 = padded.astype(np.int64)
+    before = (np.cumsum(pad64) - pad64)[k]  # data-area offset of each small segment
+    run_start = np.ones(len(k), dtype=bool)
+    run_start[1:] = k[1:] != k[:-1] + 1
+    run_id = np.cumsum(run_start) - 1
+    in_run = before - before[run_start][run_id]
+    key = run_id * (1 << 40) + in_run // GROUP_TARGET
+    new = np.ones(len(k), dtype=bool)
+    new[1:] = key[1:] != key[:-1]
+    starts = np.flatnonzero(new)
+    counts = np.diff(np.append(starts, len(k)))
+    keep = counts >= max(GROUP_MIN, 2)
+    groups = np.zeros(int(keep.sum()), dtype=GROUP_DTYPE)
+    groups["seg_first"] = k[starts[keep]]
+    groups["seg_count"] = counts[keep]
+    return groups
 
 
 def write_data(out: ByteSink, plan: Plan, algorithm: str) -> list[int]:
     """Stream the superblock placeholder and every segment (with its padding) to ``out``;
-    return the segment checksums (:func:`~epochal.storage.stream.stream_segments`: ``writev``
-    batches of about tuning.BATCH_BYTES, big segments in tuning.CHUNK pieces, checksums on a
-    background thread while the kernel copies each batch)."""
+    return the segment checksums, then the group checksums
+    (:func:`~epochal.storage.stream.stream_segments`: ``writev`` batches of about
+    tuning.BATCH_BYTES, big segments in tuning.CHUNK pieces, checksums on a background
+    thread while the kernel copies each batch)."""
+    g = plan.groups
     return stream_segments(
         out, checksum_function(algorithm), plan.views, plan.segs["length"].tolist(),
         batch_bytes=tuning.BATCH_BYTES, pads=plan.segs["pad"].tolist(), head=[_ZEROS],
         big=tuning.BIG_SEGMENT, chunk=tuning.CHUNK,
+        groups=list(zip(g["seg_first"].tolist(), g["seg_count"].tolist())),
     )
 
 
 def index_bytes(plan: Plan) -> bytes:
     head = INDEX_HEAD.pack(
-        INDEX_MAGIC, 0, len(plan.names_heap), len(plan.metas_text), len(plan.moffs), 0
+        INDEX_MAGIC, 0, len(plan.names_heap), len(plan.metas_text), len(plan.moffs),
+        len(plan.groups),
     )
     return b"".join(
         [
             head,
             plan.recs.tobytes(),
             plan.segs.tobytes(),
+            plan.groups.tobytes(),
             plan.moffs.tobytes(),
             plan.order.tobytes(),
             plan.names_heap,
@@ -233,14 +291,16 @@ def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algo
     file_size = plan.index_offset + plan.index_length
     with committed(store_for(path).create(path, size=file_size)) as out:
         crcs = write_data(out, plan, algorithm)
-        plan.segs["crc"] = np.asarray(crcs, dtype=np.uint64) if crcs else 0
+        nseg = len(plan.segs)
+        plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
+        plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
         index = index_bytes(plan)
         assert len(index) == plan.index_length
         index_crc = fn(index, 0)
         out.write(index)
         sb = pack_superblock(
             ALGORITHM_IDS[algorithm], plan.index_offset, plan.index_length, file_size,
-            len(plan.recs), len(plan.segs), plan.data_bytes, index_crc, fn,
+            len(plan.recs), len(plan.segs), plan.data_bytes, index_crc, fn, plan.version,
         )
         out.patch(0, sb)
     return file_size
