@@ -144,3 +144,30 @@ def test_a_fitting_checkpoint_still_restores_bit_for_bit(tmp_path, db_type):
     lopt = stepped_adam(live, groups=2)
     load_into(tmp_path / "db", db_type, model=live, opt=lopt)
     assert same(snapshot(live, lopt), snapshot(m, opt))
+
+
+def test_native_checks_live_objects_inside_its_read(tmp_path, monkeypatch):
+    """The native read checks every live object itself, with the index it opened (no second
+    open to describe the db), and refuses the whole load untouched, naming every blob that
+    does not fit; called directly too, without a loader step."""
+    from epochal.storage.native import NativeBackend
+
+    m = mlp(2, seed=1)
+    save(tmp_path / "db", "native", a=m, b=stepped_adam(m), c=torch.ones(3))
+    described = []
+    monkeypatch.setattr(NativeBackend, "describe", lambda self, path: described.append(path) or [])
+    live, t = mlp(3, seed=2), torch.zeros(4)
+    opt = stepped_adam(live)
+    before = snapshot(live, opt, t)
+    with pytest.raises(BlobMismatchError) as info:
+        load_into(tmp_path / "db", "native", a=live, b=opt, c=t)
+    msg = str(info.value)
+    assert "node 'n', epoch 3" in msg and "nothing was restored" in msg
+    assert "blob 'a'" in msg and "blob 'b'" in msg and "blob 'c'" in msg, msg
+    assert same(snapshot(live, opt, t), before) and described == []
+    with pytest.raises(BlobMismatchError, match=r"checkpoint .*db does not fit the live objects.*blob 'c'"):
+        get_db_type("native").read(str(tmp_path / "db"), ["c"], existing={"c": t})
+    assert same(snapshot(t), before[-1:])
+    fits = mlp(2, seed=3)
+    load_into(tmp_path / "db", "native", a=fits)
+    assert same(snapshot(fits), snapshot(m)) and described == []

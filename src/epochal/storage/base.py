@@ -113,6 +113,10 @@ class DbBackend(abc.ABC):
     #: decoded or live object touched, as :meth:`verify` would: a resume may then skip the
     #: separate full check and read the checkpoint once
     load_verifies: bool = False
+    #: ``read(existing=...)`` checks every live object it restores with
+    #: :func:`~epochal.storage.codecs.check_all_live` before touching any (with the index it
+    #: opened): a loader may then skip its own check, one more open and parse of the db
+    checks_live: bool = False
 
     @abc.abstractmethod
     def write(self, path: str, blobs: Mapping[str, Any]) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import importlib
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import UnsupportedBlobError
+from ..errors import BlobMismatchError, UnsupportedBlobError
 from .dtypes import MAX_DIM, check_shape, dtype_from_json, dtype_to_json, expected_nbytes  # noqa: F401 (re-exported)
 
 Buffer = memoryview
@@ -417,6 +417,29 @@ def encode(value: Any, name: str = "?") -> Encoded:
         return codec.encode(value)
     except UnsupportedBlobError as e:
         raise UnsupportedBlobError(f"blob {name!r}: {e}") from None
+
+
+#: values a load replaces rather than restores in place (nothing to check against)
+PLAIN_VALUES = (np.ndarray, np.generic, int, float, complex, str, bytes, bool, type(None))
+
+
+def check_all_live(blobs: Iterable[tuple[str, str, dict[str, Any], Any]], where: str) -> None:
+    """:func:`check_live` for every ``(name, kind, meta, live object)`` whose live object is
+    restored in place (not one of PLAIN_VALUES), all before any is touched: one
+    BlobMismatchError listing every blob that does not fit, ``"<where> does not fit the live
+    objects; nothing was restored: blob 'a': ...; blob 'b': ..."``."""
+    problems = []
+    for name, kind, meta, live in blobs:
+        if isinstance(live, PLAIN_VALUES):
+            continue
+        try:
+            check_live(kind, meta, live)
+        except BlobMismatchError as ex:
+            problems.append(f"blob {name!r}: {ex}")
+    if problems:
+        raise BlobMismatchError(
+            f"{where} does not fit the live objects; nothing was restored: " + "; ".join(problems)
+        )
 
 
 def check_live(kind: str, meta: dict[str, Any], existing: Any) -> None:

@@ -19,6 +19,7 @@ class NativeBackend(DbBackend):
 
     name = "native"
     load_verifies = True
+    checks_live = True
 
     def write(self, path: str, blobs: Mapping[str, Any]) -> int:
         return write_native(path, blobs)

@@ -177,6 +177,8 @@ class NativeFile:
     ) -> dict[str, Any]:
         f = self._f
         ids = self._resolve(names, allow_incomplete)
+        if existing:
+            self._check_live(ids, existing)
         small: dict[str, np.ndarray] = {}
         total = 0
         if self._mm is None and len(ids) > tuning.MANY_BLOBS:
@@ -210,6 +212,18 @@ class NativeFile:
             stats.nbytes += total
             stats.blobs += len(plan) + len(small)
         return out
+
+    def _check_live(self, ids: list[int], existing: Mapping[str, Any]) -> None:
+        """Every live object this load restores fits its blob, or BlobMismatchError naming
+        all that do not, before anything is read into or restored over them."""
+        live = {n: v for n, v in existing.items() if not isinstance(v, _codecs.PLAIN_VALUES)}
+        if not live:
+            return
+        idx = self._index
+        wanted = set(ids)
+        found = [(n, i) for n in live if (i := idx.find(n)) is not None and i in wanted]
+        where = _codecs.LOAD_OPTIONS.get().get("where") or f"checkpoint {self.path}"
+        _codecs.check_all_live(((n, *idx.entry(i), live[n]) for n, i in sorted(found, key=lambda p: p[1])), where)
 
     def _resolve(self, names: Sequence[str] | None, allow_incomplete: bool) -> list[int]:
         """Blob indices to load, in file order (so reads go forward through the file)."""
