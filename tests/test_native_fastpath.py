@@ -3,6 +3,7 @@ what the general codec path does, and still detects every kind of damage."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -225,3 +226,80 @@ def test_save_fast_path_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytes
     with NativeFile(fast) as f:
         assert f.info("same_meta_1").meta == {"dtype": "<f4", "shape": [3, 4]}
         assert f.info("empty3").shape == (2, 0, 3)
+
+
+def _plain_1d_blobs() -> dict[str, np.ndarray]:
+    """Only 1-D arrays: every meta entry is the writer's plain 1-D text (the regex path)."""
+    rng = np.random.default_rng(3)
+    dtypes = ["<f4", ">f8", "|u1", "<U3", "|b1", "<M8[s]", "<c16", "|S5", "<i2"]
+    out: dict[str, np.ndarray] = {}
+    for i in range(200):
+        dt = np.dtype(dtypes[i % len(dtypes)])
+        n = int(rng.integers(0, 500)) if i % 17 else 0
+        raw = rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8)
+        if dt.kind == "b":
+            raw = raw & 1
+        if dt.kind == "U":
+            raw = np.frombuffer(np.array(["ab"] * n, dtype=dt).tobytes(), dtype=np.uint8)
+        out[f"v{i:03d}"] = raw.view(dt)
+    return out
+
+
+def test_plain_1d_metas_read_without_json_match_the_general_path(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    blobs = _plain_1d_blobs()
+    path = tmp_path / "p.db"
+    write_native(path, blobs)
+    with NativeFile(path) as f:
+        plain = f._index.plain_1d_metas()
+        assert plain is not None
+        f._index.parse_all_metas()
+        for (kind, meta), d, n in zip(f._index.all_entries(), *plain):
+            assert kind == "ndarray" and meta == {"dtype": d.decode(), "shape": [n]}
+    parsed: list[object] = []
+    from epochal.storage.native import index as native_index
+
+    real = native_index.Index.parse_all_metas
+    monkeypatch.setattr(native_index.Index, "parse_all_metas", lambda self: parsed.append(1) or real(self))
+    fast = NativeBackend().read(str(path))
+    assert parsed == []  # no JSON parse on the batch path
+    slow = _slow_read(path, monkeypatch)
+    assert list(fast) == list(slow) == list(blobs)
+    for name, want in blobs.items():
+        a, b = fast[name], slow[name]
+        assert a.dtype == b.dtype == want.dtype and a.shape == b.shape == want.shape, name
+        assert a.tobytes() == b.tobytes() == want.tobytes() and a.flags.writeable, name
+
+
+@pytest.mark.parametrize("text,outcome", [
+    (b'["ndarray",{"dtype":"<f4","shape":[3]}]', "scan"),
+    (b'["ndarray",{"dtype":"<f\\u0034","shape":[3]}]', "json"),  # an escape: JSON decides
+    (b'["ndarray",{"dtype":"<f4","shape":[3] }]', "json"),  # a space
+    (b'["ndarray",{"shape":[3],"dtype":"<f4"}]', "json"),  # another key order
+    (b'["ndarray",{"dtype":"<f4","shape":[03]}]', "not JSON"),  # a leading zero
+    (b'["ndarray",{"dtype":"<f4","shape":[99999999999999999999]}]', "bad shape"),  # 20 digits
+])
+def test_plain_1d_scan_is_exact(tmp_path: Path, text: bytes, outcome: str) -> None:
+    """A meta entry the scan does not take exactly as the writer writes it goes to JSON,
+    which reads it or refuses it: the scan never reads a text otherwise than JSON would."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from _forge import NativeParts
+
+    blobs = {f"a{i}": np.arange(3, dtype=np.float32) + i for i in range(80)}  # one shared meta
+    path = tmp_path / "f.db"
+    write_native(path, blobs)
+    parts = NativeParts.parse(path.read_bytes())
+    assert len(parts.moffs) == 1
+    parts.metas = b"[" + text + b"]"
+    parts.moffs = np.array([(1, len(text))], dtype=parts.moffs.dtype)
+    path.write_bytes(parts.pack())
+    with NativeFile(path) as f:
+        assert (f._index.plain_1d_metas() is not None) == (outcome == "scan")
+    if outcome in ("scan", "json"):
+        got = NativeBackend().read(str(path))
+        assert list(got) == list(blobs)
+        for k, v in blobs.items():
+            assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), k
+    else:
+        with pytest.raises(CheckpointCorruptError, match="JSON" if outcome == "not JSON" else "shape"):
+            NativeBackend().read(str(path))

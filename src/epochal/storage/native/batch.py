@@ -7,6 +7,8 @@ general path, which reports their errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -94,66 +96,28 @@ def read_small_arrays(
     st: dict[str, Any] = {}
 
     def prepare() -> None:
-        entries = idx.all_entries()
+        lay = _layouts(idx)
         names_ = idx.names()
-        # per distinct meta: (dtype, shape) when it is a well-formed ndarray meta; and
-        # whether the array is a slice of a typed view of its read's buffer (1-D, an
-        # itemsize dividing ALIGN: a quarter of the cost of one np.ndarray call each):
-        # code = which view, -1 = built with np.ndarray
-        layouts: list[tuple[np.dtype, tuple[int, ...]] | None] = []
-        nbytes_of = np.full(len(entries) + 1, -1, dtype=np.int64)
-        code_of = np.full(len(entries) + 1, -1, dtype=np.int64)
-        isz_of = np.ones(len(entries) + 1, dtype=np.int64)
-        dtypes: dict[Any, tuple[np.dtype, int]] = {}  # dtype JSON -> (dtype, view code)
-        views: list[np.dtype] = []
-        view_ids: dict[np.dtype, int] = {}
-        for mid, (kind, meta) in enumerate(entries):
-            lay: tuple[np.dtype, tuple[int, ...]] | None = None
-            if kind == "ndarray":
-                d, sh = meta.get("dtype"), meta.get("shape")
-                known = dtypes.get(d) if type(d) is str else None
-                if (  # the common 1-D case, checked as check_shape would
-                    known is not None and type(sh) is list and len(sh) == 1
-                    and type(sh[0]) is int and 0 <= sh[0] <= _codecs.MAX_DIM
-                ):
-                    dt, c = known
-                    nbytes_of[mid] = sh[0] * dt.itemsize
-                    lay = (dt, (sh[0],))
-                    if c >= 0:
-                        code_of[mid], isz_of[mid] = c, dt.itemsize
-                else:
-                    try:
-                        dt = _codecs.dtype_from_json(d)
-                        shape = _codecs.check_shape(sh)
-                        nbytes_of[mid] = _codecs.expected_nbytes(dt, shape)
-                        lay = (dt, shape)
-                    except ValueError:
-                        lay = None  # the general path raises the error, naming the blob
-                    else:
-                        c = -1
-                        if dt.itemsize and ALIGN % dt.itemsize == 0:
-                            c = view_ids.get(dt, -1)
-                            if c < 0:
-                                c = view_ids[dt] = len(views)
-                                views.append(dt)
-                        if type(d) is str:
-                            dtypes[d] = (dt, c)
-                        if c >= 0 and len(shape) == 1:
-                            code_of[mid], isz_of[mid] = c, dt.itemsize
-            layouts.append(lay)
         mids = recs["meta_id"][cand_ids].astype(np.int64)
-        fit = nbytes_of[mids] == lens
-        isz = isz_of[mids]
-        e0 = offs // isz  # element offset in the file (offsets are ALIGN-aligned)
-        st["views"], st["isz"] = views, [v.itemsize for v in views]
-        st["code_l"] = code_of[mids].tolist()
-        st["e0_l"], st["e1_l"] = e0.tolist(), (e0 + lens // isz).tolist()
-        st["names_l"] = [names_[i] for i in cand_ids.tolist()]
-        st["layouts"], st["mids_l"], st["fit"] = layouts, mids.tolist(), fit
+        fit = lay.nbytes[mids] == lens
+        isz = lay.isz[mids]
+        code = lay.code[mids]
+        st["views"], st["isz"] = lay.views, [v.itemsize for v in lay.views]
+        st["code_l"] = code.tolist()
+        st["names_l"] = (
+            names_ if len(cand_ids) == len(names_) else [names_[i] for i in cand_ids.tolist()]
+        )
+        st["layout_of"], st["mids_l"], st["fit"] = lay.layout, mids.tolist(), fit
         # fitting blobs per read: fj[gcut[g] : gcut[g + 1]] are its candidates j
         fj = np.flatnonzero(fit)
         st["fj"] = fj.tolist()
-        st["gcut"] = np.searchsorted(fj, np.asarray(starts_j + [len(ks)], dtype=np.int64)).tolist()
+        cuts = np.searchsorted(fj, np.asarray(starts_j + [len(ks)], dtype=np.int64))
+        st["gcut"] = cuts.tolist()
+        # per fitting blob, its element range in its read's buffer (for the typed views)
+        read_of = np.searchsorted(np.asarray(starts_j, dtype=np.int64), fj, side="right") - 1
+        f_isz = isz[fj]
+        r0 = (offs[fj] - offs[np.asarray(starts_j, dtype=np.int64)[read_of]]) // f_isz
+        st["r0_l"], st["r1_l"] = r0.tolist(), (r0 + lens[fj] // f_isz).tolist()
         if verify:
             st["lens_l"] = lens.tolist()
             st["crcs_l"] = segs["crc"][ks].tolist()
@@ -222,21 +186,21 @@ def read_small_arrays(
         mv = memoryview(buf)  # type: ignore[arg-type]
         if verify and not (check_groups(g, mv, start) and check_loose(g, buf, mv, start)):
             return
-        fj_l, gcut = st["fj"], st["gcut"]
-        names_l, code_l, e0_l, e1_l = st["names_l"], st["code_l"], st["e0_l"], st["e1_l"]
-        isz_l, views = st["isz"], st["views"]
-        tvs: list[Any] = [None] * len(views)  # (typed view of the buffer, its first element)
+        a, b = st["gcut"][g], st["gcut"][g + 1]
+        views, r0_l, r1_l = st["views"], st["r0_l"], st["r1_l"]
+        fj_l, names_l, code_l = st["fj"], st["names_l"], st["code_l"]
+        tvs: list[Any] = [None] * len(views)  # typed views of the buffer, as needed
         new_array = np.ndarray
-        for j in fj_l[gcut[g] : gcut[g + 1]]:
+        for k in range(a, b):
+            j = fj_l[k]
             c = code_l[j]
             if c >= 0:
                 tv = tvs[c]
                 if tv is None:
-                    tv = tvs[c] = (buf.view(views[c]), start // isz_l[c])
-                b0 = tv[1]
-                out[names_l[j]] = tv[0][e0_l[j] - b0 : e1_l[j] - b0]
+                    tv = tvs[c] = buf.view(views[c])
+                out[names_l[j]] = tv[r0_l[k] : r1_l[k]]
             else:
-                dt, shape = st["layouts"][st["mids_l"][j]]
+                dt, shape = st["layout_of"](st["mids_l"][j])
                 out[names_l[j]] = new_array(shape, dtype=dt, buffer=buf, offset=offs_l[j] - start)
 
     worker = Worker()
@@ -264,6 +228,103 @@ def read_small_arrays(
         rest_ids = ids_arr[~cand]
     total = int(lens[fit].sum())
     return out, rest_ids.tolist(), total
+
+
+@dataclass
+class _Layouts:
+    """What each distinct meta entry of a file means for the batch path, by meta id:
+    ``nbytes`` (-1: not a well-formed ndarray meta: the general path reports it), ``code``
+    (which typed view a 1-D array is a slice of, -1: built with np.ndarray), ``isz``
+    (itemsize, 1 when unused), ``views`` (the dtype of each code) and ``layout(mid)``:
+    (dtype, shape) of a well-formed meta."""
+
+    nbytes: np.ndarray
+    code: np.ndarray
+    isz: np.ndarray
+    views: list[np.dtype]
+    layout: Callable[[int], tuple[np.dtype, tuple[int, ...]]]
+
+
+def _view_code(dt: np.dtype, views: list[np.dtype], view_ids: dict[np.dtype, int]) -> int:
+    """The typed-view code of ``dt`` (an itemsize dividing ALIGN), else -1."""
+    if not dt.itemsize or ALIGN % dt.itemsize:
+        return -1
+    c = view_ids.get(dt, -1)
+    if c < 0:
+        c = view_ids[dt] = len(views)
+        views.append(dt)
+    return c
+
+
+def _layouts(idx: Any) -> _Layouts:
+    views: list[np.dtype] = []
+    view_ids: dict[np.dtype, int] = {}
+    plain = idx.plain_1d_metas()
+    if plain is not None:  # every meta a 1-D array: no JSON parse, nothing per meta in Python
+        dts, ns = plain
+        uniq = list(dict.fromkeys(dts))
+        kinds: list[tuple[np.dtype | None, int]] = []
+        for d in uniq:
+            try:
+                dt: np.dtype | None = _codecs.dtype_from_json(d.decode("ascii"))
+            except ValueError:
+                dt = None  # the general path raises the error, naming the blob
+            kinds.append((dt, -1 if dt is None else _view_code(dt, views, view_ids)))
+        uid = np.fromiter(map(dict(zip(uniq, range(len(uniq)))).__getitem__, dts), dtype=np.int64, count=len(dts))
+        n = np.asarray(ns, dtype=np.uint64)  # (19 digits at most: below 2**64)
+        n_ok = n <= np.uint64(_codecs.MAX_DIM)
+        n64 = np.where(n_ok, n, 0).astype(np.int64)
+        isz_u = np.asarray([dt.itemsize if dt is not None else 0 for dt, _ in kinds], dtype=np.int64)
+        ok_u = np.asarray([dt is not None for dt, _ in kinds], dtype=bool)
+        size = isz_u[uid]
+        # n * itemsize without overflow: lengths that fit are below BIG_SEGMENT anyway
+        small_n = n_ok & (n64 <= (1 << 40))
+        nbytes = np.where(ok_u[uid] & small_n, n64 * size, -2)
+        code_u = np.asarray([c for _, c in kinds], dtype=np.int64)
+        dt_u = [dt for dt, _ in kinds]
+        return _Layouts(
+            np.append(nbytes, -1), np.append(code_u[uid], -1), np.append(np.maximum(size, 1), 1),
+            views, lambda mid: (dt_u[int(uid[mid])], (ns[mid],)),  # type: ignore[arg-type, return-value]
+        )
+    entries = idx.all_entries()
+    layouts: list[tuple[np.dtype, tuple[int, ...]] | None] = []
+    nbytes_of = [-1] * (len(entries) + 1)  # (lists while filled: cheaper than numpy items)
+    code_of = [-1] * (len(entries) + 1)
+    isz_of = [1] * (len(entries) + 1)
+    known: dict[Any, tuple[np.dtype, int]] = {}  # dtype JSON text -> (dtype, view code)
+    for mid, (kind, meta) in enumerate(entries):
+        lay: tuple[np.dtype, tuple[int, ...]] | None = None
+        if kind == "ndarray":
+            d, sh = meta.get("dtype"), meta.get("shape")
+            hit = known.get(d) if type(d) is str else None
+            if (  # the common 1-D case, checked as check_shape would
+                hit is not None and type(sh) is list and len(sh) == 1
+                and type(sh[0]) is int and 0 <= sh[0] <= _codecs.MAX_DIM
+            ):
+                dt_, c = hit
+                nbytes_of[mid] = sh[0] * dt_.itemsize
+                lay = (dt_, (sh[0],))
+                if c >= 0:
+                    code_of[mid], isz_of[mid] = c, dt_.itemsize
+            else:
+                try:
+                    dt_ = _codecs.dtype_from_json(d)
+                    shape = _codecs.check_shape(sh)
+                    nbytes_of[mid] = _codecs.expected_nbytes(dt_, shape)
+                    lay = (dt_, shape)
+                except ValueError:
+                    lay = None  # the general path raises the error, naming the blob
+                else:
+                    c = _view_code(dt_, views, view_ids)
+                    if type(d) is str:
+                        known[d] = (dt_, c)
+                    if c >= 0 and len(shape) == 1:
+                        code_of[mid], isz_of[mid] = c, dt_.itemsize
+        layouts.append(lay)
+    return _Layouts(
+        np.asarray(nbytes_of, dtype=np.int64), np.asarray(code_of, dtype=np.int64),
+        np.asarray(isz_of, dtype=np.int64), views, layouts.__getitem__,  # type: ignore[arg-type]
+    )
 
 
 def _whole_groups(groups: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

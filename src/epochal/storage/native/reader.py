@@ -230,7 +230,11 @@ class NativeFile:
         idx = self._index
         n = self.header.blob_count
         if names is None:
-            idx.names()  # decoded once (a full load uses them): duplicates refused here
+            if self._mm is not None or n <= tuning.MANY_BLOBS:
+                idx.names()  # decoded once (a full load uses them): duplicates refused here
+            # (else the bulk paths decode and check them before anything is read into a
+            # value: the batch path's worker while the first reads are in flight, or
+            # allocate() for the blobs it leaves)
             return list(range(n))
         if isinstance(names, str):
             names = [names]
