@@ -18,6 +18,12 @@ header filled in at the end) is a copy into memory, not a read-modify-write of t
 The tail is written padded to the alignment and the file truncated to its real size. Where
 the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems), at open or at the
 first write (EINVAL), the same buffers are written with plain ``pwrite`` instead.
+
+:meth:`DirectSink.write_pinned` skips the copy for a buffer that stays unchanged until the
+commit (a background save's snapshot arena, laid out as the file's data area: see
+:mod:`epochal.storage.native.image`): where its address is congruent to its file offset
+modulo the page size, its whole pages are handed to the same threads straight from its
+memory (4 MiB pieces, at most DIRECT_BUFFERS in flight); only its unaligned ends are copied.
 """
 
 from __future__ import annotations
