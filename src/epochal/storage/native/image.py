@@ -11,7 +11,9 @@ memory, no staging copy) while the segment and group checksums are computed on t
 checksum thread exactly as the streaming path does: one call per segment and one per
 group (its range is contiguous here). The bytes on disk are those of
 :func:`~epochal.storage.stream.stream_segments`; when any condition fails the writer takes
-that path instead. A sync save's views of live arrays are never laid out this way.
+that path instead. A sync save's views of live arrays are separate allocations, not laid
+out this way (were they, the same bytes would be read from the same memory the streaming
+path reads, during the same call).
 """
 
 from __future__ import annotations
