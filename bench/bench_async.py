@@ -193,6 +193,7 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     saver.switch_interval = None if old else DEFAULT_SWITCH_INTERVAL
     saver.recent.clear()
     image.ZERO_COPY = variant != "async-copy"
+    image.stats.reset()
     with Node("n"):
         with Job() as job:
             Task(step=work(compute))
@@ -217,6 +218,7 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
         done = list(saver.recent)[1:epochs]
         out["write"] = statistics.median(d.write_ns / 1e9 for d in done)
         out["snapshot"] = statistics.median(d.snapshot_ns / 1e9 for d in done)
+        out["zero_copy"] = image.stats.taken  # native writes from the arena, of epochs + 1
     return out
 
 
@@ -391,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                           + (f" snapshot {got[v]['snapshot'] * 1e3:.0f} ms write {got[v]['write'] * 1e3:.0f} ms"
                              if "write" in got[v] else
                              f" save {got[v]['saved'] * 1e3:.0f} ms")
-                          + f" rss +{got[v]['rss'] / 2**20:.0f} MiB" for v in variants), flush=True)
+                          + f" rss +{got[v]['rss'] / 2**20:.0f} MiB"
+                          + (f" zero-copy {got[v]['zero_copy']}" if "zero_copy" in got[v] else "")
+                          for v in variants), flush=True)
     shutil.rmtree(base, ignore_errors=True)
 
     def med(fn) -> float:
