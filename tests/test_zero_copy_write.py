@@ -276,3 +276,16 @@ def test_write_pinned_of_an_incongruent_buffer_copies(tmp_path):
     sink.write_pinned(memoryview(body))
     sink.commit()
     assert direct.stats.pinned == 0 and path.read_bytes() == bytes(64) + body.tobytes()
+
+
+def test_views_out_of_their_arena_order_take_the_copying_path(tmp_path, monkeypatch):
+    """The same arena's views in another blob order (or one snapshot saved twice under two
+    names) are not at their planned offsets: the copying path, the right bytes."""
+    blobs = _random(12, 11)
+    snap = BackgroundSaver().snapshot("n", blobs)
+    names = list(blobs)[::-1]
+    NativeBackend().write(str(tmp_path / "r.db"), {k: snap.blobs[k] for k in names})
+    NativeBackend().write(str(tmp_path / "d.db"), {**snap.blobs, "again": snap.blobs["b3"]})
+    assert (image.stats.taken, image.stats.refused, direct.stats.pinned) == (0, 2, 0)
+    assert (tmp_path / "r.db").read_bytes() == _buffered(tmp_path / "b.db", {k: blobs[k] for k in names}, monkeypatch)
+    assert (tmp_path / "d.db").read_bytes() == _buffered(tmp_path / "b.db", {**blobs, "again": blobs["b3"]}, monkeypatch)

@@ -84,11 +84,16 @@ def data_image(views: Sequence[memoryview], segs: np.ndarray, align: int) -> mem
     if owner is None:
         return None
     try:
-        base = _address(first) - int(offsets[full[0]]) + SUPERBLOCK_SIZE
-        for k in full.tolist():
-            v = views[k]
-            if v.nbytes != lengths[k] or _address(v) != base + int(offsets[k]) - SUPERBLOCK_SIZE:
-                return None
+        keys = full.tolist()
+        if [views[k].nbytes for k in keys] != lengths[full].tolist():
+            return None
+        # each view's address minus its offset: one value (its data area's address) for all
+        addressof, from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
+        at = np.array([addressof(from_buffer(views[k])) for k in keys], dtype=np.int64)
+        at -= offsets[full]
+        base = int(at[0]) + SUPERBLOCK_SIZE
+        if (at != at[0]).any():
+            return None
         start = base - _address(memoryview(owner.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
     except (TypeError, ValueError, BufferError):  # read-only or non-byte buffers
         return None
