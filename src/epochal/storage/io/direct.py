@@ -257,8 +257,8 @@ class DirectSink:
                 self._todo.put((src[at : at + k], self._cur_off, None))
                 self._cur_off += k
                 at += k
+                stats.pinned += k
                 self._check()
-            stats.pinned += middle
         self._copy(src[lead + middle :])
         return n
 
