@@ -7,6 +7,8 @@ update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run
 - ``sync``: ``async_save=False``;
 - ``async``: ``async_save=True`` as shipped (snapshot arenas reused, switch interval lowered
   while a write is in flight);
+- ``async-copy``: ``async`` with the zero-copy write off (``native.image.ZERO_COPY``): the
+  O_DIRECT sink copies the arena into its staging buffers, as before the zero-copy write;
 - ``async-old``: ``async_save=True`` with the pool bound at 0 (fresh memory for every
   snapshot) and the switch interval left alone: the behaviour before issue 17.2.
 
@@ -20,6 +22,7 @@ Reported, as medians of per-round figures (each round's figure is the median ove
   the allocated one);
 - write: the background write alone (``SaveDone.write_ns``), and its ratio to the sync save
   of the same epoch (save and commit; goal <= 1.3x);
+- write zero-copy/copy: per round, async's write over async-copy's (< 1: zero copy is faster);
 - wall: the whole run's time, sync over async (>1: async is faster);
 - RSS: the peak resident memory during ``train`` above the RSS before it, over the state's
   bytes, and the same above the sync run's (what the background save adds; goal <= 1x);
@@ -29,6 +32,7 @@ Reported, as medians of per-round figures (each round's figure is the median ove
     python bench/bench_async.py --rounds 5 --torch    # the same with an MLP + AdamW state
     python bench/bench_async.py --gil --rounds 5      # the writer's GIL share (see gil())
     python bench/bench_async.py --quick               # a tiny run that only checks it works
+    python bench/bench_async.py --variants sync,async,async-copy   # a subset, rotated
 """
 
 from __future__ import annotations
@@ -57,9 +61,10 @@ from epochal import (
     epoch_limiter,
 )
 from epochal.checkpoint.background import DEFAULT_SWITCH_INTERVAL, process_saver
+from epochal.storage.native import image
 
 NARRAYS = 8
-VARIANTS = ("sync", "async", "async-old")
+VARIANTS = ("sync", "async", "async-copy", "async-old")
 
 
 class TorchWork:
@@ -187,6 +192,8 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     saver.pool.max_host_bytes = 0 if old else None
     saver.switch_interval = None if old else DEFAULT_SWITCH_INTERVAL
     saver.recent.clear()
+    image.ZERO_COPY = variant != "async-copy"
+    image.stats.reset()
     with Node("n"):
         with Job() as job:
             Task(step=work(compute))
@@ -211,6 +218,7 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
         done = list(saver.recent)[1:epochs]
         out["write"] = statistics.median(d.write_ns / 1e9 for d in done)
         out["snapshot"] = statistics.median(d.snapshot_ns / 1e9 for d in done)
+        out["zero_copy"] = image.stats.taken  # native writes from the arena, of epochs + 1
     return out
 
 
@@ -354,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch", action="store_true", help="an MLP + AdamW state instead of arrays")
     p.add_argument("--gil", action="store_true", help="only the writer's GIL share (see gil())")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated subset of " + ", ".join(VARIANTS) + " (sync is always run)")
     a = p.parse_args(argv)
+    variants = tuple(v for v in VARIANTS if v == "sync" or v in a.variants.split(","))
     if a.quick:
         a.mib, a.epochs, a.compute, a.rounds = 8, 3, 0.05, 1
     base = a.dir or tempfile.mkdtemp(prefix="epochal-bench-async-", dir="/tmp")
@@ -367,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows: list[dict[str, dict[str, float]]] = []
     for r in range(a.rounds):
-        order = list(VARIANTS[r % 3:] + VARIANTS[: r % 3])
+        nv = len(variants)
+        order = list(variants[r % nv:] + variants[: r % nv])
         got: dict[str, dict[str, float]] = {}
         for i, variant in enumerate(order):
             if i == r % 2:  # the memcpys at a rotating place among the runs
@@ -381,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                           + (f" snapshot {got[v]['snapshot'] * 1e3:.0f} ms write {got[v]['write'] * 1e3:.0f} ms"
                              if "write" in got[v] else
                              f" save {got[v]['saved'] * 1e3:.0f} ms")
-                          + f" rss +{got[v]['rss'] / 2**20:.0f} MiB" for v in VARIANTS), flush=True)
+                          + f" rss +{got[v]['rss'] / 2**20:.0f} MiB"
+                          + (f" zero-copy {got[v]['zero_copy']}" if "zero_copy" in got[v] else "")
+                          for v in variants), flush=True)
     shutil.rmtree(base, ignore_errors=True)
 
     def med(fn) -> float:
@@ -392,10 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  memcpy into allocated memory {med(lambda g: g['memcpy']['alloc']) * 1e3:.0f} ms, "
           f"into fresh memory {med(lambda g: g['memcpy']['fresh']) * 1e3:.0f} ms; "
           f"sync save {med(lambda g: g['sync']['saved']) * 1e3:.0f} ms")
-    for v in ("async", "async-old"):
-        print(f"  {v:9s}: " + describe(rows, v, state_bytes))
-    print(f"  median sync/async wall-time ratio {med(lambda g: g['sync']['wall'] / g['async']['wall']):.2f} "
-          f"(async-old: {med(lambda g: g['sync']['wall'] / g['async-old']['wall']):.2f})")
+    for v in variants[1:]:
+        print(f"  {v:10s}: " + describe(rows, v, state_bytes))
+    if "async" in variants and "async-copy" in variants:
+        print(f"  write zero-copy/copy (async over async-copy, paired per round): "
+              f"{med(lambda g: g['async']['write'] / g['async-copy']['write']):.2f}x")
+    print("  median sync/async wall-time ratio: " + ", ".join(
+        f"{v} {med(lambda g, v=v: g['sync']['wall'] / g[v]['wall']):.2f}" for v in variants[1:]))
     print(f"  sync     : peak extra RSS {med(lambda g: g['sync']['rss'] / state_bytes):.2f}x the state")
     return 0
 

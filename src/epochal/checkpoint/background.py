@@ -7,8 +7,9 @@ goes (issue 17.2):
 - **Snapshot buffers reused across epochs** (as PyTorch DCP's caching stager does). Fresh
   memory for every snapshot costs a page fault per page on first touch (on this machine a
   copy into fresh memory takes 1.5-20x a copy into memory already touched). A
-  :class:`SnapshotPool` keeps one *arena* (a single buffer holding every segment of a
-  snapshot, 64-byte aligned) per owner and layout (the segment sizes), and hands it out
+  :class:`SnapshotPool` keeps one *arena* (a single zeroed buffer holding every segment of
+  a snapshot, 64-byte aligned: the layout of a native file's data area, placed so that a
+  big file is written from it with O_DIRECT without a copy) per owner and layout (the segment sizes), and hands it out
   again when the next snapshot has the same layout, which a training state has from epoch to
   epoch. An arena is leased to the write that uses it and comes back only when that write
   ended (written or failed), so a write in flight never sees its bytes overwritten.
@@ -59,12 +60,25 @@ __all__ = [
 
 #: the switch interval (seconds) while a background write is in flight; None leaves it alone
 DEFAULT_SWITCH_INTERVAL = 0.0005
-#: segments start at multiples of this in an arena (cache lines; aligned copies)
+#: segments start at multiples of this in an arena (cache lines; aligned copies): the
+#: native format's alignment, so an arena is laid out as a native file's data area
 _ALIGN = 64
+#: an arena's byte 0 sits this far past a page boundary: where a native file's data area
+#: starts (its superblock is 64 bytes), so each page of the arena is a page of the file and
+#: the O_DIRECT writer can write it from the arena's memory (storage/native/image.py)
+_PAGE, _PAGE_SHIFT = 4096, 64
 
 
 def _padded(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _arena_memory(nbytes: int) -> np.ndarray:
+    """``nbytes`` zeroed bytes whose address is _PAGE_SHIFT past a page boundary (zeroed, so
+    the padding between segments, which copies never write, is zero as in the file)."""
+    raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)
+    at = (_PAGE_SHIFT - raw.ctypes.data) % _PAGE
+    return raw[at : at + nbytes]
 
 
 def arena_bytes(layout: tuple[int, ...]) -> int:
@@ -79,7 +93,7 @@ class _Arena:
 
     def __init__(self, owner: str, layout: tuple[int, ...], pooled: bool) -> None:
         self.owner, self.layout, self.pooled = owner, layout, pooled
-        self.buffer = np.empty(arena_bytes(layout), dtype=np.uint8)
+        self.buffer = _arena_memory(arena_bytes(layout))
         self.busy = False
         self._at = 0
 

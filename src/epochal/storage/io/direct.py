@@ -18,10 +18,17 @@ header filled in at the end) is a copy into memory, not a read-modify-write of t
 The tail is written padded to the alignment and the file truncated to its real size. Where
 the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems), at open or at the
 first write (EINVAL), the same buffers are written with plain ``pwrite`` instead.
+
+:meth:`DirectSink.write_pinned` skips the copy for a buffer that stays unchanged until the
+commit (a background save's snapshot arena, laid out as the file's data area: see
+:mod:`epochal.storage.native.image`): where its address is congruent to its file offset
+modulo the page size, its whole pages are handed to the same threads straight from its
+memory (4 MiB pieces, at most DIRECT_BUFFERS in flight); only its unaligned ends are copied.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -32,7 +39,7 @@ from typing import Any
 
 from .. import atomic, tuning
 
-__all__ = ["DirectSink", "direct_supported"]
+__all__ = ["DirectSink", "direct_supported", "stats"]
 
 #: O_DIRECT offsets, lengths and buffer addresses are multiples of this (the page size
 #: covers every common logical block size)
@@ -43,6 +50,27 @@ _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _pool_lock = threading.Lock()
 #: free page-aligned buffers of tuning.DIRECT_BUFFER bytes, kept across saves (bounded)
 _pool: list[mmap.mmap] = []
+
+
+class _Stats:
+    """Bytes the sinks copied into their buffers and wrote from callers' memory (tests, benches)."""
+
+    def __init__(self) -> None:
+        self.copied = 0
+        self.pinned = 0
+
+    def reset(self) -> None:
+        self.copied = self.pinned = 0
+
+
+stats = _Stats()
+
+
+def _bytes_view(buffer: Any) -> memoryview:
+    src = memoryview(buffer)
+    if src.ndim != 1 or src.format != "B":
+        src = src.cast("B")
+    return src
 
 
 def direct_supported() -> bool:
@@ -90,10 +118,14 @@ class DirectSink:
         for b in self._bufs[1:]:
             self._free.put(b)
         self._head = self._bufs[0]  # file offset 0, written at commit (after patch)
+        self._head_len = len(self._head)  # its bytes to write (fewer once a pinned write follows)
         self._cur: mmap.mmap = self._head
         self._cur_off = 0  # file offset of self._cur
         self._fill = 0  # bytes in self._cur
-        self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
+        # (bytes, file offset, the staging buffer to free after, or None), or None: stop
+        self._todo: queue.SimpleQueue[tuple[memoryview, int, mmap.mmap | None] | None] = queue.SimpleQueue()
+        # pieces of callers' memory queued or being written (bounded like the buffers)
+        self._pinned = threading.Semaphore(max(2, tuning.DIRECT_BUFFERS))
         self._error: BaseException | None = None
         self._late: list[tuple[int, bytes]] = []  # patches beyond the first buffer
         self._threads = [
@@ -104,39 +136,45 @@ class DirectSink:
             t.start()
         self._closed = False
 
+    @property
+    def pin_align(self) -> int:
+        """:meth:`write_pinned` writes from the caller's memory where its address is congruent
+        to the file offset modulo this; 0 when the file is not open with ``O_DIRECT``."""
+        return ALIGN if self._direct else 0
+
     # ---- the writer threads
-    def _pwrite(self, buf: mmap.mmap, offset: int, nbytes: int) -> None:
-        view = memoryview(buf)[:nbytes]
-        try:
-            done = 0
-            while done < nbytes:
-                direct = self._direct
-                try:
-                    n = os.pwrite(self._dfd if direct else self._file.fd, view[done:], offset + done)
-                except OSError as e:
-                    if e.errno != errno.EINVAL or not direct:
-                        raise
-                    self._direct = False  # O_DIRECT refused at write time: plain writes from now
-                    continue
-                if n <= 0:  # pragma: no cover - regular files do not return 0
-                    raise OSError(errno.EIO, "write returned 0")
-                done += n
-        finally:
-            view.release()
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        nbytes = view.nbytes
+        done = 0
+        while done < nbytes:
+            direct = self._direct
+            try:
+                n = os.pwrite(self._dfd if direct else self._file.fd, view[done:], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not direct:
+                    raise
+                self._direct = False  # O_DIRECT refused at write time: plain writes from now
+                continue
+            if n <= 0:  # pragma: no cover - regular files do not return 0
+                raise OSError(errno.EIO, "write returned 0")
+            done += n
 
     def _run(self) -> None:
         while True:
             job = self._todo.get()
             if job is None:
                 return
-            buf, offset, nbytes = job
+            view, offset, buf = job
             try:
                 if self._error is None:
-                    self._pwrite(buf, offset, nbytes)
+                    self._pwrite(view, offset)
             except BaseException as e:  # noqa: BLE001 - re-raised by the stream (_check)
                 self._error = e
             finally:
-                if buf is not self._head:
+                view.release()
+                if buf is None:
+                    self._pinned.release()
+                elif buf is not self._head:
                     self._free.put(buf)
 
     def _check(self) -> None:
@@ -146,15 +184,32 @@ class DirectSink:
             raise self._error
 
     # ---- the stream
+    def _queue(self, buf: mmap.mmap, offset: int, nbytes: int) -> None:
+        self._todo.put((memoryview(buf)[:nbytes], offset, buf))
+
     def _flush(self) -> None:
-        """Hand the full current buffer to the writers and take a free one."""
-        size = len(self._cur)
-        if self._cur is not self._head:
-            self._todo.put((self._cur, self._cur_off, size))
+        """Hand the current buffer's bytes (a multiple of ALIGN) to the writers and take a
+        free one; the first buffer waits for :meth:`commit`."""
+        fill = self._fill
+        if self._cur is self._head:
+            self._head_len = fill
+        else:
+            self._queue(self._cur, self._cur_off, fill)
         self._check()
         self._cur = self._free.get()
-        self._cur_off += size
+        self._cur_off += fill
         self._fill = 0
+
+    def _copy(self, src: memoryview) -> None:
+        n, done = src.nbytes, 0
+        while done < n:
+            if self._fill == len(self._cur):
+                self._flush()
+            k = min(n - done, len(self._cur) - self._fill)
+            self._cur[self._fill : self._fill + k] = src[done : done + k]
+            self._fill += k
+            done += k
+        stats.copied += n
 
     def write(self, buffer: Any) -> int:
         views: Sequence[Any]
@@ -166,26 +221,53 @@ class DirectSink:
             views = buffer
         total = 0
         for b in views:
-            src = memoryview(b)
-            if src.ndim != 1 or src.format != "B":
-                src = src.cast("B")
-            n, done = src.nbytes, 0
-            while done < n:
-                if self._fill == len(self._cur):
-                    self._flush()
-                k = min(n - done, len(self._cur) - self._fill)
-                self._cur[self._fill : self._fill + k] = src[done : done + k]
-                self._fill += k
-                done += k
-            total += n
+            src = _bytes_view(b)
+            self._copy(src)
+            total += src.nbytes
         return total
+
+    def write_pinned(self, buffer: Any) -> int:
+        """Append ``buffer`` (one bytes-like object); its page-aligned middle is written by
+        the writer threads from its own memory, so it must stay alive and unchanged until
+        :meth:`commit` or :meth:`abort` returns. Parts that cannot be (the unaligned head and
+        tail, all of it when the address is not congruent to the file offset modulo ALIGN or
+        the file is not open with O_DIRECT) are copied as :meth:`write` does."""
+        src = _bytes_view(buffer)
+        n = src.nbytes
+        pos = self._cur_off + self._fill
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(src)) if n else 0
+        except TypeError:  # read-only memory: copied
+            addr = pos + 1
+        if not self._direct or (addr - pos) % ALIGN:
+            self._copy(src)
+            return n
+        lead = -pos % ALIGN or (ALIGN if pos == 0 else 0)  # the first page stays patchable
+        lead = min(lead, n)
+        self._copy(src[:lead])
+        middle = (n - lead) // ALIGN * ALIGN
+        if middle:
+            if self._fill:
+                self._flush()  # the bytes before, up to this page boundary
+            at = lead
+            step = max(ALIGN, tuning.DIRECT_BUFFER // ALIGN * ALIGN)
+            while at < lead + middle:
+                k = min(step, lead + middle - at)
+                self._pinned.acquire()
+                self._todo.put((src[at : at + k], self._cur_off, None))
+                self._cur_off += k
+                at += k
+                stats.pinned += k
+                self._check()
+        self._copy(src[lead + middle :])
+        return n
 
     def patch(self, offset: int, data: Any) -> None:
         src = memoryview(data).cast("B")
         end = offset + src.nbytes
         if offset < 0 or end > self._cur_off + self._fill:
             raise ValueError(f"{self.name}: patch at {offset}+{src.nbytes} is past the end written")
-        cut = min(end, len(self._head))
+        cut = min(end, self._head_len)
         if offset < cut:  # the first buffer is still in memory
             self._head[offset:cut] = src[: cut - offset]
         if end > cut:  # the rest is written at commit, once the data is on disk
@@ -197,9 +279,11 @@ class DirectSink:
             tail = self._fill
             padded = -(-tail // ALIGN) * ALIGN
             self._cur[tail:padded] = bytes(padded - tail)
-            if self._cur is not self._head:
-                self._todo.put((self._cur, self._cur_off, padded))
-            self._todo.put((self._head, 0, len(self._head) if self._cur is not self._head else padded))
+            if self._cur is self._head:
+                self._head_len = padded
+            elif padded:
+                self._queue(self._cur, self._cur_off, padded)
+            self._queue(self._head, 0, self._head_len)
             self._stop()
             self._check()
             for offset, data in self._late:

@@ -51,6 +51,7 @@ __all__ = [
     "ByteSink",
     "ByteSource",
     "ByteStore",
+    "PinnedSink",
     "committed",
     "register_store",
     "store_for",
@@ -123,6 +124,21 @@ class ByteSink(Protocol):
 
     def abort(self) -> None:
         """Drop everything written; the final name is untouched. Never raises."""
+        ...
+
+
+@runtime_checkable
+class PinnedSink(ByteSink, Protocol):
+    """A sink that can write a caller's buffer from its own memory, without a copy (the
+    local ``O_DIRECT`` sink, :class:`~epochal.storage.io.direct.DirectSink`)."""
+
+    #: ``write_pinned`` writes from the buffer's memory the parts whose address is congruent
+    #: to their file offset modulo this (the page size); 0: it would copy everything
+    pin_align: int
+
+    def write_pinned(self, buffer: Any) -> int:
+        """Append ``buffer`` like :meth:`write`, but its bytes may be read until
+        :meth:`commit` or :meth:`abort` returns: they must stay alive and unchanged."""
         ...
 
 

@@ -23,8 +23,9 @@ from .. import codecs as _codecs
 from .. import tuning
 from ..checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ..codecs import flat_segment
-from ..io.seam import ByteSink, committed, store_for
+from ..io.seam import ByteSink, PinnedSink, committed, store_for
 from ..stream import stream_segments
+from . import image
 from .layout import (
     ALIGN,
     FORMAT_MAJOR,
@@ -247,13 +248,23 @@ def write_data(out: ByteSink, plan: Plan, algorithm: str) -> list[int]:
     return the segment checksums, then the group checksums
     (:func:`~epochal.storage.stream.stream_segments`: ``writev`` batches of about
     tuning.BATCH_BYTES, big segments in tuning.CHUNK pieces, checksums on a background
-    thread while the kernel copies each batch)."""
+    thread while the kernel copies each batch). When the views already lie in memory laid
+    out as the data area (a background save's snapshot arena) and ``out`` writes from
+    callers' memory (``O_DIRECT``), the data area is written from there without a copy
+    (:mod:`.image`); the bytes are the same."""
     g = plan.groups
+    groups = list(zip(g["seg_first"].tolist(), g["seg_count"].tolist()))
+    fn = checksum_function(algorithm)
+    if image.ZERO_COPY and isinstance(out, PinnedSink) and out.pin_align:
+        data = image.data_image(plan.views, plan.segs, out.pin_align)
+        if data is not None:
+            return image.write_image(out, fn, data, plan.segs, head=[_ZEROS],
+                                     piece=tuning.DIRECT_BUFFER, groups=groups)
+        image.stats.refused += 1
     return stream_segments(
-        out, checksum_function(algorithm), plan.views, plan.segs["length"].tolist(),
+        out, fn, plan.views, plan.segs["length"].tolist(),
         batch_bytes=tuning.BATCH_BYTES, pads=plan.segs["pad"].tolist(), head=[_ZEROS],
-        big=tuning.BIG_SEGMENT, chunk=tuning.CHUNK,
-        groups=list(zip(g["seg_first"].tolist(), g["seg_count"].tolist())),
+        big=tuning.BIG_SEGMENT, chunk=tuning.CHUNK, groups=groups,
     )
 
 
