@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import socket
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -51,3 +54,25 @@ def s3():
     urllib.request.urlopen(urllib.request.Request(f"{opts['endpoint_url']}/ckpts", method="PUT")).read()
     yield opts
     server.stop()
+
+
+@pytest.fixture
+def o_direct_refused(monkeypatch) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context manager: inside it, opening a file with O_DIRECT fails with EINVAL, as on
+    filesystems that refuse it (tmpfs, some network filesystems)."""
+    from epochal.storage.io import direct
+
+    real = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & direct._O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        return real(path, flags, *a)
+
+    @contextlib.contextmanager
+    def refused() -> Iterator[None]:
+        with monkeypatch.context() as m:
+            m.setattr(direct.os, "open", no_direct)
+            yield
+
+    return refused

@@ -89,18 +89,10 @@ def test_buffers_are_reused_across_saves(tmp_path, small_direct):
     assert {id(b) for b in direct._pool} == {id(b) for b in first}
 
 
-def test_o_direct_refused_at_open_falls_back(tmp_path, small_direct, monkeypatch):
-    real = os.open
-
-    def no_direct(path, flags, *a):
-        if flags & direct._O_DIRECT:
-            raise OSError(errno.EINVAL, "O_DIRECT not supported")
-        return real(path, flags, *a)
-
-    monkeypatch.setattr(direct.os, "open", no_direct)
+def test_o_direct_refused_at_open_falls_back(tmp_path, small_direct, monkeypatch, o_direct_refused):
     blobs = _blobs(30, 3)
-    NativeBackend().write(str(tmp_path / "d.db"), blobs)
-    monkeypatch.setattr(direct.os, "open", real)
+    with o_direct_refused():
+        NativeBackend().write(str(tmp_path / "d.db"), blobs)
     assert (tmp_path / "d.db").read_bytes() == _buffered_bytes(tmp_path, blobs, monkeypatch)
 
 

@@ -110,6 +110,24 @@ def test_duplicate_blob_names(parts):
     assert_refused(str(out), "blob name stored twice: 'a'")
 
 
+@pytest.mark.parametrize("kind", ["arrays", "scalars"])
+def test_duplicate_names_in_a_bulk_full_load(tmp_path, kind):
+    """A full load of more than 64 blobs decodes the names on the bulk paths (the batch
+    path's worker for arrays; allocate() when no blob has data): a name stored twice is
+    still refused, before any value is returned or any live object is touched."""
+    blobs = {f"n{i:03d}": (np.full(3, i, np.float32) if kind == "arrays" else i) for i in range(100)}
+    base = tmp_path / "base"
+    NATIVE.write(str(base), blobs)
+    P = NativeParts.parse(base.read_bytes())
+    P.names = P.names.replace(b"n001", b"n000")  # blobs n000, n000, n002, ...
+    out = tmp_path / "forged"
+    out.write_bytes(P.pack())
+    for call in (lambda: NATIVE.read(str(out)), lambda: NATIVE.read(str(out), existing={"n000": None})):
+        with pytest.raises(CheckpointCorruptError, match="blob name stored twice: 'n000'") as ei:
+            call()
+        assert ei.value.path == str(out)
+
+
 def test_unsorted_name_order(parts):
     out, P = parts
     P.order = P.order[::-1].copy()

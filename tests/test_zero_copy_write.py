@@ -169,20 +169,12 @@ def test_reused_arena_keeps_zero_padding_across_epochs(tmp_path, monkeypatch):
     saver.close()
 
 
-def test_o_direct_refused_at_open_copies(tmp_path, monkeypatch):
-    real = os.open
-
-    def no_direct(path, flags, *a):
-        if flags & direct._O_DIRECT:
-            raise OSError(errno.EINVAL, "O_DIRECT not supported")
-        return real(path, flags, *a)
-
-    monkeypatch.setattr(direct.os, "open", no_direct)
+def test_o_direct_refused_at_open_copies(tmp_path, monkeypatch, o_direct_refused):
     blobs = _random(30, 7)
     snap = BackgroundSaver().snapshot("n", blobs)
-    NativeBackend().write(str(tmp_path / "z.db"), snap.blobs)
+    with o_direct_refused():
+        NativeBackend().write(str(tmp_path / "z.db"), snap.blobs)
     assert (image.stats.taken, direct.stats.pinned) == (0, 0)
-    monkeypatch.setattr(direct.os, "open", real)
     assert (tmp_path / "z.db").read_bytes() == _buffered(tmp_path / "b.db", blobs, monkeypatch)
 
 

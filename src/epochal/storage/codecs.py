@@ -44,7 +44,8 @@ from .dtypes import MAX_DIM, check_shape, dtype_from_json, dtype_to_json, expect
 Buffer = memoryview
 
 #: Options for codecs while loading, set by the checkpoint manager around a load, e.g.
-#: ``{"map_location": "cpu"}`` for torch tensors. Codecs read it with ``LOAD_OPTIONS.get()``.
+#: ``{"map_location": "cpu"}`` for torch tensors, and ``"where"``: how errors name the load
+#: ("checkpoint DB (node N, epoch E)"). Codecs read it with ``LOAD_OPTIONS.get()``.
 LOAD_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("epochal_load_options", default=MappingProxyType({}))
 
 

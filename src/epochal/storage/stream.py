@@ -50,13 +50,8 @@ def stream_segments(
     order)."""
     n = len(views)
     ck = Checksummer(fn, n + len(groups))
-    # per view: the checksum slot of its group, or -1 (for big views, written in pieces)
-    gslot = [-1] * n if groups else None
     g_first = np.asarray([a for a, _ in groups], dtype=np.int64)
     g_end = g_first + np.asarray([c for _, c in groups], dtype=np.int64)
-    for g, (first, count) in enumerate(groups):
-        assert gslot is not None
-        gslot[first : first + count] = [n + g] * count
     try:
         size_a = np.asarray(sizes, dtype=np.int64).reshape(n)
         pad_l = list(pads) if pads is not None else None
@@ -75,7 +70,9 @@ def stream_segments(
                     out.write(carry)
                     report_progress(carry_bytes)
                 mv = views[i]
-                g = gslot[i] if gslot is not None else -1  # (a group may hold big views too)
+                # the checksum slot of its group, or -1 (a group may hold big views too)
+                gi = int(np.searchsorted(g_end, i, side="right"))
+                g = n + gi if gi < len(g_first) and g_first[gi] <= i else -1
                 for start in range(0, sizes[i], chunk):
                     piece = mv[start : start + chunk]
                     ck.submit([(i, piece), (g, piece)] if g >= 0 else [(i, piece)])

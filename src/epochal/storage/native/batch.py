@@ -18,14 +18,12 @@ from .. import tuning
 from ..checksum import checksum_function
 from ..io.reads import Prefetcher, merged_ranges
 from ..io.threads import Worker
+from .index import Index
 from .items import Opened
-from .layout import ALIGN, corrupt
+from .layout import ALIGN, DAMAGED_DATA, DAMAGED_GROUP, DAMAGED_PAD, corrupt
 
 __all__ = ["read_small_arrays"]
 
-_DAMAGED = "data checksum mismatch (blob damaged)"
-_DAMAGED_PAD = "nonzero padding after the data (blob damaged)"
-_DAMAGED_GROUP = "checksum group mismatch (its segments verify: index and data disagree)"
 
 
 def read_small_arrays(
@@ -84,6 +82,7 @@ def read_small_arrays(
     cut[1:] = (offs[1:] != ends[:-1]) | ((offs[1:] // group_bytes != offs[:-1] // group_bytes) & ~inside)
     starts_j = np.flatnonzero(cut).tolist()
     bounds = list(zip(starts_j, [*starts_j[1:], len(ks)]))
+    read_cuts = np.asarray(starts_j + [len(ks)], dtype=np.int64)  # candidates of read g: [g, g+1)
     offs_l, ends_l = offs.tolist(), ends.tolist()
     ranges = merged_ranges([(offs_l[a], ends_l[b - 1]) for a, b in bounds])
     ahead = Prefetcher(f.src, ranges if int(lens.sum()) >= tuning.PREFETCH_MIN else [])
@@ -102,7 +101,7 @@ def read_small_arrays(
         fit = lay.nbytes[mids] == lens
         isz = lay.isz[mids]
         code = lay.code[mids]
-        st["views"], st["isz"] = lay.views, [v.itemsize for v in lay.views]
+        st["views"] = lay.views
         st["code_l"] = code.tolist()
         st["names_l"] = (
             names_ if len(cand_ids) == len(names_) else [names_[i] for i in cand_ids.tolist()]
@@ -111,12 +110,11 @@ def read_small_arrays(
         # fitting blobs per read: fj[gcut[g] : gcut[g + 1]] are its candidates j
         fj = np.flatnonzero(fit)
         st["fj"] = fj.tolist()
-        cuts = np.searchsorted(fj, np.asarray(starts_j + [len(ks)], dtype=np.int64))
-        st["gcut"] = cuts.tolist()
+        st["gcut"] = np.searchsorted(fj, read_cuts).tolist()
         # per fitting blob, its element range in its read's buffer (for the typed views)
-        read_of = np.searchsorted(np.asarray(starts_j, dtype=np.int64), fj, side="right") - 1
+        read_of = np.searchsorted(read_cuts[:-1], fj, side="right") - 1
         f_isz = isz[fj]
-        r0 = (offs[fj] - offs[np.asarray(starts_j, dtype=np.int64)[read_of]]) // f_isz
+        r0 = (offs[fj] - offs[read_cuts[:-1][read_of]]) // f_isz
         st["r0_l"], st["r1_l"] = r0.tolist(), (r0 + lens[fj] // f_isz).tolist()
         if verify:
             st["lens_l"] = lens.tolist()
@@ -126,8 +124,8 @@ def read_small_arrays(
             loose = fit & (w_of_j < 0)
             lj = np.flatnonzero(loose)
             st["lj"] = lj.tolist()
-            st["lcut"] = np.searchsorted(lj, np.asarray(starts_j + [len(ks)], dtype=np.int64)).tolist()
-            st["wcut"] = np.searchsorted(wfirst_j, np.asarray(starts_j + [len(ks)], dtype=np.int64)).tolist()
+            st["lcut"] = np.searchsorted(lj, read_cuts).tolist()
+            st["wcut"] = np.searchsorted(wfirst_j, read_cuts).tolist()
             if len(whole_w):
                 gstart, gend = idx.group_ranges()
                 st["w_l"] = list(zip(gstart[whole_w].tolist(), gend[whole_w].tolist(),
@@ -145,13 +143,13 @@ def read_small_arrays(
                 while j < len(offs_l) and offs_l[j] < ge:  # which segment (or padding) it is
                     rel = offs_l[j] - start
                     if fn(mv[rel : rel + lens_l[j]], 0) != crcs_l[j]:
-                        bad.append((_DAMAGED, j))
+                        bad.append((DAMAGED_DATA, j))
                         return False
                     if any(mv[rel + lens_l[j] : ends_l[j] - start]):
-                        bad.append((_DAMAGED_PAD, j))
+                        bad.append((DAMAGED_PAD, j))
                         return False
                     j += 1
-                bad.append((_DAMAGED_GROUP, j0))
+                bad.append((DAMAGED_GROUP, j0))
                 return False
         return True
 
@@ -165,7 +163,7 @@ def read_small_arrays(
         for j in sel_j:
             rel = offs_l[j] - start
             if fn(mv[rel : rel + lens_l[j]], 0) != crcs_l[j]:
-                bad.append((_DAMAGED, j))
+                bad.append((DAMAGED_DATA, j))
                 return False
         # each padding is the tail of the 64-byte block that ends where it ends
         sel = np.asarray(sel_j, dtype=np.int64)
@@ -175,7 +173,7 @@ def read_small_arrays(
             rows = buf.reshape(-1, ALIGN)[(ends[sel[nz]] - start) // ALIGN - 1]
             badm = (rows != 0) & (cols64[None, :] >= ALIGN - p_[nz][:, None])
             if badm.any():
-                bad.append((_DAMAGED_PAD, int(sel[nz[int(np.flatnonzero(badm.any(axis=1))[0])]])))
+                bad.append((DAMAGED_PAD, int(sel[nz[int(np.flatnonzero(badm.any(axis=1))[0])]])))
                 return False
         return True
 
@@ -256,7 +254,7 @@ def _view_code(dt: np.dtype, views: list[np.dtype], view_ids: dict[np.dtype, int
     return c
 
 
-def _layouts(idx: Any) -> _Layouts:
+def _layouts(idx: Index) -> _Layouts:
     views: list[np.dtype] = []
     view_ids: dict[np.dtype, int] = {}
     plain = idx.plain_1d_metas()
@@ -264,9 +262,9 @@ def _layouts(idx: Any) -> _Layouts:
         dts, ns = plain
         uniq = list(dict.fromkeys(dts))
         kinds: list[tuple[np.dtype | None, int]] = []
-        for d in uniq:
+        for dtext in uniq:
             try:
-                dt: np.dtype | None = _codecs.dtype_from_json(d.decode("ascii"))
+                dt: np.dtype | None = _codecs.dtype_from_json(dtext.decode("ascii"))
             except ValueError:
                 dt = None  # the general path raises the error, naming the blob
             kinds.append((dt, -1 if dt is None else _view_code(dt, views, view_ids)))

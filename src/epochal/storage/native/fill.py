@@ -18,14 +18,13 @@ from ..io.reads import Prefetcher, merged_ranges, read_bytes
 from . import parallel
 from .index import Columns
 from .items import BigRead, LoadItem, Opened
-from .layout import ALIGN, corrupt
+from .layout import ALIGN, DAMAGED_DATA, DAMAGED_PAD, corrupt
 
 __all__ = ["fill"]
 
 # where padding goes when it is read without being checked (contents never used)
 _SCRATCH = memoryview(bytearray(ALIGN))
 _ZERO_AREA = bytes(ALIGN * atomic.IOV_MAX)
-_DAMAGED_PAD = "nonzero padding after the data (blob damaged)"
 
 #: one segment to read: checksum slot, buffer, file offset, padding, checksum, blob name
 _Segment = tuple[int, memoryview, int, int, int, str]
@@ -132,7 +131,7 @@ def _read_big(
         if ck is not None:
             ck.submit([(slot, piece)])
     if pad and verify and any(read_bytes(f.src, pad, off + buf.nbytes, "padding", name)):
-        raise corrupt(f.path, _DAMAGED_PAD, name)
+        raise corrupt(f.path, DAMAGED_PAD, name)
 
 
 def _check(path: str, got: list[int], ck: Checksummer | None, expected: list[tuple[int, str]]) -> None:
@@ -141,7 +140,7 @@ def _check(path: str, got: list[int], ck: Checksummer | None, expected: list[tup
         got = [a or b for a, b in zip(got, ck.results())]
     for slot, (want, name) in enumerate(expected):
         if got[slot] != want:
-            raise corrupt(path, "data checksum mismatch (blob damaged)", name)
+            raise corrupt(path, DAMAGED_DATA, name)
 
 
 class _Runs:
@@ -206,6 +205,6 @@ class _Runs:
                 area = self.pad_area
                 for k, name in enumerate(self.pad_names):
                     if any(area[k * ALIGN : (k + 1) * ALIGN]):
-                        raise corrupt(self.path, _DAMAGED_PAD, name)
+                        raise corrupt(self.path, DAMAGED_PAD, name)
             self._new_pad_area()
         self.views, self.todo = [], []

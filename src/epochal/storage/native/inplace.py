@@ -21,7 +21,7 @@ from ..codecs import flat_writable
 from ..io.reads import Prefetcher, merged_ranges, read_bytes, read_exact
 from ..io.threads import Worker, balanced, contiguous, cpu_threads, run_parallel
 from .items import Direct, LoadItem, Opened, raise_codec_error
-from .layout import corrupt
+from .layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
 
 __all__ = ["direct_targets", "read_direct", "verify_direct", "verify_direct_streamed"]
 
@@ -85,7 +85,7 @@ def verify_direct(f: Opened, direct: list[Direct]) -> None:
         run_parallel([job(g) for g in balanced([d.size for d in direct], cpu_threads())])
         for d in direct:
             if d.pad and any(whole[d.off + d.size : d.off + d.size + d.pad]):
-                raise corrupt(path, "nonzero padding after the data (blob damaged)", d.name)
+                raise corrupt(path, DAMAGED_PAD, d.name)
         whole.release()
     finally:
         try:
@@ -94,7 +94,7 @@ def verify_direct(f: Opened, direct: list[Direct]) -> None:
             pass
     for slot, d in enumerate(direct):
         if crcs[slot] != d.crc:
-            raise corrupt(path, "data checksum mismatch (blob damaged)", d.name)
+            raise corrupt(path, DAMAGED_DATA, d.name)
     return None
 
 def verify_direct_streamed(f: Opened, direct: list[Direct]) -> None:
@@ -133,7 +133,7 @@ def verify_direct_streamed(f: Opened, direct: list[Direct]) -> None:
                     raise
                 worker.submit(step, slot, piece)
             if d.pad and any(read_bytes(f.src, d.pad, d.off + d.size, "padding", d.name)):
-                raise corrupt(path, "nonzero padding after the data (blob damaged)", d.name)
+                raise corrupt(path, DAMAGED_PAD, d.name)
         worker.wait()
     finally:
         worker.close()
@@ -141,7 +141,7 @@ def verify_direct_streamed(f: Opened, direct: list[Direct]) -> None:
         raise errors[0]
     for slot, d in enumerate(direct):
         if crcs[slot] != d.crc:
-            raise corrupt(path, "data checksum mismatch (blob damaged)", d.name)
+            raise corrupt(path, DAMAGED_DATA, d.name)
 
 def read_direct(f: Opened, plan: list[LoadItem], direct: list[Direct]) -> None:
     """Read the (verified) segments into the live memory, split over a few threads in

@@ -122,6 +122,12 @@ class NativeStat:
         )
 
 
+#: what every read path says of damaged data (one wording, whichever path found it)
+DAMAGED_DATA = "data checksum mismatch (blob damaged)"
+DAMAGED_PAD = "nonzero padding after the data (blob damaged)"
+DAMAGED_GROUP = "checksum group mismatch (its segments verify: index and data disagree)"
+
+
 def corrupt(path: str, message: str, blob: str | None = None) -> CheckpointCorruptError:
     return CheckpointCorruptError(path, message, blob)
 

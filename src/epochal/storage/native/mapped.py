@@ -10,7 +10,7 @@ from typing import Any
 
 from ..base import report_progress
 from .items import LoadItem, Opened
-from .layout import corrupt
+from .layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
 
 __all__ = ["map_views"]
 
@@ -28,7 +28,7 @@ def map_views(f: Opened, mm: Any, plan: list[LoadItem], verify: bool) -> None:
             report_progress(ln)
             if verify:
                 if idx.fn(view, 0) != int(segs["crc"][k]):
-                    raise corrupt(f.path, "data checksum mismatch (blob damaged)", item.name)
+                    raise corrupt(f.path, DAMAGED_DATA, item.name)
                 if pad and any(whole[off + ln : off + ln + pad]):
-                    raise corrupt(f.path, "nonzero padding after the data (blob damaged)", item.name)
+                    raise corrupt(f.path, DAMAGED_PAD, item.name)
             bufs.append(view)

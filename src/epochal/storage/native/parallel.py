@@ -14,7 +14,7 @@ from ..base import report_progress
 from ..io.reads import read_bytes, read_exact
 from ..io.threads import contiguous, run_parallel
 from .items import BigRead, Opened
-from .layout import corrupt
+from .layout import DAMAGED_PAD, corrupt
 
 __all__ = ["read_parallel"]
 
@@ -45,7 +45,7 @@ def read_parallel(f: Opened, par: list[BigRead], verify: bool, got: list[int]) -
                 if verify:
                     got[item.slot] = crc
                     if item.pad and any(read_bytes(src, item.pad, off + buf.nbytes, "padding", name)):
-                        raise corrupt(path, "nonzero padding after the data (blob damaged)", name)
+                        raise corrupt(path, DAMAGED_PAD, name)
         return run
 
     run_parallel([job(g) for g in range(len(groups))])

@@ -32,7 +32,16 @@ from ..io.seam import ByteSource, store_for
 from . import batch, fill, inplace, mapped
 from .index import Index
 from .items import DECODE_ERRORS, LoadItem, Opened, raise_codec_error
-from .layout import SUPERBLOCK_SIZE, Header, NativeStat, corrupt, parse_superblock
+from .layout import (
+    DAMAGED_DATA,
+    DAMAGED_GROUP,
+    DAMAGED_PAD,
+    SUPERBLOCK_SIZE,
+    Header,
+    NativeStat,
+    corrupt,
+    parse_superblock,
+)
 
 __all__ = ["NativeFile", "allocate", "decode", "open_native", "stat_native"]
 
@@ -284,17 +293,17 @@ class NativeFile:
                     off += n
                     left -= n
                 if crc != int(segs["crc"][k]):
-                    raise corrupt(self.path, "data checksum mismatch (blob damaged)", idx.name(i))
+                    raise corrupt(self.path, DAMAGED_DATA, idx.name(i))
                 if pad:
                     tail = read_bytes(src, pad, off, "padding", idx.name(i))
                     if any(tail):
-                        raise corrupt(self.path, "nonzero padding after the data (blob damaged)", idx.name(i))
+                        raise corrupt(self.path, DAMAGED_PAD, idx.name(i))
                     if g is not None:
                         groups.add(g, tail)
                 if g is not None and not groups.end(g, k):
                     raise corrupt(
                         self.path,
-                        "checksum group mismatch (its segments verify: index and data disagree)",
+                        DAMAGED_GROUP,
                         idx.name(idx.blob_of_segment(int(groups.first[g]))),
                     )
 
