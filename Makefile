@@ -15,6 +15,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(if $(wildcard /opt/wheels),--find-links /opt/wheels) torch==2.13.0
 	# torchdata's StatefulDataLoader, without its deps (they would pull another torch)
 	$(BIN)/pip install -q --no-deps torchdata==0.11.0
+	# Lightning (epochal.integrations.lightning), without its deps (they would pull another
+	# torch), then its small pure-Python deps by name (fsspec, packaging, PyYAML and
+	# typing-extensions come with the dev extra)
+	$(BIN)/pip install -q --no-deps lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0 tqdm==4.70.1
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -182,6 +182,24 @@ def list_prefix(prefix: str) -> dict[str, Any]:
     return {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs}
 
 
+#: file names (suffixes) in a local directory that ``verify PREFIX`` checks besides the
+#: ``<node>.<epoch>`` dbs: checkpoints named by another framework (Lightning's ``*.ckpt``,
+#: written by ``epochal.integrations.lightning``); one that is no epochal db is reported
+LOOSE_SUFFIXES = (".ckpt",)
+
+
+def loose_checkpoints(prefix: str) -> list[str]:
+    """The ``*.ckpt`` files directly in the local directory ``prefix`` (none at a URL)."""
+    if "://" in prefix:
+        return []
+    out = []
+    for entry in sorted(os.listdir(prefix)):
+        full = os.path.join(prefix, entry)
+        if entry.endswith(LOOSE_SUFFIXES) and not entry.startswith(".") and os.path.isfile(full):
+            out.append(full)
+    return out
+
+
 def _is_prefix(target: str) -> bool:
     """A checkpoint directory (or URL prefix), not one db file."""
     if "://" not in target:
@@ -203,6 +221,7 @@ def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
     for e in sorted(present):
         for node in sorted(present[e]):
             files.append(verify_file(present[e][node], db_type))
+    files.extend(verify_file(path, db_type) for path in loose_checkpoints(target))
     epochs = []
     damaged = rec.damaged_manifests()
     for e in sorted(set(rec.committed()) | set(damaged)):
