@@ -8,6 +8,8 @@
   state (also ``epochal.integrations.torch.ResumableSampler``).
 * :mod:`epochal.integrations.safetensors_export`: ``export_safetensors``, one state dict out
   of a checkpoint for tools that read safetensors.
+* :mod:`epochal.integrations.lightning`: ``EpochalCheckpointIO``, Lightning's checkpoint files
+  as native dbs (imports lightning: import it yourself).
 """
 
 from __future__ import annotations
