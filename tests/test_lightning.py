@@ -120,16 +120,32 @@ def test_topk_deletions_leave_exactly_k_files(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ resume
+def _ban_pickle(mp: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    def refuse(*a: Any, **kw: Any) -> None:
+        raise AssertionError("pickle used on the resume path")
+
+    for name in ("load", "loads", "Unpickler"):
+        mp.setattr(pickle, name, refuse)
+    mp.setattr(torch, "load", refuse)
+
+
 @pytest.mark.parametrize("stop", [14, 20])
 def test_resume_last_is_bit_identical_to_torch_io_resume(tmp_path: Path, stop: int) -> None:
     """Stopped at the same step, resumed with ckpt_path="last": the same final parameters as
-    Lightning's own IO, bit for bit (mid-epoch, and at an epoch's end)."""
+    Lightning's own IO, bit for bit (mid-epoch, and at an epoch's end); epochal's resume with
+    pickle and torch.load made to raise."""
     final = {}
     for io in ("epochal", "torch"):
         d = str(tmp_path / io)
         bits.run(bits.Run(d, io=io, max_steps=stop))
-        trainer, model = bits.run(bits.Run(d, io=io, ckpt_path="last"))
-        assert trainer.global_step == 25
+        r = bits.Run(d, io=io, ckpt_path="last")
+        with pytest.MonkeyPatch.context() as mp:
+            if io == "epochal":
+                _ban_pickle(mp)
+            trainer, model = bits.run(r)
+        assert r.started_at == stop // 3 * 3 and trainer.global_step == 25
         final[io] = bits.params(model)
     assert final["epochal"] == final["torch"]
 
@@ -265,6 +281,12 @@ def test_cli_verify_inspect_export(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli(["verify", str(d)]) == 1
     assert f"DAMAGED {victim}" in capsys.readouterr().out
     assert cli(["verify", str(victim)]) == 1
+    victim.unlink()
+    torch.save({"state_dict": {}}, d / "foreign.ckpt")  # not an epochal db: reported, not skipped
+    capsys.readouterr()
+    assert cli(["verify", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "foreign.ckpt" in out and "DAMAGED" in out
 
 
 # ------------------------------------------------------------------ kills (slow)
