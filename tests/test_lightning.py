@@ -181,9 +181,13 @@ def test_damaged_or_foreign_file_is_refused_by_name(tmp_path: Path) -> None:
         load_checkpoint(last)
     with pytest.raises(CheckpointCorruptError, match="last.ckpt"):
         bits.run(bits.Run(str(d), ckpt_path="last"))
+    data[:4] = b"XXXX"  # its magic too: still read as epochal's, the damage named
+    last.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="last.ckpt"):
+        load_checkpoint(last)
     foreign = tmp_path / "torch.ckpt"
     torch.save({"state_dict": {}}, foreign)
-    with pytest.raises(CheckpointError, match="not an epochal checkpoint"):
+    with pytest.raises(CheckpointError, match="not an epochal checkpoint.*torch.save"):
         load_checkpoint(foreign)
     with pytest.raises(FileNotFoundError, match="nothing.ckpt"):
         load_checkpoint(tmp_path / "nothing.ckpt")

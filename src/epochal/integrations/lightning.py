@@ -155,12 +155,14 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None) -
     if not store_for(p).exists(p):
         raise FileNotFoundError(f"Checkpoint file not found: {p}")
     kind = sniff_db_type(p)
-    if kind != DB_TYPE:
-        what = "an empty file" if kind is None and _size(p) == 0 else f"db_type {kind}" if kind else "no epochal db"
+    if kind is not None and kind != DB_TYPE:
+        raise CheckpointError(f"{p} is not a Lightning checkpoint written by epochal (it is a {kind} db)")
+    if kind is None and _head(p).startswith(_TORCH_SAVE_HEADS):
         raise CheckpointError(
-            f"{p} is not an epochal checkpoint ({what}); a file written by Lightning's own "
-            "TorchCheckpointIO (torch.save) is read by Lightning without this plugin"
+            f"{p} is not an epochal checkpoint (torch.save wrote it: Lightning's own "
+            "TorchCheckpointIO); resume it without this plugin"
         )
+    # (any other head: the native reader names the damage, e.g. a damaged superblock)
     opts: dict[str, Any] = {"where": f"Lightning checkpoint {p}"}
     if map_location is not None:
         opts["map_location"] = map_location
@@ -171,11 +173,16 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None) -
         LOAD_OPTIONS.reset(token)
 
 
-def _size(path: str) -> int:
+#: the first bytes of a torch.save file: a zip archive, or a legacy pickle stream
+_TORCH_SAVE_HEADS = (b"PK\x03\x04", b"\x80")
+
+
+def _head(path: str) -> bytes:
+    src = store_for(path).open_read(path, what="checkpoint")
     try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1
+        return bytes(src.read(min(4, src.size()), 0))
+    finally:
+        src.close()
 
 
 class EpochalCheckpointIO(CheckpointIO):
