@@ -150,6 +150,24 @@ def test_resume_last_is_bit_identical_to_torch_io_resume(tmp_path: Path, stop: i
     assert final["epochal"] == final["torch"]
 
 
+def test_a_torch_io_run_converted_once_resumes_as_with_torch_io(tmp_path: Path) -> None:
+    """The switch recipe of docs/lightning.md: last.ckpt of a TorchCheckpointIO run converted
+    in place, then resumed with the plugin, ends as the same resume with Lightning's own IO."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    final = {}
+    for io in ("epochal", "torch"):
+        d = tmp_path / io
+        bits.run(bits.Run(str(d), io="torch", max_steps=14))
+        if io == "epochal":
+            ckpt = TorchCheckpointIO().load_checkpoint(str(d / "last.ckpt"), weights_only=True)
+            EpochalCheckpointIO().save_checkpoint(ckpt, d / "last.ckpt")
+            assert sniff_db_type(str(d / "last.ckpt")) == "native"
+        _, model = bits.run(bits.Run(str(d), io=io, ckpt_path="last"))
+        final[io] = bits.params(model)
+    assert final["epochal"] == final["torch"]
+
+
 def test_resume_from_a_path_and_mid_epoch_made_exact(tmp_path: Path) -> None:
     """A resume from a top-k file by its path; with a stateful loader (torchdata) and
     RNGStateCallback a mid-epoch resume ends where the uninterrupted run does, dropout
