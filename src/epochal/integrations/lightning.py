@@ -40,8 +40,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.callbacks import Callback
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch.callbacks import Callback
+except ImportError as _ex:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"epochal.integrations.lightning needs Lightning 2.6 (the `lightning` package): "
+        f"pip install 'epochal[lightning]' ({_ex})"
+    ) from _ex
 
 from ..checkpoint.lock import pid_alive
 from ..errors import CheckpointError, UnsupportedBlobError
