@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-quick clean
+.PHONY: demo test test-fast lint bench-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=10 tests
 	$(BIN)/ruff check src
 	$(BIN)/mypy src/epochal
+
+# the inner loop: unit and conformance tiers, under a minute (make test still runs all)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not system" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
