@@ -4,7 +4,8 @@ built from a config (no download), dropout on, AdamW + linear warmup, random tok
 As a script: ``python _hf_train.py OUT_DIR {epochal|hf} MAX_STEPS SAVE_STEPS [resume]``; with
 ``HF_TEST_SLEEP_IN_SAVE=N`` the epochal Trainer prints ``SAVING N`` and sleeps inside the save
 of step N (after the model files, before its db: a kill there is a kill mid-save); with
-``HF_TEST_NO_PICKLE=1`` pickle and torch.load raise. Prints ``DONE <sha256 of the params>``.
+``HF_TEST_NO_PICKLE=1`` pickle and torch.load raise; with ``HF_TEST_SLOW_STEPS=1`` each
+step prints ``STEP n`` and sleeps 0.1 s (room for a kill at a random moment). Prints ``DONE <sha256 of the params>``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def make_model(n_embd: int = 32, n_layer: int = 2):
 
 
 def make_trainer(out: str, kind: str, max_steps: int, save_steps: int, callbacks=(), model=None,
-                 dataset=None, **extra):
+                 dataset=None, eval_dataset=None, **extra):
     from transformers import Trainer as HFTrainer
     from transformers import TrainingArguments
 
@@ -68,7 +69,8 @@ def make_trainer(out: str, kind: str, max_steps: int, save_steps: int, callbacks
 
         cls = SlowTrainer
     return cls(model=model if model is not None else make_model(), args=args,
-               train_dataset=dataset if dataset is not None else TokenSet(), callbacks=list(callbacks))
+               train_dataset=dataset if dataset is not None else TokenSet(), eval_dataset=eval_dataset,
+               callbacks=list(callbacks))
 
 
 def params_digest(model) -> str:
@@ -93,7 +95,17 @@ def _forbid_pickle() -> None:
 def main(argv: list[str]) -> int:
     out, kind, max_steps, save_steps = argv[0], argv[1], int(argv[2]), int(argv[3])
     resume = len(argv) > 4 and argv[4] == "resume"
-    trainer = make_trainer(out, kind, max_steps, save_steps)
+    callbacks = []
+    if os.environ.get("HF_TEST_SLOW_STEPS"):
+        from transformers import TrainerCallback
+
+        class Slow(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                print(f"STEP {state.global_step}", flush=True)
+                time.sleep(0.1)
+
+        callbacks.append(Slow())
+    trainer = make_trainer(out, kind, max_steps, save_steps, callbacks=callbacks)
     if os.environ.get("HF_TEST_NO_PICKLE"):
         _forbid_pickle()
     trainer.train(resume_from_checkpoint=True if resume else None)
