@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
@@ -32,6 +33,8 @@ from ..storage.checksum import checksum_function, default_algorithm, format_chec
 
 __all__ = [
     "FILES_BLOB",
+    "CheckpointRead",
+    "read_checkpoint",
     "checkpoint_step",
     "commit_folder",
     "db_path",
@@ -50,6 +53,8 @@ logger = logging.getLogger("epochal")
 DB_TYPE = "native"
 #: the blob of process 0's db that records the folder's other files: {name: {size, checksum}}
 FILES_BLOB = "files"
+#: the weights file a resume reads once into memory (others are checked as a stream)
+WEIGHTS = "model.safetensors"
 TEMP_PREFIX = ".epochal-tmp-"
 TRASH_PREFIX = ".epochal-del-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -212,22 +217,62 @@ def read_file_checked(folder: str, rel: str, files: Mapping[str, Any] | None = N
     return data
 
 
-def verify_checkpoint(folder: str, process_index: int = 0) -> None:
-    """Check a checkpoint folder whole: process 0's db and this process's (every checksum), and
-    every file recorded (size and CRC-32C). Raises :class:`~epochal.errors.CheckpointError`
-    (a CheckpointCorruptError naming the file for damage)."""
+@dataclass
+class CheckpointRead:
+    """A checkpoint folder read whole and checked: what a resume loads, so that it reads each
+    byte once. ``blobs``: process 0's db (``optimizer``, ``scheduler``, ``scaler``, ``rng``:
+    state dicts; ``files``); ``own``: this process's db when it is not process 0;
+    ``weights``: the bytes of ``model.safetensors`` (None when the folder has no such file,
+    or when only verified)."""
+
+    folder: str
+    blobs: dict[str, Any] = field(default_factory=dict, repr=False)
+    own: dict[str, Any] = field(default_factory=dict, repr=False)
+    weights: bytes | None = field(default=None, repr=False)
+    #: (process index, name) of what the loads took (each is handed out once, then freed)
+    taken: set[tuple[int, str]] = field(default_factory=set)
+
+    def take(self, name: str, process_index: int = 0) -> tuple[bool, Any]:
+        """``(True, value)`` of the blob ``name`` of process ``process_index``'s db (value None
+        when the db lacks it; ``"weights"``: the weights' bytes), handed out once and freed;
+        ``(False, None)`` when it was taken before (the caller reads the file again)."""
+        if (process_index, name) in self.taken:
+            return False, None
+        self.taken.add((process_index, name))
+        if name == "weights":
+            value, self.weights = self.weights, None
+            return True, value
+        return True, (self.own if process_index else self.blobs).pop(name, None)
+
+
+def read_checkpoint(folder: str, process_index: int = 0, *, keep: bool = True) -> CheckpointRead:
+    """Check a checkpoint folder whole: process 0's db and this process's (every checksum),
+    and every file recorded (size and CRC-32C). With ``keep`` the dbs' values and the weights'
+    bytes are kept for the loads (read once), else only checked. Raises
+    :class:`~epochal.errors.CheckpointError` (a CheckpointCorruptError naming the file for damage)."""
     if not is_epochal_checkpoint(folder):
         raise CheckpointError(f"{folder}: not a checkpoint written by epochal (no rank0.<N> db in it)")
     backend = get_db_type(DB_TYPE)
-    backend.verify(db_path(folder, 0))
-    if process_index:
-        mine = db_path(folder, process_index)
-        if os.path.exists(mine):
-            backend.verify(mine)
-    files = _recorded(folder)
     db = db_path(folder, 0)
+    out = CheckpointRead(folder)
+    if keep:
+        out.blobs = backend.read(db)
+    else:
+        backend.verify(db)
+    mine = db_path(folder, process_index)
+    if process_index and os.path.exists(mine):
+        if keep:
+            out.own = backend.read(mine)
+        else:
+            backend.verify(mine)
+    files = out.blobs.get(FILES_BLOB) if keep else _recorded(folder)
+    if not isinstance(files, Mapping):
+        raise CheckpointCorruptError(db, "the record of the folder's files is not a dict", FILES_BLOB)
     for rel, entry in files.items():
         size, digest = _check_entry(folder, rel, entry, db)
+        if keep and rel == WEIGHTS:
+            out.weights = read_file_checked(folder, rel, files)
+            continue
         path = os.path.join(folder, rel)
         try:
             got_size, value = _file_checksum(path, digest.split(":", 1)[0])
@@ -239,12 +284,18 @@ def verify_checkpoint(folder: str, process_index: int = 0) -> None:
             raise CheckpointCorruptError(path, f"{got_size} bytes, {size} recorded")
         if format_checksum(digest.split(":", 1)[0], value) != digest:
             raise CheckpointCorruptError(path, "checksum mismatch with the checkpoint's record")
+    return out
 
 
-def find_resume_checkpoint(run_dir: str, process_index: int = 0) -> str | None:
-    """The newest ``checkpoint-<N>`` folder of ``run_dir`` that verifies whole; each newer one
-    that does not (damaged, or not written by epochal) is skipped with a warning naming it.
-    None when there is none."""
+def verify_checkpoint(folder: str, process_index: int = 0) -> None:
+    """Check a checkpoint folder whole, keeping nothing (see :func:`read_checkpoint`)."""
+    read_checkpoint(folder, process_index, keep=False)
+
+
+def find_resume_checkpoint(run_dir: str, process_index: int = 0) -> CheckpointRead | None:
+    """The newest ``checkpoint-<N>`` folder of ``run_dir`` that verifies whole, read (see
+    :func:`read_checkpoint`); each newer one that does not (damaged, or not written by
+    epochal) is skipped with a warning naming it. None when there is none."""
     try:
         names = os.listdir(run_dir)
     except FileNotFoundError:
@@ -255,9 +306,7 @@ def find_resume_checkpoint(run_dir: str, process_index: int = 0) -> str | None:
         if not os.path.isdir(folder):
             continue
         try:
-            verify_checkpoint(folder, process_index)
+            return read_checkpoint(folder, process_index)
         except (CheckpointError, OSError) as ex:
             logger.warning("Skipping checkpoint %s: %s", folder, ex)
-            continue
-        return folder
     return None

@@ -90,18 +90,31 @@ class EpochalTrainerMixin:
         targs = self.args  # type: ignore[attr-defined]
         if targs.should_save and targs.process_index == 0:
             hf_folder.remove_stale(targs.output_dir)
+        read: hf_folder.CheckpointRead | None = None
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            found = hf_folder.find_resume_checkpoint(targs.output_dir, targs.process_index)
-            if found is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({targs.output_dir})")
-            resume_from_checkpoint = found
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            resume_from_checkpoint = os.fspath(resume_from_checkpoint)
             self._epochal_check_supported()
-            hf_folder.verify_checkpoint(resume_from_checkpoint, targs.process_index)
-        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-            logger.info("Resuming from %s", resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+            read = hf_folder.find_resume_checkpoint(targs.output_dir, targs.process_index)
+            if read is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({targs.output_dir})")
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            self._epochal_check_supported()
+            read = hf_folder.read_checkpoint(os.fspath(resume_from_checkpoint), targs.process_index)
+        if read is not None:
+            resume_from_checkpoint = read.folder
+            logger.info("Resuming from %s", read.folder)
+        self._epochal_read = read  # what the loads take, so that each byte is read once
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._epochal_read = None
+
+    def _epochal_take(self, folder: str, name: str, process_index: int = 0) -> tuple[bool, Any]:
+        """``(True, value)`` from the checkpoint train() read and checked, once per blob;
+        ``(False, None)`` when the loads must read ``folder`` themselves."""
+        read: hf_folder.CheckpointRead | None = getattr(self, "_epochal_read", None)
+        if read is None or os.path.normpath(read.folder) != os.path.normpath(folder):
+            return False, None
+        return read.take(name, process_index)
 
     def _epochal_check_supported(self) -> None:
         t: Any = self
@@ -209,27 +222,39 @@ class EpochalTrainerMixin:
 
     # -- loading
     def _epochal_load(self, folder: str, process_index: int, live: dict[str, Any]) -> list[str]:
-        """Restore the live objects ``live`` from a db of ``folder`` in place (checked before
-        anything is touched); returns the names the db lacks."""
-        step = hf_folder.checkpoint_step(folder)
+        """Restore the live objects ``live`` from a db of ``folder`` (the values train() read,
+        or the file, checked before anything is touched); returns the names the db lacks."""
+        missing, rest = [], {}
+        for name, obj in live.items():
+            cached, value = self._epochal_take(folder, name, process_index)
+            if not cached:
+                rest[name] = obj
+            elif value is None:
+                missing.append(name)
+            else:
+                obj.load_state_dict(value)
+        if not rest:
+            return missing
         db = hf_folder.db_path(folder, process_index)
         if not os.path.exists(db):
-            return list(live)
-        load = LoadBlobs(db, hf_folder.DB_TYPE, list(live), node=f"rank{process_index}",
-                         epoch=step or 0, allow_incomplete=True)
-        load(dict(live))
-        return load.missing
+            return missing + list(rest)
+        load = LoadBlobs(db, hf_folder.DB_TYPE, list(rest), node=f"rank{process_index}",
+                         epoch=hf_folder.checkpoint_step(folder) or 0, allow_incomplete=True)
+        load(dict(rest))
+        return missing + load.missing
 
     def _epochal_load_weights(self, folder: str, model: Any) -> bool:
-        """Load ``model.safetensors`` of ``folder`` into ``model``, its bytes read once and
-        checked against the checkpoint's record; False when the folder has no such single file
-        or the model is an adapter model (transformers' own loader then runs)."""
+        """Load ``model.safetensors`` of ``folder`` into ``model``, its bytes checked against the
+        checkpoint's record (read once: by train(), or here); False when the folder has no such
+        single file or the model is an adapter model (transformers' own loader then runs)."""
         t: Any = self
         if not os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)) or _is_peft(model):
             if any(os.path.exists(os.path.join(folder, n)) for n in _BIN_WEIGHTS):
                 raise CheckpointError(f"{folder}: the weights are pickles (pytorch_model.bin), which epochal does not load")
             return False
-        data = hf_folder.read_file_checked(folder, SAFE_WEIGHTS_NAME)
+        _, data = self._epochal_take(folder, "weights")
+        if data is None:
+            data = hf_folder.read_file_checked(folder, SAFE_WEIGHTS_NAME)
         state_dict = safetensors.torch.load(data)
         del data
         result = model.load_state_dict(state_dict, False)
@@ -266,8 +291,8 @@ class EpochalTrainerMixin:
         self._epochal_require(checkpoint)
         t: Any = self
         missing = self._epochal_load(checkpoint, 0, {"optimizer": t.optimizer, "scheduler": t.lr_scheduler})
-        if missing and len(missing) < 2:
-            raise CheckpointError(f"{hf_folder.db_path(checkpoint, 0)} holds no {missing[0]!r} (damaged record)")
+        if len(missing) == 1:  # none: a save_only_model checkpoint (transformers loads none either)
+            raise CheckpointError(f"{hf_folder.db_path(checkpoint, 0)} holds no {missing[0]!r}")
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         t: Any = self
