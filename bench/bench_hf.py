@@ -16,8 +16,8 @@ about 7 M parameters, 28 MB of float32 weights, 56 MB of AdamW state after one s
   optimizer and scheduler, the RNG state; epochal's reads the folder whole first, checking
   every byte (its dbs and the CRC-32C of every other file), and the loads take from that.
 
-Variants alternate (the order rotates every round); the figures are medians over the rounds
-of the per-round times and of the per-round paired ratios against ``hf``.
+Variants alternate (the order rotates every round; resumes run three times ``--rounds``); the
+figures are medians over the rounds of the per-round times and of the per-round paired ratios.
 """
 
 from __future__ import annotations
@@ -125,20 +125,21 @@ def main() -> int:
         folders[k] = os.path.join(trainers[k].args.output_dir, "checkpoint-5")
     size = {k: sum(os.path.getsize(os.path.join(f, n)) for n in os.listdir(f)) for k, f in folders.items()}
     loads: dict[str, list[float]] = {"hf": [], "epochal": []}
-    for r in range(a.rounds + 1):
+    for r in range(3 * a.rounds + 1):  # resumes are short: three times the rounds
         for k in (("hf", "epochal") if r % 2 else ("epochal", "hf")):
             dt = resume(k, folders[k])
             if r:
                 loads[k].append(dt)
 
-    def row(label: str, times: dict[str, list[float]], base: str) -> None:
+    def row(label: str, times: dict[str, list[float]], bases: list[str]) -> None:
         for k, ts in times.items():
-            ratio = statistics.median(x / y for x, y in zip(ts, times[base]))
-            print(f"  {label:7} {k:9} median {statistics.median(ts) * 1e3:8.1f} ms   x{ratio:.2f} vs {base}")
+            ratios = "   ".join(f"x{statistics.median(x / y for x, y in zip(ts, times[b])):.2f} vs {b}"
+                               for b in bases if b != k)
+            print(f"  {label:7} {k:9} median {statistics.median(ts) * 1e3:8.1f} ms   {ratios}")
 
     print(f"checkpoint size: hf {size['hf'] / 1e6:.1f} MB, epochal {size['epochal'] / 1e6:.1f} MB")
-    row("save", saves, "hf")
-    row("resume", loads, "hf")
+    row("save", saves, ["hf", "hf+fsync"])
+    row("resume", loads, ["hf"])
     shutil.rmtree(a.dir, ignore_errors=True)
     return 0
 
