@@ -250,3 +250,14 @@ def test_sigkill_at_a_random_moment_then_resume(tmp_path, reference):
     p.wait(timeout=30)
     assert any(n.startswith("checkpoint-") for n in os.listdir(out))
     assert _done(_script(out, "resume")) == reference
+
+
+@pytest.mark.slow
+def test_bench_hf_runs(tmp_path):
+    root = os.path.dirname(HERE)
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hf.py"), "--rounds", "1", "--embd", "32",
+                        "--layers", "1", "--vocab", "64", "--dir", str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "save    epochal" in p.stdout and "resume  epochal" in p.stdout
+    assert not os.path.exists(tmp_path / "b")
