@@ -261,3 +261,21 @@ def test_bench_hf_runs(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "save    epochal" in p.stdout and "resume  epochal" in p.stdout
     assert not os.path.exists(tmp_path / "b")
+
+
+def test_private_surface_named_in_one_place():
+    """Every private method of transformers.Trainer the module overrides or calls is in
+    OVERRIDDEN or CALLED (the one place a new transformers release is checked against)."""
+    import inspect
+    import re
+
+    import transformers
+
+    from epochal.integrations import transformers as T
+
+    mixin = set(T.EpochalTrainerMixin.__dict__)
+    base = {n for n in dir(transformers.Trainer) if n.startswith("_") and not n.startswith("__")}
+    assert set(T.OVERRIDDEN) == mixin & base
+    called = set(re.findall(r"\bt\.(_[a-z]\w*)\(", inspect.getsource(T))) & base
+    assert called <= set(T.CALLED) | set(T.OVERRIDDEN)
+    assert all(callable(getattr(transformers.Trainer, n)) for n in T.OVERRIDDEN + T.CALLED)

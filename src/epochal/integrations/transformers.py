@@ -127,6 +127,11 @@ class EpochalTrainerMixin:
 
         if is_sagemaker_mp_enabled() or is_torch_xla_available():
             raise CheckpointError("epochal's Trainer does not cover SageMaker model parallelism or XLA")
+        if t.args.save_on_each_node and t.args.world_size > 1:
+            raise CheckpointError(
+                "epochal's Trainer commits each checkpoint from process 0 into a folder all processes "
+                "share: save_on_each_node (a disk per node) is not covered"
+            )
 
     def _epochal_require(self, folder: str) -> None:
         if not hf_folder.is_epochal_checkpoint(folder):
