@@ -239,7 +239,7 @@ def test_sigkill_at_a_random_moment_then_resume(tmp_path, reference):
 
     out = str(tmp_path / "ep")
     rnd = random.Random(int(os.environ.get("HF_TEST_SEED", "0")) or None)
-    at = rnd.randint(4, MAX - 1)  # after checkpoint 4: steps, and the saves of 8 and 12
+    at = rnd.randint(EVERY + 1, MAX - 1)  # after checkpoint 4 is committed: steps, the saves of 8, 12
     p = _script(out, env={"HF_TEST_SLOW_STEPS": "1"})
     assert p.stdout is not None
     for line in p.stdout:  # each step prints STEP n, then sleeps 0.1 s; the save of n follows
@@ -279,3 +279,16 @@ def test_private_surface_named_in_one_place():
     called = set(re.findall(r"\bt\.(_[a-z]\w*)\(", inspect.getsource(T))) & base
     assert called <= set(T.CALLED) | set(T.OVERRIDDEN)
     assert all(callable(getattr(transformers.Trainer, n)) for n in T.OVERRIDDEN + T.CALLED)
+
+
+def test_transformers_own_resume_fails_on_a_half_written_folder(tmp_path):
+    """Why the commit by rename matters: transformers' own Trainer picks a checkpoint-N that a
+    kill left without its last file (trainer_state.json) and fails on it."""
+    import shutil
+
+    out = str(tmp_path / "hf")
+    H.make_trainer(out, "hf", 4, EVERY).train()
+    shutil.copytree(os.path.join(out, "checkpoint-4"), os.path.join(out, "checkpoint-8"))
+    os.unlink(os.path.join(out, "checkpoint-8", "trainer_state.json"))
+    with pytest.raises(FileNotFoundError, match="checkpoint-8"):
+        H.make_trainer(out, "hf", 12, EVERY).train(resume_from_checkpoint=True)
