@@ -15,6 +15,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(if $(wildcard /opt/wheels),--find-links /opt/wheels) torch==2.13.0
 	# torchdata's StatefulDataLoader, without its deps (they would pull another torch)
 	$(BIN)/pip install -q --no-deps torchdata==0.11.0
+	# Hugging Face Trainer (epochal[hf]): transformers and accelerate without their deps (accelerate's
+	# would pull another torch), then their small deps by name
+	$(BIN)/pip install -q --no-deps transformers==5.24.0 accelerate==1.15.0
+	$(BIN)/pip install -q huggingface-hub==2.4.0 tokenizers==0.23.3 tqdm typer regex pyyaml filelock packaging psutil safetensors
 	touch $(STAMP)
 
 demo: $(STAMP)
