@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-quick clean
+.PHONY: demo test test-fast lint bench-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,6 +15,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(if $(wildcard /opt/wheels),--find-links /opt/wheels) torch==2.13.0
 	# torchdata's StatefulDataLoader, without its deps (they would pull another torch)
 	$(BIN)/pip install -q --no-deps torchdata==0.11.0
+	# Hugging Face Trainer (epochal[hf]): transformers and accelerate without their deps (accelerate's
+	# would pull another torch), then their small deps by name
+	$(BIN)/pip install -q --no-deps transformers==5.24.0 accelerate==1.15.0
+	$(BIN)/pip install -q huggingface-hub==2.4.0 tokenizers==0.23.3 tqdm typer regex pyyaml filelock packaging psutil safetensors
 	# Lightning (epochal.integrations.lightning), without its deps (they would pull another
 	# torch), then its small pure-Python deps by name (fsspec, packaging, PyYAML and
 	# typing-extensions come with the dev extra)
@@ -28,6 +32,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=10 tests
 	$(BIN)/ruff check src
 	$(BIN)/mypy src/epochal
+
+# the inner loop: unit and conformance tiers, under a minute (make test still runs all)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not system" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

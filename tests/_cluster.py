@@ -85,10 +85,19 @@ def _keep_scripts() -> tuple[str, str]:
     return "\n".join(keep), "\n".join(restore)
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1, never one this process handed out before: the kernel may give
+    a just-closed port again, and Ray refuses two components on one port."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def mount_ns(pid: int) -> str | None:

@@ -16,6 +16,39 @@ os.environ.setdefault("EPOCHAL_QUIET", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+#: the test tiers (``make test-fast`` runs ``unit`` and ``conformance``; ``make test`` runs all).
+#: A file may set its own tier with ``pytestmark = pytest.mark.system``; otherwise it is taken
+#: from here, and any file not named is ``unit``. ``system``: real processes, clusters, servers,
+#: kills and benchmarks (most of the suite's time); ``conformance``: suites every backend or
+#: store passes, and property/forgery sweeps.
+SYSTEM_FILES = {
+    "test_ray_session", "test_ray_url", "test_cluster", "test_torch_lm_kill", "test_torch_resume",
+    "test_kill", "test_bench_smoke", "test_bench_quick", "test_fuzz_quick", "test_cli",
+    "test_cli_urls", "test_cli_loop", "test_url_checkpoints", "test_remote", "test_mirror",
+    "test_preemption", "test_demo",
+}
+CONFORMANCE_FILES = {
+    "test_db_conformance", "test_fsspec_store", "test_forged_dbs", "test_native_props",
+    "test_format_doc_reader",
+}
+TIERS = ("unit", "conformance", "system")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test exactly one tier marker (see SYSTEM_FILES); ``slow`` tests are
+    ``system`` whatever their file."""
+    for item in items:
+        if any(item.get_closest_marker(t) for t in TIERS):
+            continue
+        stem = item.path.stem
+        if item.get_closest_marker("slow") or stem in SYSTEM_FILES:
+            item.add_marker(pytest.mark.system)
+        elif stem in CONFORMANCE_FILES:
+            item.add_marker(pytest.mark.conformance)
+        else:
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_contexts():
     """A test never sees another test's active Cluster/Node/Job/TaskGroup/Task."""
