@@ -73,7 +73,8 @@ def _metric_output(job: Job, name: str, output: Any) -> TaskOutput:
     if isinstance(output, TaskOutput):
         return output
     if isinstance(output, str) and isinstance(job.epoch_group, TaskGroup):
-        return Task(outputs=[output], group=job.epoch_group).outputs()[0]
+        nodes = job.epoch_group.used_nodes()
+        return Task(outputs=[output], group=job.epoch_group, node=nodes[0] if nodes else None).outputs()[0]
     raise TypeError(f"metric {name!r}: give a TaskOutput or a blob name, not {output!r}")
 
 
@@ -109,8 +110,8 @@ class JobRunner:
       and training goes on, until this many saves in a row failed: then ``train`` raises
       :class:`CheckpointError` with the cause (with 1: the failed save's own error). None:
       never (the seed's policy).
-    - ``metrics``: ``{name: TaskOutput or blob name}`` of scalars fetched at each save and
-      recorded in its commit (the manifest's ``metrics``; ``keep_best`` of a
+    - ``metrics``: ``{name: TaskOutput or blob name}`` of scalars fetched at each save (a
+      blob name is read on the first node of the epoch group) and recorded in its commit (the manifest's ``metrics``; ``keep_best`` of a
       ``DirectoryMetadataHandler`` ranks by them); a handler whose ``write`` takes no
       ``metrics=`` refuses them at the first save.
     - ``save_every`` / ``save_interval``: checkpoint every K epochs and/or when that much time
@@ -488,11 +489,16 @@ class JobRunner:
         return self._engine.save(epoch, start, background=background, metrics=self._metric_values())
 
     def _metric_values(self) -> dict[str, Any] | None:
-        """The ``metrics`` outputs now (fetched from their nodes)."""
+        """The ``metrics`` outputs now (fetched from their nodes; one whose task has not run
+        yet, as before the first epoch, is left out)."""
         out = {}
         for name, output in self.metrics.items():
-            value = output.fetch()
-            out[name] = value.item() if hasattr(value, "item") else value
+            try:
+                value = output.fetch()
+            except RuntimeError:
+                continue
+            if value is not None:
+                out[name] = value.item() if hasattr(value, "item") else value
         return out or None
 
     # -- blobs outside the checkpoint
