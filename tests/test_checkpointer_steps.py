@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def test_restore_of_an_uncommitted_step_names_it(tmp_path: Path) -> None:
         for step in (5, 7):
             with pytest.raises(CheckpointNotFoundError, match=rf"step {step} of .* is not committed") as info:
                 ck.restore(state, step=step)
-            assert "committed steps: 1, 2" in str(info.value) and "epoch" not in str(info.value)
+            assert "committed steps: 1, 2" in str(info.value) and not re.search(r"\bepochs?\b", str(info.value))
         with pytest.raises(ValueError, match="step must be"):
             ck.restore(state, step=-1)
     assert state["w"].tobytes() == np.zeros(4).tobytes() and state["n"] == -1
@@ -95,7 +96,7 @@ def test_errors_say_step(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck:
         with pytest.raises(UnsupportedBlobError) as info:
             ck.save(3, {"w": np.array([1, "a"], dtype=object)})
-    assert "step 3" in str(info.value) and "epoch" not in str(info.value), str(info.value)
+    assert "step 3" in str(info.value) and not re.search(r"\bepochs?\b", str(info.value)), str(info.value)
 
 
 def test_failed_saves_in_a_row_say_step(tmp_path: Path, monkeypatch: Any) -> None:
@@ -114,7 +115,7 @@ def test_failed_saves_in_a_row_say_step(tmp_path: Path, monkeypatch: Any) -> Non
         with pytest.raises(Exception, match=r"2 checkpoint saves in a row failed .*\(steps 1, 2; the newest "
                                             r"committed checkpoint is step 0\)") as info:
             ck.save(2, {"w": w_at(2)})
-        assert "epoch" not in str(info.value).replace(str(tmp_path), "")
+        assert not re.search(r"\bepochs?\b", str(info.value))
         assert ck.steps() == [0]
     with Checkpointer(tmp_path / "b") as ck:  # the default (1): each failure raises its own error
         with pytest.raises(OSError, match="No space left"):

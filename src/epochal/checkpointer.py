@@ -46,6 +46,7 @@ from .checkpoint.engine import CheckpointEngine, Done, Results
 from .checkpoint.handler_calls import HandlerLink
 from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
 from .errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     UnsupportedBlobError,
@@ -216,7 +217,10 @@ class Checkpointer:
         load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True)
 
         def run() -> Results:
-            return {NODE: load.run(state)}
+            try:
+                return {NODE: load.run(state)}
+            except CheckpointCorruptError as ex:  # found before any object was touched
+                raise _reworded(ex, f"step {step} cannot be restored: {ex}") from ex
 
         self._engine.load("checkpoint_load", step, run)
         if load.missing:  # (the db is opened once: no separate listing of its blobs)
@@ -343,7 +347,12 @@ def _in_steps() -> Iterator[None]:
         text = _EPOCH_N.sub(lambda m: ("S" if m.group(1) == "E" else "s") + "tep" + m.group(2), str(ex))
         if text == str(ex):
             raise
-        new = type(ex).__new__(type(ex))
-        new.__dict__.update(ex.__dict__)
-        new.args = (text,)
-        raise new from ex
+        raise _reworded(ex, text) from ex
+
+
+def _reworded(ex: CheckpointError, text: str) -> CheckpointError:
+    """``ex`` (same type and attributes) saying ``text``."""
+    new = type(ex).__new__(type(ex))
+    new.__dict__.update(ex.__dict__)
+    new.args = (text,)
+    return new
