@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from ..execution.task import Task, TaskGroup, TaskOutput
 from .metadata import DbReport, MetadataHandler
 from .steps import StepResult
@@ -32,6 +34,7 @@ class CheckpointTask(Task):
     bytes_output: TaskOutput | None = None
     digest_output: TaskOutput | None = None
     pushed_output: TaskOutput | None = None
+    untracked_output: TaskOutput | None = None
 
     def outputs_of(self, db: str, ns: str, nbytes: str, digest: str | None = None,
                    pushed: str | None = None) -> CheckpointTask:
@@ -57,6 +60,17 @@ class CheckpointTask(Task):
     def results(self) -> dict[str, StepResult]:
         """``{node: result}``."""
         return {self.node: self.result()}
+
+    def untracked(self) -> dict[str, list[str]]:
+        """``{node: names}`` of the global-workspace blobs a save left out (not in the blob
+        list); {} for another task."""
+        if self.untracked_output is None:
+            return {}
+        try:
+            value = self.untracked_output.fetch()
+        except (RuntimeError, KeyError):
+            return {}
+        return {self.node: [] if value is None else [str(n) for n in np.asarray(value).tolist()]}
 
     def db_reports(self) -> dict[str, DbReport]:
         """``{node: DbReport}`` of a save (or join) that ran and reported a digest; {} else."""
@@ -86,6 +100,12 @@ class CheckpointGroup(TaskGroup):
         out: dict[str, DbReport] = {}
         for task in self.node_tasks():
             out.update(task.db_reports())
+        return out
+
+    def untracked(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for task in self.node_tasks():
+            out.update(task.untracked())
         return out
 
 
@@ -137,8 +157,6 @@ class CheckpointManagerLike(Protocol):
     def save(self, epoch: int, background: bool = False) -> CheckpointRun: ...
 
     def join_save(self, epoch: int) -> CheckpointRun: ...
-
-    def untracked_blobs(self) -> dict[str, list[str]]: ...
 
     def expect_final(self, epoch: int) -> None: ...
 

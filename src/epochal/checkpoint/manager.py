@@ -277,7 +277,7 @@ class CheckpointManager(HandlerCalls):
             storage_options=self._storage_options, push=None if background else self._push_target(push),
             pushed_output=pushed,
         ), db, digest, pushed)
-        self._untracked_output = task.add_output(untracked)
+        self._untracked_output = task.untracked_output = task.add_output(untracked)
         return task
 
     def join_save(self, epoch: int, *, push: PushTarget | None = None) -> CheckpointTask:

@@ -483,7 +483,7 @@ class JobRunner:
         def start() -> _SessionSave:
             task = manager.save(epoch, background=background)
             session.run(task)
-            self._warn_untracked()
+            self._warn_untracked(task)
             return _SessionSave(session, manager, epoch, task, background)
 
         return self._engine.save(epoch, start, background=background, metrics=self._metric_values())
@@ -510,10 +510,10 @@ class JobRunner:
                     "their current values and are saved from now on", node, epoch, ", ".join(names),
                 )
 
-    def _warn_untracked(self) -> None:
+    def _warn_untracked(self, task: CheckpointRun) -> None:
         """Warn once per run about each global blob a save left out (not in the blob list)."""
         outputs = self._outputs or set(self._output_names())  # save_checkpoints outside train
-        for node, names in self._mgr().untracked_blobs().items():
+        for node, names in task.untracked().items():
             new = [n for n in names if n not in outputs and (node, n) not in self._warned]
             if new:
                 self._warned.update((node, n) for n in new)
