@@ -54,7 +54,7 @@ class CheckpointTask(Task):
             raise RuntimeError(f"task {self.name!r} has not run: no results")
         digest = self.digest_output.fetch() if self.digest_output is not None else None
         pushed = self.pushed_output.fetch() if self.pushed_output is not None else None
-        return StepResult(self.db, int(nbytes), int(ns[0]), str(digest) or None if digest is not None else None,
+        return StepResult(self.db, int(nbytes), int(ns[0]), (str(digest) or None) if digest is not None else None,
                           bool(pushed))
 
     def results(self) -> dict[str, StepResult]:
