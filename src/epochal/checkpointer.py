@@ -103,7 +103,8 @@ class Checkpointer:
     plain function call would; with N > 1 a storage error (disk full, I/O, network) is a
     warning, the step is not committed and training goes on, until the N-th failure in a
     row raises CheckpointError naming the steps and the newest committed one (the JobRunner's
-    policy, whose default is 3). A value no format stores always raises at once.
+    policy, whose default is 3); None: never (each failure a warning). A value no format
+    stores always raises at once.
 
     Installs a SIGTERM handler (in the main thread only) so that :attr:`preempted` turns
     True; a second SIGTERM exits at once. Holds the directory's writer lock (a second writer
