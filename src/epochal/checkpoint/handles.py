@@ -13,6 +13,7 @@ the task's own outputs. Nothing is read back from "the task the manager built la
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -21,7 +22,7 @@ from ..execution.task import Task, TaskGroup, TaskOutput
 from .metadata import DbReport, MetadataHandler
 from .steps import StepResult
 
-__all__ = ["CheckpointGroup", "CheckpointManagerLike", "CheckpointTask", "PartialLoads"]
+__all__ = ["CheckpointGroup", "CheckpointManagerLike", "CheckpointTask", "PartialLoads", "SessionSave"]
 
 
 class CheckpointTask(Task):
@@ -174,3 +175,22 @@ class PartialLoads(Protocol):
 
     def partial_load(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int,
                      session: Any) -> tuple[dict[str, StepResult], bool]: ...
+
+
+@dataclass
+class SessionSave:
+    """A save the runner started on the nodes (the engine's SaveHandle): a synchronous one's
+    results are its task's; a background one is joined by a join task on every node."""
+
+    session: Any
+    manager: CheckpointManagerLike
+    epoch: int
+    task: CheckpointRun
+    background: bool
+
+    def join(self) -> dict[str, StepResult]:
+        if not self.background:
+            return self.task.results()
+        join = self.manager.join_save(self.epoch)
+        self.session.run(join)
+        return join.results()

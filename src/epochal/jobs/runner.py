@@ -23,13 +23,12 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.background import close_process_saver
 from ..checkpoint.engine import FATAL_SAVE_ERRORS, CheckpointEngine, Results
 from ..checkpoint.handler_calls import NO_RECORDS
-from ..checkpoint.handles import CheckpointManagerLike, CheckpointRun, PartialLoads
+from ..checkpoint.handles import CheckpointManagerLike, CheckpointRun, PartialLoads, SessionSave
 from ..errors import (
     NodeLostError,
     Preempted,
@@ -76,25 +75,6 @@ def _metric_output(job: Job, name: str, output: Any) -> TaskOutput:
         nodes = job.epoch_group.used_nodes()
         return Task(outputs=[output], group=job.epoch_group, node=nodes[0] if nodes else None).outputs()[0]
     raise TypeError(f"metric {name!r}: give a TaskOutput or a blob name, not {output!r}")
-
-
-@dataclass
-class _SessionSave:
-    """A save the runner started on the nodes (the engine's SaveHandle): a synchronous one's
-    results are its task's; a background one is joined by a join task on every node."""
-
-    session: Any
-    manager: CheckpointManagerLike
-    epoch: int
-    task: CheckpointRun
-    background: bool
-
-    def join(self) -> Results:
-        if not self.background:
-            return self.task.results()
-        join = self.manager.join_save(self.epoch)
-        self.session.run(join)
-        return join.results()
 
 
 class JobRunner:
@@ -327,7 +307,7 @@ class JobRunner:
                 return self._run(session, guard, epoch, finished)
             except NodeLostError as ex:
                 self._engine.drop_pending()  # the lost node's background save went with it
-                self._recover(session, recovery, ex)
+                recovery.recover(session, manager, ex, self.last_committed, self._reload)
                 assert self.last_committed is not None
                 # the final epoch was committed: only what follows it runs again
                 finished = self._final is not None and self._final == self.last_committed
@@ -358,11 +338,6 @@ class JobRunner:
         logger.info("Finished running the exit group")
         self._emit("on_train_end", epoch, False)
         return epoch
-
-    def _recover(self, session: Any, recovery: RecoveryPolicy, ex: NodeLostError) -> None:
-        """Place the lost nodes again and reload every node from the last committed epoch,
-        within the ``max_failures`` budget (see :meth:`RecoveryPolicy.recover`)."""
-        recovery.recover(session, self.checkpoint_manager, ex, self.last_committed, self._reload)
 
     def _reload(self, session: Any, epoch: int) -> None:
         """Every node's blob list and checkpoint of ``epoch`` again (after a lost node was
@@ -480,11 +455,11 @@ class JobRunner:
         self._engine.finish_pending()
         self.cadence.saved()
 
-        def start() -> _SessionSave:
+        def start() -> SessionSave:
             task = manager.save(epoch, background=background)
             session.run(task)
             self._warn_untracked(task)
-            return _SessionSave(session, manager, epoch, task, background)
+            return SessionSave(session, manager, epoch, task, background)
 
         return self._engine.save(epoch, start, background=background, metrics=self._metric_values())
 
