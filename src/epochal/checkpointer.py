@@ -33,16 +33,24 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import signal
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 from .checkpoint.background import BackgroundSaver
-from .checkpoint.best import metric_number
 from .checkpoint.directory import DirectoryMetadataHandler, best_of_directory
+from .checkpoint.engine import CheckpointEngine, Done, Results
+from .checkpoint.handler_calls import HandlerLink
 from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
-from .errors import CheckpointCorruptError, CheckpointError, UnsupportedBlobError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsupportedBlobError,
+)
 from .jobs.cadence import Cadence, parse_interval
 from .jobs.preemption import SignalGuard
 
@@ -90,7 +98,13 @@ class Checkpointer:
     memory is reused from save to save, up to ``max_host_bytes`` (None: one state's worth; see
     :mod:`epochal.checkpoint.background`).
     ``storage_options``: for a remote (URL) directory, passed to the handler where it
-    supports them.
+    supports them. ``max_failed_saves`` (default 1): how many saves in a row may fail before
+    :meth:`save` raises. With 1 every failed save raises its own error (OSError, ...), as a
+    plain function call would; with N > 1 a storage error (disk full, I/O, network) is a
+    warning, the step is not committed and training goes on, until the N-th failure in a
+    row raises CheckpointError naming the steps and the newest committed one (the JobRunner's
+    policy, whose default is 3); None: never (each failure a warning). A value no format
+    stores always raises at once.
 
     Installs a SIGTERM handler (in the main thread only) so that :attr:`preempted` turns
     True; a second SIGTERM exits at once. Holds the directory's writer lock (a second writer
@@ -109,6 +123,7 @@ class Checkpointer:
         async_save: bool = False,
         max_host_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        max_failed_saves: int | None = 1,
     ) -> None:
         self.directory = os.fspath(directory)
         kw: dict[str, Any] = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "mode": mode}
@@ -128,20 +143,27 @@ class Checkpointer:
                                 path_prefix=None, path_type=None)
         assert self.handler.directory is not None
         self._dir = self.handler.directory
-        self.handler.acquire_lock()  # one writer per directory, until close()
+        #: resume, save, commit and the failure policy, shared with the JobRunner
+        self._engine = CheckpointEngine(HandlerLink(self.handler, self.directory, DB_TYPE, [NODE]),
+                                        max_failed_saves=max_failed_saves, word="step")
+        self._engine.open()  # one writer per directory, until close()
         self.async_save = bool(async_save)
         self._saver = BackgroundSaver(max_host_bytes=max_host_bytes)
-        #: the newest step committed (or restored) by this Checkpointer, None before any
-        self.last_step: int | None = None
-        self._pending: tuple[int, str, dict[str, Any] | None] | None = None
+        self._restored = False  # restore() was called (no warning about older steps then)
+        self._saved = False
         self._last_save = time.monotonic()
-        self._guard = SignalGuard((signal.SIGTERM,)).__enter__()
+        self._guard = SignalGuard((signal.SIGTERM,), word="step").__enter__()
         self._closed = False
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.directory!r}, {self.handler.policy}, async_save={self.async_save})"
 
     # -- the API
+    @property
+    def last_step(self) -> int | None:
+        """The newest step committed (or restored) by this Checkpointer, None before any."""
+        return self._engine.last_committed
+
     @property
     def preempted(self) -> bool:
         """True once a SIGTERM arrived: save and leave the loop."""
@@ -151,75 +173,103 @@ class Checkpointer:
         """The db of ``step`` (``<directory>/local.<step>``)."""
         return self._dir.db_path(NODE, int(step))
 
-    def restore(self, state: MutableMapping[str, Any]) -> int | None:
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int | None:
         """Restore ``state`` from the newest intact checkpoint and return its step; None (and
         ``state`` untouched) on a fresh start. Every checksum is verified before any object
-        is touched; damaged newer steps are skipped with a warning. Entries the checkpoint
-        lacks keep their values (one warning names them); see the module doc for what is
-        restored in place."""
+        is touched; damaged newer steps are skipped with a warning. ``step``: restore that
+        committed step instead (the seed's ``resume_from_epoch``): an uncommitted or damaged
+        one raises (CheckpointNotFoundError / CheckpointCorruptError naming the step and the
+        file), with ``state`` untouched. Entries the checkpoint lacks keep their values (one
+        warning names them); see the module doc for what is restored in place."""
+        with _in_steps():
+            return self._restore(state, step)
+
+    def _restore(self, state: MutableMapping[str, Any], step: int | None) -> int | None:
         self._check_open()
         names = _check_state(state, "restore")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
         self.wait()
         self._last_save = time.monotonic()
-        step = self.handler.resume_epoch()
-        while step is not None:
-            try:
-                self._load(step, names, state)
-                break
-            except CheckpointCorruptError as ex:  # found before any object was touched
-                if not self.handler.reject_epoch(step, str(ex)):
-                    raise
-                step = self.handler.resume_epoch()
-        if step is None:
+        self._restored = True
+        first = self._chosen_step(step)
+        found = self._engine.resume(first, lambda s: self._load(s, names, state), fallback=step is None)
+        if found is None:
             logger.info("No checkpoint in %s: starting a new run", self.directory)
             return None
-        logger.info("Resumed from step %d in %s", step, self.directory)
-        self.last_step = step
-        return step
+        logger.info("Resumed from step %d in %s", found, self.directory)
+        return found
 
-    def _load(self, step: int, names: list[str], state: MutableMapping[str, Any]) -> None:
-        """Load ``step`` into ``state`` (every checksum verified before anything is touched)."""
+    def _chosen_step(self, step: int | None) -> int | None:
+        """The handler's newest intact step, or ``step`` checked."""
+        try:
+            return self.handler.resume_epoch(step)
+        except CheckpointNotFoundError as ex:
+            committed = ", ".join(map(str, self.steps())) or "none"
+            raise CheckpointNotFoundError(
+                f"step {step} of {self.directory} is not committed (committed steps: {committed}): {ex}") from ex
+
+    def _load(self, step: int | None, names: list[str], state: MutableMapping[str, Any]) -> None:
+        """Load ``step`` into ``state`` (every checksum verified, and every live object
+        checked, before anything is touched)."""
+        if step is None:
+            return
         db = self.db_path(step)
-        start = time.perf_counter_ns()
         load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True)
-        nbytes = load(state)
+
+        def run() -> Results:
+            try:
+                return {NODE: load.run(state)}
+            except CheckpointCorruptError as ex:  # found before any object was touched
+                raise _reworded(ex, f"step {step} cannot be restored: {ex}") from ex
+
+        self._engine.load("checkpoint_load", step, run)
         if load.missing:  # (the db is opened once: no separate listing of its blobs)
             logger.warning("The checkpoint of step %d (%s) has no %s: they keep their current values",
                            step, db, ", ".join(map(repr, load.missing)))
-        self._report("checkpoint_load", db, time.perf_counter_ns() - start, nbytes)
 
     def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
         """Save ``state`` as the checkpoint of ``step`` and commit it (with ``async_save``: take
         the snapshot now and commit once written; a background save still running is
         committed first). ``metrics``: numbers recorded in the manifest (``keep_best`` ranks by
-        ``metrics[metric]``). Raises what the save raised (OSError, UnsupportedBlobError):
-        earlier checkpoints are untouched then."""
+        ``metrics[metric]``). Raises what the save raised (OSError, UnsupportedBlobError; see
+        ``max_failed_saves``): earlier checkpoints are untouched then. The first save of a
+        step below the newest committed one, without a :meth:`restore` first, warns: the
+        next restore would return the newer step of an earlier run."""
+        with _in_steps():
+            self._save(step, state, metrics)
+
+    def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         names = _check_state(state, "save")
-        recorded = {str(k): metric_number(str(k), v) for k, v in (metrics or {}).items()}
-        self.wait()
+        if not self._saved and not self._restored:
+            self._warn_older(step)
+        self._saved = True
         db = self.db_path(step)
         self._last_save = time.monotonic()
         if self.async_save:
-            SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver)(state)
-            self._pending = (step, db, recorded)
+            snapshot = SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver)
+            self._engine.save(step, lambda: _Background(snapshot, state, self._saver), background=True,
+                              metrics=metrics)
             return
-        start = time.perf_counter_ns()
-        nbytes = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step)(state)
-        self._commit(step, db, recorded, time.perf_counter_ns() - start, nbytes)
+        save = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step)
+        self._engine.save(step, lambda: Done({NODE: save.run(state)}), metrics=metrics)
+
+    def _warn_older(self, step: int) -> None:
+        committed = self.steps()
+        if committed and step < committed[-1]:
+            logger.warning(
+                "Saving step %d in %s, which holds committed steps up to %d of an earlier run: "
+                "restore() would return step %d, not this run's. Call restore() first to continue "
+                "that run, or use a new directory", step, self.directory, committed[-1], committed[-1])
 
     def wait(self) -> None:
         """Wait for the background save in flight (if any) and commit it; re-raise its error
-        (the step is then not committed)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        step, db, recorded = pending
-        scratch: dict[str, Any] = {}
-        JoinSave(db, "ns", "bytes", saver=self._saver)(scratch)
-        self._commit(step, db, recorded, int(scratch["ns"][0]), int(scratch["bytes"]))
+        (the step is then not committed; see ``max_failed_saves``)."""
+        with _in_steps():
+            self._engine.finish_pending()
 
     def due(self, step: int, every: int | None = None, interval: float | str | None = None) -> bool:
         """Whether to save at ``step``: after a SIGTERM, always; else when ``step`` is a
@@ -252,10 +302,7 @@ class Checkpointer:
         finally:
             self._saver.close()
             self._guard.__exit__(None, None, None)
-            try:
-                self.handler.flush()
-            finally:
-                self.handler.release_lock()
+            self._engine.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -274,12 +321,39 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
 
-    def _commit(self, step: int, db: str, metrics: dict[str, Any] | None, ns: int, nbytes: int) -> None:
-        self.handler.write(step, metrics=metrics or None)
-        self._report("checkpoint_save", db, ns, nbytes)
-        self.last_step = step
-        logger.info("Committed step %d in %s", step, self.directory)
 
-    def _report(self, action: str, db: str, ns: int, nbytes: int) -> None:
-        self.handler.report_bytes(action, {db: int(nbytes)})
-        self.handler.report(action, {db: int(ns)})
+
+class _Background:
+    """A background save of the Checkpointer (the engine's SaveHandle): the snapshot is taken
+    when it is made; :meth:`join` waits for the write."""
+
+    def __init__(self, snapshot: SnapshotAndSave, state: Mapping[str, Any], saver: BackgroundSaver) -> None:
+        snapshot.run(state)
+        self.joiner = JoinSave(snapshot.db, "", "", db_type=DB_TYPE, saver=saver)
+
+    def join(self) -> Results:
+        return {NODE: self.joiner.join()}
+
+
+_EPOCH_N = re.compile(r"\b([Ee])poch(s?)(?= \d)")
+
+
+@contextmanager
+def _in_steps() -> Iterator[None]:
+    """Say "step" where the layers below say "epoch <n>" in a CheckpointError (same type,
+    same attributes; the original is the cause)."""
+    try:
+        yield
+    except CheckpointError as ex:
+        text = _EPOCH_N.sub(lambda m: ("S" if m.group(1) == "E" else "s") + "tep" + m.group(2), str(ex))
+        if text == str(ex):
+            raise
+        raise _reworded(ex, text) from ex
+
+
+def _reworded(ex: CheckpointError, text: str) -> CheckpointError:
+    """``ex`` (same type and attributes) saying ``text``."""
+    new = type(ex).__new__(type(ex))
+    new.__dict__.update(ex.__dict__)
+    new.args = (text,)
+    return new

@@ -5,15 +5,21 @@ alone and never looks a handler method up itself."""
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
+from ..errors import CheckpointError
 from .metadata import BaseMetadataHandler, DbReport, MetadataHandler, with_extensions
 from .naming import epochs_on_disk
 
+if TYPE_CHECKING:
+    from .steps import StepResult
+
 logger = logging.getLogger("epochal")
 
-__all__ = ["HandlerCalls"]
+__all__ = ["NO_RECORDS", "HandlerCalls", "HandlerLink"]
 
 
 class HandlerCalls:
@@ -79,18 +85,41 @@ class HandlerCalls:
         return where or self._db_prefix
 
     def write_checkpoint_metadata(self, epoch: int) -> None:
-        """Commit ``epoch`` through the handler: first what each node reported of its db
-        (``report_dbs``: size, digest), then the seed's ``write``."""
-        if self._metadata_handler is not None:
-            reports = self.db_reports()
-            if reports:
-                assert self._handler is not None
-                self._handler.report_dbs(epoch, reports)
-            self._metadata_handler.write(epoch=epoch)
+        """Commit ``epoch`` through the handler (the seed's call): what each node reported of
+        the save task built last (:meth:`db_reports`), then the seed's ``write``."""
+        self.commit(epoch, self.db_reports())
+
+    def commit(self, epoch: int, reports: Mapping[str, DbReport],
+               metrics: Mapping[str, Any] | None = None) -> None:
+        """Commit ``epoch``: first what each node reported of its db (``report_dbs``: size,
+        digest; the handler then never reopens a db), then ``write`` (with ``metrics`` when
+        given: CheckpointError when the handler's ``write`` takes none)."""
+        handler = self._metadata_handler
+        if handler is None:
+            return
+        if reports:
+            assert self._handler is not None
+            self._handler.report_dbs(epoch, dict(reports))
+        if not metrics:
+            handler.write(epoch=epoch)
+            return
+        params = inspect.signature(handler.write).parameters
+        if "metrics" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise CheckpointError(
+                f"the metadata handler {type(handler).__name__} records no metrics (its write() "
+                f"takes no metrics=): cannot commit epoch {epoch} with {sorted(metrics)}")
+        handler.write(epoch=epoch, metrics=dict(metrics))
+
+    def report_results(self, action_name: str, results: Mapping[str, StepResult]) -> None:
+        """One stats line per db of a save or load: its ns and bytes, as its step said."""
+        self._report(action_name, {r.db: int(r.ns) for r in results.values()},
+                     {r.db: int(r.nbytes) for r in results.values()})
 
     def db_reports(self) -> dict[str, DbReport]:
         """``{node: DbReport}`` of the save (or join) task built last and run: the size and
-        digest each node reported of the db it wrote ({} before one ran)."""
+        digest each node reported of the db it wrote ({} before one ran). The seed's
+        ``write_checkpoint_metadata`` uses it; the runner commits with the results of the
+        task it ran (:meth:`~.handles.CheckpointTask.results`)."""
         raise NotImplementedError
 
     def get_resume_from_epoch_id(self, user_epoch: int | None = None) -> int | None:
@@ -137,14 +166,30 @@ class HandlerCalls:
                 path_prefix=self._path_prefix, path_type=self._path_type,
             )
 
-    #: bytes per db of the last ``report_checkpoint_stats`` (read by JobRunner's events, so
-    #: they need not fetch the stats from the nodes a second time)
-    last_report_sizes: dict[str, int] | None = None
-
     def _report(self, action_name: str, stats: dict[str, int], sizes: dict[str, int]) -> None:
-        self.last_report_sizes = dict(sizes)
         logger.debug("%s stats: %s", action_name, stats)
         if self._metadata_handler:
             assert self._handler is not None
             self._handler.report_bytes(action_name, sizes)
             self._metadata_handler.report(action_name, stats)
+
+
+class HandlerLink(HandlerCalls):
+    """A handler seen through :class:`HandlerCalls` without a manager (the Checkpointer's):
+    the same commit, report, lock and resume calls as the managers make."""
+
+    def __init__(self, handler: MetadataHandler | None, db_prefix: str, db_type: str, node_names: list[str]) -> None:
+        self._metadata_handler = handler
+        self._db_prefix, self._db_type = db_prefix, db_type
+        self._path_prefix = self._path_type = None
+        self._node_names = list(node_names)
+
+    def node_names(self) -> list[str]:
+        return list(self._node_names)
+
+    def db_reports(self) -> dict[str, DbReport]:
+        return {}
+
+
+#: the records of a door with no manager and no handler: every call a no-op
+NO_RECORDS = HandlerLink(None, "?", "native", [])

@@ -17,10 +17,12 @@ from ..errors import CheckpointError
 from ..execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
 from ..storage.base import get_db_type
 from .handler_calls import HandlerCalls
+from .handles import CheckpointGroup, CheckpointTask
 from .metadata import DbReport, MetadataHandler, PushTarget
 from .naming import check_node_name, db_name
 from .steps import (
     INTERNAL_PREFIX,
+    CheckLive,
     DbExists,
     GetBlobNames,
     JoinSave,
@@ -28,6 +30,7 @@ from .steps import (
     ResumeBlobNames,
     SaveBlobs,
     SnapshotAndSave,
+    StepResult,
     Timed,
     use_storage_options,
 )
@@ -90,11 +93,9 @@ class CheckpointManager(HandlerCalls):
         self._untracked_output: TaskOutput | None = None
         self._path_prefix: str | None = None
         self._path_type: str | None = None
-        self._current_db_name: str | None = None
-        self._current_checkpoint_duration: TaskOutput | None = None
-        self._current_checkpoint_bytes: TaskOutput | None = None
-        self._current_checkpoint_digest: TaskOutput | None = None
-        self._current_checkpoint_pushed: TaskOutput | None = None
+        #: the timed task built last: only the seed's calls that name none read it
+        #: (collect_checkpoint_stats, write_checkpoint_metadata); the runner uses the task's own
+        self._last: CheckpointTask | None = None
 
     # -- accessors
     @property
@@ -176,27 +177,26 @@ class CheckpointManager(HandlerCalls):
             raise InitRequiredError(f"node {self._node_name!r}: the init task has not run yet")
         return [str(n) for n in names.tolist()]
 
-    def _timed_task(self, cp_op_name: str, op: Any) -> Task:
+    def _timed_task(self, cp_op_name: str, op: Any, db: str, digest: str | None = None,
+                    pushed: str | None = None) -> CheckpointTask:
         base = f"{INTERNAL_PREFIX}{self._node_name}/{cp_op_name}"
-        task = Task(step=Timed(op, f"{base}.ns", f"{base}.bytes"), node=self._node_name, name=cp_op_name)
-        self._current_checkpoint_duration = task.add_output(f"{base}.ns")
-        self._current_checkpoint_bytes = task.add_output(f"{base}.bytes")
-        self._current_checkpoint_digest = self._current_checkpoint_pushed = None
+        task = CheckpointTask(step=Timed(op, f"{base}.ns", f"{base}.bytes"), node=self._node_name, name=cp_op_name)
+        self._last = task.outputs_of(db, f"{base}.ns", f"{base}.bytes", digest, pushed)
         return task
 
     def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
         """Add ``{db path: ns}`` of the most recently built timed task (and bytes to ``sizes``)."""
-        if self._current_db_name and self._current_checkpoint_duration:
+        if self._last is not None:
             try:
-                ns = self._current_checkpoint_duration.fetch()
+                result = self._last.result()
             except (RuntimeError, KeyError):
-                ns = None
-            if ns is not None:
-                stats[self._current_db_name] = int(ns[0])
-                if sizes is not None and self._current_checkpoint_bytes is not None:
-                    sizes[self._current_db_name] = int(self._current_checkpoint_bytes.fetch() or 0)
+                result = None
+            if result is not None:
+                stats[result.db] = result.ns
+                if sizes is not None:
+                    sizes[result.db] = result.nbytes
                 return
-        logger.info("Failed to collect checkpoint stats: %s", self._current_db_name)
+        logger.info("Failed to collect checkpoint stats: %s", self._last.db if self._last else None)
 
     def report_checkpoint_stats(self, action_name: str) -> None:
         stats: dict[str, int] = {}
@@ -204,29 +204,43 @@ class CheckpointManager(HandlerCalls):
         self.collect_checkpoint_stats(stats, sizes)
         self._report(action_name, stats, sizes)
 
-    def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> Task:
-        """A timed Task loading every blob of the blob list from the db of ``epoch``."""
-        self._current_db_name = self._db(epoch, path_prefix)
-        logger.info("Loading checkpoints from = %s", self._current_db_name)
+    def _load_step(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> LoadBlobs:
         added = set(self.added_blobs().get(self._node_name, ()))  # not in that checkpoint
         if added:  # and the list itself is the one init extended, not the stored one
             added.add(self._blob_names)
         names = [n for n in self.blob_list() if n not in added]
-        return self._timed_task("checkpoint_load", LoadBlobs(
-            self._current_db_name, path_type or self._db_type, names,
+        return LoadBlobs(
+            self._db(epoch, path_prefix), path_type or self._db_type, names,
             node=self._node_name, epoch=epoch, keep_device=True,
             map_location=self._map_location, verify=self._verify, storage_options=self._storage_options,
-        ))
+        )
 
-    def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> Task:
-        """A timed Task loading just ``blob_names`` (those the db has) from ``epoch``."""
-        self._current_db_name = self._db(epoch)
-        logger.info("Load from %s", self._current_db_name)
-        return self._timed_task("checkpoint_partial_load", LoadBlobs(
-            self._current_db_name, self._db_type, list(blob_names), node=self._node_name,
+    def _partial_step(self, blob_names: Sequence[str], epoch: int) -> LoadBlobs:
+        return LoadBlobs(
+            self._db(epoch), self._db_type, list(blob_names), node=self._node_name,
             epoch=epoch, allow_incomplete=True, map_location=self._map_location, verify=self._verify,
             storage_options=self._storage_options,
-        ))
+        )
+
+    def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> CheckpointTask:
+        """A timed Task loading every blob of the blob list from the db of ``epoch``."""
+        step = self._load_step(epoch, path_prefix, path_type)
+        logger.info("Loading checkpoints from = %s", step.db)
+        return self._timed_task("checkpoint_load", step, step.db)
+
+    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None) -> Task:
+        """A Task that checks, writing nothing, that the db of ``epoch`` fits the node's live
+        objects (what :meth:`load`, or with ``blob_names`` :meth:`load_blobs_from_checkpoint`,
+        would load): a load of several nodes runs it on every node first, so a misfit on one
+        node leaves every node untouched (BlobMismatchError naming each blob)."""
+        step = self._load_step(epoch) if blob_names is None else self._partial_step(blob_names, epoch)
+        return Task(step=CheckLive(step), node=self._node_name, name="checkpoint_check")
+
+    def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> CheckpointTask:
+        """A timed Task loading just ``blob_names`` (those the db has) from ``epoch``."""
+        step = self._partial_step(blob_names, epoch)
+        logger.info("Load from %s", step.db)
+        return self._timed_task("checkpoint_partial_load", step, step.db)
 
     def check_db_exists(self, epoch: int) -> Task:
         """A Task whose one output says whether the db of ``epoch`` exists."""
@@ -243,55 +257,43 @@ class CheckpointManager(HandlerCalls):
             return push
         return self._handler.node_push_target()
 
-    def save(self, epoch: int, background: bool = False, *, push: PushTarget | None = None) -> Task:
-        """A timed Task saving the blob list, in order, to the db of ``epoch``.
+    def save(self, epoch: int, background: bool = False, *, push: PushTarget | None = None) -> CheckpointTask:
+        """A timed Task saving the blob list, in order, to the db of ``epoch``; after it ran,
+        its :meth:`~.handles.CheckpointTask.results` hold the db's size, digest and time.
 
         With ``background``, the task only snapshots the blobs and starts the write on a
         background thread of the node's process; run :meth:`join_save` before committing.
         """
-        self._current_db_name = self._db(epoch)
-        logger.info("Saving to %s%s", self._current_db_name, " (background)" if background else "")
+        db = self._db(epoch)
+        logger.info("Saving to %s%s", db, " (background)" if background else "")
         step = SnapshotAndSave if background else SaveBlobs
         untracked = f"{INTERNAL_PREFIX}{self._node_name}/untracked_blobs"
-        digest = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save.digest"
-        pushed = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save.pushed"
+        base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
+        digest = None if background else f"{base}.digest"
+        pushed = None if background else f"{base}.pushed"
         task = self._timed_task("checkpoint_save", step(
-            self._current_db_name, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
-            untracked_output=untracked, digest_output=None if background else digest,
+            db, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
+            untracked_output=untracked, digest_output=digest,
             storage_options=self._storage_options, push=None if background else self._push_target(push),
-            pushed_output=None if background else pushed,
-        ))
-        self._untracked_output = task.add_output(untracked)
-        self._current_checkpoint_digest = None if background else task.add_output(digest)
-        self._current_checkpoint_pushed = None if background else task.add_output(pushed)
+            pushed_output=pushed,
+        ), db, digest, pushed)
+        self._untracked_output = task.untracked_output = task.add_output(untracked)
         return task
 
-    def join_save(self, epoch: int, *, push: PushTarget | None = None) -> Task:
+    def join_save(self, epoch: int, *, push: PushTarget | None = None) -> CheckpointTask:
         """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
-        and its stats are the whole save's (snapshot until the file is durable)."""
-        self._current_db_name = self._db(epoch)
+        and its results are the whole save's (snapshot until the file is durable)."""
+        db = self._db(epoch)
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
-        task = Task(step=JoinSave(self._current_db_name, f"{base}.ns", f"{base}.bytes",
-                                  db_type=self._db_type, digest_output=f"{base}.digest",
-                                  push=self._push_target(push), pushed_output=f"{base}.pushed"),
-                    node=self._node_name, name="checkpoint_join")
-        self._current_checkpoint_duration = task.add_output(f"{base}.ns")
-        self._current_checkpoint_bytes = task.add_output(f"{base}.bytes")
-        self._current_checkpoint_digest = task.add_output(f"{base}.digest")
-        self._current_checkpoint_pushed = task.add_output(f"{base}.pushed")
+        task = CheckpointTask(step=JoinSave(db, f"{base}.ns", f"{base}.bytes",
+                                            db_type=self._db_type, digest_output=f"{base}.digest",
+                                            push=self._push_target(push), pushed_output=f"{base}.pushed"),
+                              node=self._node_name, name="checkpoint_join")
+        self._last = task.outputs_of(db, f"{base}.ns", f"{base}.bytes", f"{base}.digest", f"{base}.pushed")
         return task
 
     def db_reports(self) -> dict[str, DbReport]:
-        if self._current_checkpoint_digest is None or self._current_checkpoint_bytes is None:
-            return {}
-        try:
-            size, digest = self._current_checkpoint_bytes.fetch(), self._current_checkpoint_digest.fetch()
-        except (RuntimeError, KeyError):
-            return {}
-        if size is None or digest is None:
-            return {}
-        pushed = self._current_checkpoint_pushed.fetch() if self._current_checkpoint_pushed is not None else None
-        return {self._node_name: DbReport(int(size), str(digest) or None, bool(pushed))}
+        return self._last.db_reports() if self._last is not None else {}
 
     def set_params(self, nodes: Any, path_prefix: str | None = None, path_type: str | None = None) -> None:
         self._keep_paths(path_prefix, path_type)
@@ -357,10 +359,10 @@ class MultiNodeCheckpointManager(HandlerCalls):
                 map_location=self._map_location, verify=self._verify, storage_options=self._storage_options,
             )))
 
-    def _task_group(self, func: Any, *args: Any, **kw: Any) -> TaskGroup:
+    def _task_group(self, func: Any, *args: Any, **kw: Any) -> CheckpointGroup:
         if self._node_managers is None:
             raise InitRequiredError("init must be called first.")
-        with TaskGroup(WorkspaceType.GLOBAL) as group:
+        with CheckpointGroup(WorkspaceType.GLOBAL) as group:
             for node, manager in self._node_managers:
                 with Node(node):
                     func(manager, *args, **kw)
@@ -398,36 +400,37 @@ class MultiNodeCheckpointManager(HandlerCalls):
         """``{node: names}`` of the global-workspace blobs each node's last save left out."""
         return {n: v for _, m in self._node_managers or [] for n, v in m.untracked_blobs().items()}
 
-    def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> TaskGroup:
+    def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> CheckpointGroup:
         return self._task_group(CheckpointManager.load, epoch, path_prefix=path_prefix, path_type=path_type)
 
-    def save(self, epoch: int, background: bool = False) -> TaskGroup:
+    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None) -> CheckpointGroup:
+        """Every node's :meth:`CheckpointManager.check_live` (run before a load of all nodes)."""
+        return self._task_group(CheckpointManager.check_live, epoch, blob_names)
+
+    def save(self, epoch: int, background: bool = False) -> CheckpointGroup:
         push = self._handler.node_push_target() if self._handler is not None else None
         return self._task_group(CheckpointManager.save, epoch, background=background, push=push)
 
-    def join_save(self, epoch: int) -> TaskGroup:
+    def join_save(self, epoch: int) -> CheckpointGroup:
         push = self._handler.node_push_target() if self._handler is not None else None
         return self._task_group(CheckpointManager.join_save, epoch, push=push)
 
-    def load_blobs_locally(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int, session: Any) -> bool:
-        """Load ``blob_names`` from every node's db of ``epoch``, node by node; False (after
-        logging which db) at the first node whose db does not exist."""
+    def partial_load(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int,
+                     session: Any) -> tuple[dict[str, StepResult], bool]:
+        """:meth:`load_blobs_locally`, returning what was loaded ({node: result}) and whether
+        every db existed."""
         if self._node_managers is not None:
             self._check_nodes(nodes)
         else:
             self._create_managers(nodes)
         assert self._node_managers is not None
-        for _, manager in self._node_managers:  # report only what this call loads
-            manager._current_db_name = manager._current_checkpoint_duration = None
-        for _, manager in self._node_managers:
-            exists_task = manager.check_db_exists(epoch)
-            session.run(exists_task)
-            if not bool(exists_task.outputs()[0].fetch()):
-                logger.info("DB %s does not exist!", manager.get_ckpt_db_name(manager.node_name, epoch))
-                return False
-            session.run(manager.load_blobs_from_checkpoint(blob_names, epoch))
-        logger.info("Successfully loaded from checkpoints.")
-        return True
+        return _partial_load([m for _, m in self._node_managers], blob_names, epoch, session)
+
+    def load_blobs_locally(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int, session: Any) -> bool:
+        """Load ``blob_names`` from every node's db of ``epoch``, node by node; False (after
+        logging which db) at the first node whose db does not exist. Every node that loads is
+        checked against its live objects before any node loads."""
+        return self.partial_load(nodes, blob_names, epoch, session)[1]
 
     def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
         if self._node_managers is None:
@@ -457,3 +460,34 @@ class MultiNodeCheckpointManager(HandlerCalls):
         self._node_names = [check_node_name(str(n)) for n in nodes]
         self._keep_paths(path_prefix, path_type)
         self._handler_set_params(self._node_names)
+
+
+def _partial_load(managers: list[CheckpointManager], blob_names: Sequence[str], epoch: int,
+                  session: Any) -> tuple[dict[str, StepResult], bool]:
+    """Load ``blob_names`` from each manager's db of ``epoch``, node by node, up to the first
+    node whose db does not exist (the seed's order: the nodes before it are loaded, and the
+    second value is False). With several nodes, every node that is loaded is checked against
+    its live objects before any loads. ({node: result}, whether every db existed)."""
+    for manager in managers:  # the seed's calls that follow report only what this call loads
+        manager._last = None
+    found: list[CheckpointManager] = []
+    for manager in managers:
+        exists_task = manager.check_db_exists(epoch)
+        session.run(exists_task)
+        if not bool(exists_task.outputs()[0].fetch()):
+            break
+        found.append(manager)
+    if len(managers) > 1:
+        for manager in found:
+            session.run(manager.check_live(epoch, blob_names))
+    results: dict[str, StepResult] = {}
+    for manager in found:
+        task = manager.load_blobs_from_checkpoint(blob_names, epoch)
+        session.run(task)
+        results.update(task.results())
+    if len(found) < len(managers):
+        missing = managers[len(found)]
+        logger.info("DB %s does not exist!", missing.get_ckpt_db_name(missing.node_name, epoch))
+        return results, False
+    logger.info("Successfully loaded from checkpoints.")
+    return results, True

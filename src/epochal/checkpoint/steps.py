@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from ..errors import (
 from ..storage.base import ReadStats, get_db_type
 from ..storage.codecs import LOAD_OPTIONS, PLAIN_VALUES, check_all_live
 from .background import BackgroundSaver, process_saver
+from .metadata import DbReport
 
 logger = logging.getLogger("epochal")
 
@@ -38,30 +40,54 @@ def use_storage_options(db: str, storage_options: dict[str, Any] | None) -> None
         set_storage_options(db.rsplit("/", 1)[0], storage_options)
 
 
-def note_push(ws: Any, output: str | None, push: Any, db: str) -> None:
+@dataclass(frozen=True)
+class StepResult:
+    """What one checkpoint step did to its db, returned to whoever ran it (the Checkpointer
+    directly; in a Task the step puts these in its outputs for the driver): the db, the bytes
+    moved, the nanoseconds it took (a background save: snapshot until durable), and for a
+    save the db's digest (None when the format has none) and whether the node uploaded it to
+    the handler's mirror."""
+
+    db: str
+    nbytes: int
+    ns: int
+    digest: str | None = None
+    pushed: bool = False
+
+    def report(self) -> DbReport:
+        """What the handler commits of this db (its size and digest, never reread)."""
+        return DbReport(int(self.nbytes), self.digest, self.pushed)
+
+
+def push_db(push: Any, db: str) -> bool:
     """Upload the db just written to ``push`` (a :class:`~.metadata.PushTarget`, or None)
-    from this node's process, and put whether it worked in ``output``. A failed upload is a
-    warning: the driver pushes the epoch itself then (if it can see the file)."""
-    if output is None:
-        return
-    ok = False
-    if push is not None:
-        from ..storage.remote import upload_file
+    from this node's process; whether it worked. A failed upload is a warning: the driver
+    pushes the epoch itself then (if it can see the file)."""
+    if push is None:
+        return False
+    from ..storage.remote import upload_file
 
-        try:
-            upload_file(db, f"{push.url.rstrip('/')}/{db.rsplit('/', 1)[-1]}", **push.storage_options)
-            ok = True
-        except Exception as ex:
-            logger.warning("Cannot push %s to the mirror %s from its node (the driver will try): %s",
-                           db, push.url, ex)
-    ws[output] = np.bool_(ok)
+    try:
+        upload_file(db, f"{push.url.rstrip('/')}/{db.rsplit('/', 1)[-1]}", **push.storage_options)
+        return True
+    except Exception as ex:
+        logger.warning("Cannot push %s to the mirror %s from its node (the driver will try): %s",
+                       db, push.url, ex)
+        return False
 
 
-def note_digest(ws: Any, output: str | None, db_type: str, db: str) -> None:
-    """Put the digest of the db just written in ``output`` (a str blob, "" when the format has
-    none): the driver commits with it and never opens the node's file."""
-    if output is not None:
-        ws[output] = np.str_(get_db_type(db_type).digest(db) or "")
+def db_digest(db_type: str, db: str) -> str | None:
+    """The digest of the db just written (None when the format has none): the driver commits
+    with it and never opens the node's file."""
+    return get_db_type(db_type).digest(db) or None
+
+
+def put_outputs(ws: Any, result: StepResult, digest_output: str | None, pushed_output: str | None) -> None:
+    """A save's digest and push flag as task outputs (a str blob, "" for no digest)."""
+    if digest_output is not None:
+        ws[digest_output] = np.str_(result.digest or "")
+    if pushed_output is not None:
+        ws[pushed_output] = np.bool_(result.pushed)
 
 
 class GetBlobNames:
@@ -117,16 +143,36 @@ class LoadBlobs:
         #: after a call: the names asked for that the db lacked (with allow_incomplete)
         self.missing: list[str] = []
 
-    def __call__(self, ws: Any) -> int:
+    def run(self, ws: Any) -> StepResult:
+        """Load, and say what was read (bytes, ns)."""
+        start = time.perf_counter_ns()
+        nbytes = self(ws)
+        return StepResult(self.db, nbytes, time.perf_counter_ns() - start)
+
+    def _where(self) -> str:
+        return f"checkpoint {self.db} (node {self.node!r}, epoch {self.epoch})"
+
+    def _open(self) -> Any:
         use_storage_options(self.db, self.storage_options)
         backend = get_db_type(self.db_type)
         if not backend.exists(self.db):
             raise CheckpointNotFoundError(
                 f"checkpoint {self.db} (node {self.node!r}, epoch {self.epoch}) does not exist"
             )
+        return backend
+
+    def check(self, ws: Any) -> None:
+        """Only the check of :meth:`__call__` (the db's index against the live objects),
+        writing nothing: a load of several nodes checks every node before any node loads."""
+        backend = self._open()
+        existing = {n: ws[n] for n in (self.names or []) if n in ws}
+        self._check_live(backend, existing, self._where())
+
+    def __call__(self, ws: Any) -> int:
+        backend = self._open()
         names = self.names
         existing = {n: ws[n] for n in (names or []) if n in ws}
-        where = f"checkpoint {self.db} (node {self.node!r}, epoch {self.epoch})"
+        where = self._where()
         if not backend.checks_live:
             self._check_live(backend, existing, where)
         stats = ReadStats()
@@ -220,7 +266,9 @@ class SaveBlobs:
             blobs[name] = ws[name]
         return blobs
 
-    def __call__(self, ws: Any) -> int:
+    def run(self, ws: Any) -> StepResult:
+        """Save, and say what was written: bytes, ns, the db's digest, whether pushed."""
+        start = time.perf_counter_ns()
         use_storage_options(self.db, self.storage_options)
         blobs = self._gather(ws)
         self._note_untracked(ws)
@@ -228,9 +276,14 @@ class SaveBlobs:
             nbytes = int(get_db_type(self.db_type).write(self.db, blobs))
         except UnsupportedBlobError as ex:  # a value no format stores: name where it is
             raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
-        note_digest(ws, self.digest_output, self.db_type, self.db)
-        note_push(ws, self.pushed_output, self.push, self.db)
-        return nbytes
+        digest = db_digest(self.db_type, self.db)
+        pushed = push_db(self.push, self.db) if self.pushed_output is not None else False
+        return StepResult(self.db, nbytes, time.perf_counter_ns() - start, digest, pushed)
+
+    def __call__(self, ws: Any) -> int:
+        result = self.run(ws)
+        put_outputs(ws, result, self.digest_output, self.pushed_output)
+        return result.nbytes
 
 
 class DbExists:
@@ -274,6 +327,13 @@ class SnapshotAndSave(SaveBlobs):
         super().__init__(*args, **kw)
         self.saver = saver
 
+    def run(self, ws: Any) -> StepResult:
+        """Take the snapshot and start the write; the bytes and ns of the snapshot (the
+        save's own come from :meth:`JoinSave.join`)."""
+        start = time.perf_counter_ns()
+        nbytes = self(ws)
+        return StepResult(self.db, nbytes, time.perf_counter_ns() - start)
+
     def __call__(self, ws: Any) -> int:
         use_storage_options(self.db, self.storage_options)
         saver = self.saver or process_saver()
@@ -302,9 +362,29 @@ class JoinSave:
         self.push, self.pushed_output = push, pushed_output
         self.name = "checkpoint_save"
 
-    def __call__(self, ws: Any) -> None:
+    def join(self) -> StepResult:
+        """Wait for the write; what the whole save did (re-raises its error)."""
         done = (self.saver or process_saver()).join(self.db)
-        ws[self.ns_blob] = np.array([done.done_ns - done.started_ns], dtype=np.int64)
-        ws[self.bytes_blob] = np.int64(done.nbytes)
-        note_digest(ws, self.digest_output, self.db_type, self.db)
-        note_push(ws, self.pushed_output, self.push, self.db)
+        pushed = push_db(self.push, self.db) if self.pushed_output is not None else False
+        return StepResult(self.db, done.nbytes, done.done_ns - done.started_ns,
+                          db_digest(self.db_type, self.db), pushed)
+
+    def __call__(self, ws: Any) -> None:
+        result = self.join()
+        ws[self.ns_blob] = np.array([result.ns], dtype=np.int64)
+        ws[self.bytes_blob] = np.int64(result.nbytes)
+        put_outputs(ws, result, self.digest_output, self.pushed_output)
+
+
+class CheckLive:
+    """The check of a :class:`LoadBlobs` alone (see :meth:`LoadBlobs.check`): run on every
+    node before a load of several nodes, so a misfit on one node leaves every node untouched."""
+
+    name = "checkpoint_check"
+
+    def __init__(self, load: LoadBlobs) -> None:
+        self.load = load
+
+    def __call__(self, ws: Any) -> int:
+        self.load.check(ws)
+        return 0

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..storage import tree as _tree
+
 __all__ = ["ResumableSampler"]
 
 
@@ -123,6 +125,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """Continue at the saved position (and with the saved seed). ValueError, touching
         nothing, when the state is malformed or was saved for a data set of another size or
         with shuffling on where it is off here (or the reverse)."""
+        self.epoch, self.position, self.seed = self._checked(state)
+        self._pinned = False
+
+    def _checked(self, state: Any) -> tuple[int, int, int]:
+        """(epoch, position, seed) of ``state`` if this sampler can take it; ValueError else."""
         if not isinstance(state, dict):
             raise ValueError(f"a sampler state must be a dict, not {type(state).__name__}")
         epoch, position, seed = (_nonnegative_int(state, k) for k in ("epoch", "position", "seed"))
@@ -133,5 +140,18 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"the sampler state has shuffle={state.get('shuffle')!r}, this sampler {self.shuffle}")
         if position > size:
             raise ValueError(f"the sampler state's position {position} is past the {size} samples")
-        self.epoch, self.position, self.seed = epoch, position, seed
-        self._pinned = False
+        return epoch, position, seed
+
+
+def _sampler_problems(sampler: ResumableSampler, saved: Any, live: Any) -> list[str]:
+    """What ``load_state_dict`` would refuse, found before any blob of the load is written
+    (so a data set that changed size leaves the model and optimizer of the same load as
+    they were)."""
+    try:
+        sampler._checked(saved)
+    except ValueError as ex:
+        return [str(ex)]
+    return []
+
+
+_tree.register_state_check(lambda o: isinstance(o, ResumableSampler), _sampler_problems)

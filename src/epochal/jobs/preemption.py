@@ -16,11 +16,14 @@ logger = logging.getLogger("epochal")
 class SignalGuard:
     """Installs handlers for ``signals`` (main thread only) and restores the old ones on exit.
 
-    ``signum`` is the first signal received, or None.
+    ``signum`` is the first signal received, or None. ``word``: what the loop calls its unit
+    of work in the message ("epoch"; the Checkpointer's "step").
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), enabled: bool = True) -> None:
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), enabled: bool = True,
+                 word: str = "epoch") -> None:
         self.signals = signals
+        self.word = word
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
@@ -40,8 +43,8 @@ class SignalGuard:
         if self.signum is None:
             self.signum = signum
             logger.warning(
-                "Received %s: finishing this epoch and saving its checkpoint; send it again to stop now",
-                signal.Signals(signum).name,
+                "Received %s: finishing this %s and saving its checkpoint; send it again to stop now",
+                signal.Signals(signum).name, self.word,
             )
             return
         logger.warning("Received %s again: stopping now", signal.Signals(signum).name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,33 +45,40 @@ class RecoveryPolicy:
             return NodeLostError(ex.node, f"{ex.reason}{tried}; no epoch is committed", nodes=ex.nodes)
         return NodeLostError(ex.node, f"{ex.reason}{tried}", nodes=ex.nodes, epoch=committed)
 
-    def recover(self, session: Any, manager: Any, ex: NodeLostError, committed: int | None) -> None:
+    def recover(self, session: Any, manager: Any, ex: NodeLostError, committed: int | None,
+                reload: Callable[[Any, int], None]) -> None:
         """Place every lost node again (bounded by ``timeout`` each), then reload every node
-        from ``committed``. Raises the final NodeLostError when out of retries or when a node
-        cannot be placed in time."""
-        if len(self.failures) >= self.max_failures:
-            raise self.give_up(ex, committed) from ex
-        if committed is None:
-            raise self.give_up(ex, committed) from ex
-        self.failures.extend(ex.nodes)
-        start = time.monotonic()
-        for node in ex.nodes:
-            logger.warning(
-                "Node %r was lost (failure %d of at most %d): waiting up to %.0f s for the session "
-                "to place it again, then every node reloads epoch %d", node, len(self.failures),
-                self.max_failures, self.timeout, committed,
-            )
-            try:
-                session.replace_node(node, timeout=self.timeout)
-            except NodeLostError as again:
-                raise self.give_up(again, committed) from ex
-            except NotImplementedError as why:
-                raise self.give_up(NodeLostError(ex.node, f"{ex.reason}; {why}", nodes=ex.nodes),
-                                   committed) from ex
+        from ``committed`` with ``reload(session, committed)``. A node lost during that
+        reload is one more failure, recovered the same way while the budget lasts. Raises the
+        final NodeLostError (naming the node and ``committed``) when out of retries or when
+        a node cannot be placed in time."""
         if manager is None:
             raise CheckpointError(f"node {ex.node!r} was lost and the job has no checkpoint manager to reload from")
-        session.run(manager.reinit(committed))
-        session.run(manager.load(committed))
-        manager.report_checkpoint_stats("checkpoint_load")
-        logger.warning("Recovered from the loss of %s in %.1f s: every node reloaded epoch %d",
-                       ", ".join(map(repr, ex.nodes)), time.monotonic() - start, committed)
+        while True:
+            if len(self.failures) >= self.max_failures or committed is None:
+                raise self.give_up(ex, committed) from ex
+            self.failures.extend(ex.nodes)
+            start = time.monotonic()
+            for node in ex.nodes:
+                logger.warning(
+                    "Node %r was lost (failure %d of at most %d): waiting up to %.0f s for the session "
+                    "to place it again, then every node reloads epoch %d", node, len(self.failures),
+                    self.max_failures, self.timeout, committed,
+                )
+                try:
+                    session.replace_node(node, timeout=self.timeout)
+                except NodeLostError as again:
+                    raise self.give_up(again, committed) from ex
+                except NotImplementedError as why:
+                    raise self.give_up(NodeLostError(ex.node, f"{ex.reason}; {why}", nodes=ex.nodes),
+                                       committed) from ex
+            try:
+                reload(session, committed)
+            except NodeLostError as again:  # lost (again) while reloading: one more failure
+                logger.warning("Node %r was lost while every node reloaded epoch %d: %s", again.node,
+                               committed, again.reason)
+                ex = again
+                continue
+            logger.warning("Recovered from the loss of %s in %.1f s: every node reloaded epoch %d",
+                           ", ".join(map(repr, ex.nodes)), time.monotonic() - start, committed)
+            return

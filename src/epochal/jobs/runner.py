@@ -22,19 +22,18 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..checkpoint.background import close_process_saver
+from ..checkpoint.engine import FATAL_SAVE_ERRORS, CheckpointEngine, Results
+from ..checkpoint.handler_calls import NO_RECORDS
+from ..checkpoint.handles import CheckpointManagerLike, CheckpointRun, PartialLoads, SessionSave
 from ..errors import (
-    BlobMismatchError,
-    CheckpointCorruptError,
-    CheckpointError,
-    MissingBlobError,
     NodeLostError,
     Preempted,
-    UnsupportedBlobError,
 )
+from ..execution.task import Task, TaskGroup, TaskOutput
 from .cadence import Cadence
 from .events import CheckpointEvent, RunListener
 from .job import Job
@@ -47,8 +46,7 @@ logger = logging.getLogger("epochal")
 #: layer does not depend on the views above it
 DEFAULT_DISPLAY = "epochal.progress:TerminalProgress"
 
-#: errors about the values themselves: no retry can make such a save succeed
-FATAL_SAVE_ERRORS = (UnsupportedBlobError, MissingBlobError, BlobMismatchError)
+__all__ = ["DEFAULT_DISPLAY", "FATAL_SAVE_ERRORS", "JobRunner"]
 
 
 def _quiet() -> bool:
@@ -68,6 +66,17 @@ def _auto_progress(force: bool = False) -> RunListener | None:
     return display(force=force)  # type: ignore[no-any-return]
 
 
+def _metric_output(job: Job, name: str, output: Any) -> TaskOutput:
+    """A metric's TaskOutput; a blob name becomes an output of the epoch group (as a stop
+    condition's does)."""
+    if isinstance(output, TaskOutput):
+        return output
+    if isinstance(output, str) and isinstance(job.epoch_group, TaskGroup):
+        nodes = job.epoch_group.used_nodes()
+        return Task(outputs=[output], group=job.epoch_group, node=nodes[0] if nodes else None).outputs()[0]
+    raise TypeError(f"metric {name!r}: give a TaskOutput or a blob name, not {output!r}")
+
+
 class JobRunner:
     """Runs ``job`` with ``checkpoint_manager`` (optional); see the module docstring.
 
@@ -79,7 +88,12 @@ class JobRunner:
       committed, ``train`` raises :class:`Preempted`; False returns the last epoch instead.
     - ``max_failed_saves`` (default 3): storage errors (disk full, I/O, network) are warnings
       and training goes on, until this many saves in a row failed: then ``train`` raises
-      :class:`CheckpointError` with the cause. None: never (the seed's policy).
+      :class:`CheckpointError` with the cause (with 1: the failed save's own error). None:
+      never (the seed's policy).
+    - ``metrics``: ``{name: TaskOutput or blob name}`` of scalars fetched at each save (a
+      blob name is read on the first node of the epoch group) and recorded in its commit (the manifest's ``metrics``; ``keep_best`` of a
+      ``DirectoryMetadataHandler`` ranks by them); a handler whose ``write`` takes no
+      ``metrics=`` refuses them at the first save.
     - ``save_every`` / ``save_interval``: checkpoint every K epochs and/or when that much time
       (seconds, or ``"30m"``) has passed since the last save; by default every epoch. The
       final epoch and a preempted one are always saved.
@@ -98,7 +112,7 @@ class JobRunner:
     def __init__(
         self,
         job: Job,
-        checkpoint_manager: Any = None,
+        checkpoint_manager: CheckpointManagerLike | None = None,
         resume_from_epoch: int | None = None,
         upload_task_group_builder: Any = None,
         *,
@@ -112,6 +126,7 @@ class JobRunner:
         save_interval: float | str | None = None,
         max_failures: int = 0,
         recovery_timeout: float = 300.0,
+        metrics: Mapping[str, Any] | None = None,
     ) -> None:
         self.job = job
         self.checkpoint_manager = checkpoint_manager
@@ -133,11 +148,21 @@ class JobRunner:
         if max_failures and async_save:
             raise ValueError("max_failures > 0 with async_save=True is not supported yet: "
                              "a lost node takes its background save with it")
-        self._pending: tuple[int, float] | None = None
-        self._failed_saves: list[int] = []  # epochs of the failed saves since the last commit
+        self.metrics = {str(k): _metric_output(job, k, v) for k, v in (metrics or {}).items()}
+        #: save, commit, resume and the failure policy, shared with the Checkpointer
+        self._engine = CheckpointEngine(NO_RECORDS, max_failed_saves=max_failed_saves, events=self)
+        self._final: int | None = None  # the epoch committed as the job's last, in this run
         self._warned: set[tuple[str, str]] = set()  # (node, blob) left out of saves, said once
         self._outputs: set[str] = set()  # the job's task output names, fixed at the start of a run
-        self.last_committed: int | None = None
+
+    @property
+    def last_committed(self) -> int | None:
+        """The newest epoch committed (or resumed from) in this run."""
+        return self._engine.last_committed
+
+    @last_committed.setter
+    def last_committed(self, epoch: int | None) -> None:
+        self._engine.last_committed = epoch
 
     # -- events
     def _emit(self, name: str, *args: Any) -> None:
@@ -147,14 +172,17 @@ class JobRunner:
             except Exception as ex:  # a display must never break training
                 logger.debug("listener %r failed in %s: %s", listener, name, ex)
 
-    def _checkpoint_event(self, action: str, epoch: int, start: float, ok: bool, error: str | None) -> None:
-        nbytes = 0
-        manager = self.checkpoint_manager
-        if ok and manager is not None:
-            # called right after report_checkpoint_stats: reuse what it collected
-            sizes = manager.last_report_sizes or {}
-            nbytes = sum(sizes.values())
-        self._emit("on_checkpoint", CheckpointEvent(action, epoch, time.perf_counter() - start, nbytes, ok, error))
+    # the engine's events (EngineEvents)
+    def checkpoint_start(self, action: str, epoch: int) -> None:
+        self._emit("on_checkpoint_start", action, epoch)
+
+    def checkpoint_end(self, action: str, epoch: int, seconds: float, nbytes: int, ok: bool,
+                       error: str | None) -> None:
+        self._emit("on_checkpoint", CheckpointEvent(action, epoch, seconds, nbytes, ok, error))
+
+    def _mgr(self) -> CheckpointManagerLike:
+        assert self.checkpoint_manager is not None
+        return self.checkpoint_manager
 
     def _where(self) -> str:
         manager = self.checkpoint_manager
@@ -173,30 +201,31 @@ class JobRunner:
         Raises :class:`Preempted` after a preemption (unless ``raise_on_preempt=False``)."""
         self._active = list(self.listeners)
         self.preempted_by = None
-        self._failed_saves = []
         self._warned = set()
+        self._final = None
         if self.progress is not False:
             display = _auto_progress(force=bool(self.progress))
             if display is not None:
                 self._active.append(display)
         manager = self.checkpoint_manager
+        self._engine.records = manager or NO_RECORDS
+        flush = True
         try:
             with SignalGuard(enabled=self.handle_signals) as guard:
                 epoch = self._train(session, guard)
-            # a handler that ships commits in the background (a mirror) finishes them here;
-            # not after a second signal ("stop at once")
-            if manager:
-                manager.flush()
-        except Exception:
-            if manager:
-                manager.flush()
+        except BaseException as ex:
+            # a handler that ships commits in the background (a mirror) finishes them when
+            # train ends; not after a second signal ("stop at once")
+            flush = isinstance(ex, Exception)
             raise
         finally:
             close_process_saver()  # its writer thread and snapshot pool (when nothing is pending)
-            if manager:
-                manager.release_lock()
-            for listener in self._active:
-                listener.close()
+            try:
+                if manager:
+                    self._engine.close(flush=flush)
+            finally:
+                for listener in self._active:
+                    listener.close()
         if self.preempted_by is not None and self.raise_on_preempt:
             raise Preempted(epoch, self.preempted_by, self.last_committed, self._where())
         return epoch
@@ -220,7 +249,7 @@ class JobRunner:
         if not manager:
             return self.resume_from_epoch, False
         manager.set_params(nodes=job.nodes_to_checkpoint())
-        manager.acquire_lock()
+        self._engine.open()
         if manager.metadata_handler is None and user_epoch is None:
             found = manager.existing_epochs()
             if found:
@@ -242,7 +271,7 @@ class JobRunner:
         elif limit is not None:  # the limit in the code now decides, not the saved one
             finished = resume >= limit
         else:
-            finished = user_epoch is None and self.checkpoint_manager.is_final(resume)
+            finished = user_epoch is None and self._mgr().is_final(resume)
         if resume is None:
             self._say(f"starting a new job in {self._where()}")
         else:
@@ -256,37 +285,45 @@ class JobRunner:
         self._emit("on_train_start", self.resume_from_epoch, list(job.nodes_to_checkpoint()))
         if manager:
             self._outputs = set(self._output_names())  # once per run: read at every save
-        while True:
-            try:
-                self._restore(session, resume)
-                break
-            except CheckpointCorruptError as ex:
-                # the load found the chosen epoch damaged before touching any live object:
-                # the handler skips it and the previous committed epoch is loaded instead
-                if resume is None or user_epoch is not None or not manager.reject_epoch(resume, str(ex)):
-                    raise
-                resume = manager.resume_epoch(None)
-                finished = self._chosen(resume, None)
+
+        def chosen(epoch: int | None) -> None:
+            nonlocal finished
+            finished = self._chosen(epoch, None)
+
+        # the load finds a damaged epoch before touching any live object: the handler skips
+        # it and the previous committed epoch is loaded instead (not one the user chose)
+        resume = self._engine.resume(resume, lambda e: self._restore(session, e),
+                                     fallback=bool(manager) and user_epoch is None, chosen=chosen)
         logger.info("Finished initializing")
 
         epoch = 1 if resume is None else resume + 1
         if finished:
             epoch -= 1
             logger.info("Epoch %d was the last epoch of a finished job: no further epoch runs", epoch)
+            self._final = epoch
         recovery = RecoveryPolicy(self.max_failures, self.recovery_timeout)
         while True:
             try:
-                epoch = self._epochs(session, guard, epoch, finished)
-                break
+                return self._run(session, guard, epoch, finished)
             except NodeLostError as ex:
-                self._pending = None  # the lost node's background save went with it
-                recovery.recover(session, manager, ex, self.last_committed)
+                self._engine.drop_pending()  # the lost node's background save went with it
+                recovery.recover(session, manager, ex, self.last_committed, self._reload)
                 assert self.last_committed is not None
-                epoch = self.last_committed + 1
-            except Exception:
-                self._finish_pending(session, raise_fatal=False)  # commit what is durable, then fail
-                raise
-        self._finish_pending(session)
+                # the final epoch was committed: only what follows it runs again
+                finished = self._final is not None and self._final == self.last_committed
+                epoch = self.last_committed if finished else self.last_committed + 1
+
+    def _run(self, session: Any, guard: SignalGuard, epoch: int, finished: bool) -> int:
+        """The epochs from ``epoch``, the last commit, upload, download and exit groups."""
+        job = self.job
+        try:
+            epoch = self._epochs(session, guard, epoch, finished)
+            self._engine.finish_pending()
+        except NodeLostError:
+            raise
+        except Exception:
+            self._engine.finish_pending(raise_errors=False)  # commit what is durable, then fail
+            raise
         if self.preempted_by is not None:
             logger.warning("Preempted after epoch %d: skipping the rest of the job", epoch)
             self._emit("on_train_end", epoch, True)
@@ -301,6 +338,14 @@ class JobRunner:
         logger.info("Finished running the exit group")
         self._emit("on_train_end", epoch, False)
         return epoch
+
+    def _reload(self, session: Any, epoch: int) -> None:
+        """Every node's blob list and checkpoint of ``epoch`` again (after a lost node was
+        placed anew), every node's live objects checked before any is written."""
+        manager = self.checkpoint_manager
+        assert manager is not None
+        session.run(manager.reinit(epoch))
+        self._load(session, epoch)
 
     def _restore(self, session: Any, resume: int | None) -> None:
         """Initialize the job (``resume`` None) or the checkpoints of ``resume`` and load it."""
@@ -317,16 +362,23 @@ class JobRunner:
             return
         self._warn_added_blobs(resume)
         logger.info("Loading checkpoints for epoch %d ...", resume)
-        start = time.perf_counter()
-        self._emit("on_checkpoint_start", "checkpoint_load", resume)
-        try:
-            session.run(manager.load(resume))
-        except Exception as ex:
-            self._checkpoint_event("checkpoint_load", resume, start, False, str(ex))
-            raise
-        manager.report_checkpoint_stats("checkpoint_load")
-        self._checkpoint_event("checkpoint_load", resume, start, True, None)
+        self._load(session, resume)
         logger.info("Checkpoint loaded")
+
+    def _load(self, session: Any, epoch: int) -> None:
+        """Load every node's checkpoint of ``epoch`` (with several nodes, every node's live
+        objects are checked first, so a misfit on one node leaves every node untouched)."""
+        manager = self.checkpoint_manager
+        assert manager is not None
+
+        def run() -> Results:
+            if len(self.job.nodes_to_checkpoint()) > 1:
+                session.run(manager.check_live(epoch))
+            task = manager.load(epoch)
+            session.run(task)
+            return task.results()
+
+        self._engine.load("checkpoint_load", epoch, run)
 
     def _epochs(self, session: Any, guard: SignalGuard, epoch: int, finished: bool) -> int:
         """The epoch loop; returns the last epoch run (``preempted_by`` set if a signal
@@ -346,7 +398,7 @@ class JobRunner:
             saved = False
             must = stop or guard.signum is not None
             if manager and (must or self.cadence.due(epoch)):
-                self._finish_pending(session)
+                self._engine.finish_pending()
                 if stop:  # lets a handler commit "final" in the same write as the epoch
                     manager.expect_final(epoch)
                 wait = not self.async_save or must
@@ -354,7 +406,8 @@ class JobRunner:
             if stop:
                 logger.info("Stopping")
                 if saved:
-                    manager.mark_final(epoch)
+                    self._mgr().mark_final(epoch)
+                    self._final = epoch
                 break
             if guard.signum is not None:
                 self.preempted_by = guard.signum
@@ -363,15 +416,26 @@ class JobRunner:
         return epoch
 
     def load_blobs_from_checkpoints(self, blob_names: Sequence[str], epoch: int, session: Any) -> bool:
-        """Load ``blob_names`` from every node's checkpoint of ``epoch``; False if a db is missing."""
-        if not self.checkpoint_manager:
+        """Load ``blob_names`` from every node's checkpoint of ``epoch``; False if a db is
+        missing (the seed's order: the nodes before it are loaded). Every node's live objects
+        are checked before any is written."""
+        manager = self.checkpoint_manager
+        if not manager:
             raise ValueError("Checkpoint manager is None")
+        if not isinstance(manager, PartialLoads):  # the seed's: only the multi-node manager
+            raise AttributeError(f"{type(manager).__name__} has no load_blobs_locally: give the runner a "
+                                 "MultiNodeCheckpointManager to load blobs from every node")
         logger.info("Loading checkpoint for epoch %d ...", epoch)
-        result: bool = self.checkpoint_manager.load_blobs_locally(
-            self.job.nodes_to_checkpoint(), blob_names, epoch, session
-        )
-        self.checkpoint_manager.report_checkpoint_stats("checkpoint_partial_load")
-        return result
+        self._engine.records = manager
+        found: list[bool] = []
+
+        def run() -> Results:
+            results, complete = manager.partial_load(self.job.nodes_to_checkpoint(), blob_names, epoch, session)
+            found.append(complete)
+            return results
+
+        self._engine.load("checkpoint_partial_load", epoch, run)
+        return found[0]
 
     def save_checkpoints(self, epoch: int, session: Any, *, wait: bool = True) -> bool:
         """Save and commit every node's checkpoint of ``epoch``; True when committed.
@@ -383,91 +447,48 @@ class JobRunner:
         With ``async_save`` and ``wait=False`` the save only snapshots the blobs; the write
         goes on in the background and is committed at the next save or at the end (False is
         returned: nothing is committed yet)."""
-        if not self.checkpoint_manager:
+        manager = self.checkpoint_manager
+        if not manager:
             raise ValueError("Checkpoint manager is None")
-        self._finish_pending(session)
         background = self.async_save and not wait
-        start = time.perf_counter()
+        self._engine.records = manager
+        self._engine.finish_pending()
         self.cadence.saved()
-        failure: BaseException
-        try:
-            if self.checkpoint_manager.cp_accessible(epoch=None):
-                logger.info("Saving checkpoints for epoch %d", epoch)
-                self._emit("on_checkpoint_start", "checkpoint_save", epoch)
-                if background:
-                    session.run(self.checkpoint_manager.save(epoch, background=True))
-                    self._pending = (epoch, start)
-                    self._warn_untracked()
-                    return False
-                session.run(self.checkpoint_manager.save(epoch))
-                self._warn_untracked()
-                self._commit(epoch, start)
-                return True
-            failure = CheckpointError(
-                f"checkpoint files of epoch {epoch} cannot be accessed in {self._where()} "
-                "(see the warning above)")
-        except Exception as ex:
-            failure = ex
-        self._save_failed(epoch, start, failure)
-        return False
 
-    def _save_failed(self, epoch: int, start: float, ex: BaseException) -> None:
-        """A save of ``epoch`` failed: raise for a value no retry can save, or for one failure
-        too many; otherwise warn (the run goes on, the last committed epoch stays)."""
-        self._checkpoint_event("checkpoint_save", epoch, start, False, str(ex))
-        if isinstance(ex, FATAL_SAVE_ERRORS):
-            raise ex
-        self._failed_saves.append(epoch)
-        if self.max_failed_saves is None or len(self._failed_saves) < self.max_failed_saves:
-            logger.warning("Unable to write checkpoint for epoch %d. Error=%s", epoch, ex)
-        else:
-            epochs = ", ".join(map(str, self._failed_saves))
-            last = "none" if self.last_committed is None else f"epoch {self.last_committed}"
-            raise CheckpointError(
-                f"{len(self._failed_saves)} checkpoint saves in a row failed in {self._where()} "
-                f"(epochs {epochs}; the newest committed checkpoint is {last}); the last error: {ex}"
-            ) from ex
+        def start() -> SessionSave:
+            task = manager.save(epoch, background=background)
+            session.run(task)
+            self._warn_untracked(task)
+            return SessionSave(session, manager, epoch, task, background)
 
-    def _commit(self, epoch: int, start: float) -> None:
-        assert self.checkpoint_manager is not None
-        self.checkpoint_manager.write_checkpoint_metadata(epoch)
-        logger.info("Checkpoints saved")
-        self.last_committed = epoch
-        self._failed_saves = []
-        self.checkpoint_manager.report_checkpoint_stats("checkpoint_save")
-        self._checkpoint_event("checkpoint_save", epoch, start, True, None)
+        return self._engine.save(epoch, start, background=background, metrics=self._metric_values())
 
-    def _finish_pending(self, session: Any, *, raise_fatal: bool = True) -> bool:
-        """Wait for the background save in flight (if any) and commit it; True if committed."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return False
-        epoch, start = pending
-        try:
-            session.run(self.checkpoint_manager.join_save(epoch))
-            self._commit(epoch, start)
-            return True
-        except Exception as ex:
+    def _metric_values(self) -> dict[str, Any] | None:
+        """The ``metrics`` outputs now (fetched from their nodes; one whose task has not run
+        yet, as before the first epoch, is left out)."""
+        out = {}
+        for name, output in self.metrics.items():
             try:
-                self._save_failed(epoch, start, ex)
-            except Exception:
-                if raise_fatal:
-                    raise
-            return False
+                value = output.fetch()
+            except RuntimeError:
+                continue
+            if value is not None:
+                out[name] = value.item() if hasattr(value, "item") else value
+        return out or None
 
     # -- blobs outside the checkpoint
     def _warn_added_blobs(self, epoch: int) -> None:
-        for node, names in self.checkpoint_manager.added_blobs().items():
+        for node, names in self._mgr().added_blobs().items():
             if names:
                 logger.warning(
                     "Node %r holds blobs that the checkpoint of epoch %d lacks: %s. They keep "
                     "their current values and are saved from now on", node, epoch, ", ".join(names),
                 )
 
-    def _warn_untracked(self) -> None:
+    def _warn_untracked(self, task: CheckpointRun) -> None:
         """Warn once per run about each global blob a save left out (not in the blob list)."""
         outputs = self._outputs or set(self._output_names())  # save_checkpoints outside train
-        for node, names in self.checkpoint_manager.untracked_blobs().items():
+        for node, names in task.untracked().items():
             new = [n for n in names if n not in outputs and (node, n) not in self._warned]
             if new:
                 self._warned.update((node, n) for n in new)
