@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from .checkpoint.manager import CheckpointManager, MultiNodeCheckpointManager
-from .checkpoint.metadata import MetadataHandler
+from .checkpoint.metadata import BaseMetadataHandler, MetadataHandler
 from .checkpoint.naming import db_name, get_ckpt_filename
 from .checkpoint.upload import CopyUploadBuilder, UploadTaskGroupBuilder
 from .errors import (
     BlobMismatchError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointLockedError,
     CheckpointNotFoundError,
     CheckpointVersionError,
     MissingBlobError,
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Checkpointer": "epochal.checkpointer",
+    "CheckpointDirectory": "epochal.checkpoint.view",
     "DirectoryMetadataHandler": "epochal.checkpoint.directory",
     "RNGState": "epochal.integrations.rng",
     "export_safetensors": "epochal.integrations.safetensors_export",
@@ -57,7 +59,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BlobMismatchError", "Checkpointer", "CheckpointCorruptError", "CheckpointError", "CheckpointEvent",
+    "BaseMetadataHandler", "BlobMismatchError", "Checkpointer", "CheckpointCorruptError",
+    "CheckpointDirectory", "CheckpointError", "CheckpointEvent", "CheckpointLockedError",
     "CheckpointManager", "CheckpointNotFoundError", "CheckpointVersionError", "Cluster",
     "CopyUploadBuilder", "DbBackend", "DirectoryMetadataHandler", "Job", "JobRunner",
     "LocalSession", "MetadataHandler", "MissingBlobError", "MultiNodeCheckpointManager", "Node",
