@@ -97,10 +97,17 @@ def manifest_metric(directory: Manifests, epoch: int, metric: str) -> float | No
 
 def recorded_metrics(directory: Manifests, policy: RetentionPolicy, epochs: Iterable[int]) -> dict[int, Any] | None:
     """``{epoch: recorded value of the policy's metric}`` for retention (None when the policy
-    keeps no best-k)."""
+    keeps no best-k); epochs whose manifest cannot be read are absent (retention keeps them)."""
     if policy.keep_best is None:
         return None
-    return {e: manifest_metric(directory, e, str(policy.metric)) for e in epochs}
+    out: dict[int, Any] = {}
+    for e in epochs:  # an epoch whose manifest cannot be read is left out: it cannot be ranked, so it is kept
+        try:
+            recorded = directory.read_manifest(e).metrics
+        except CheckpointError:
+            continue
+        out[e] = metric_value(recorded.get(str(policy.metric)))
+    return out
 
 
 @dataclass(frozen=True)
