@@ -23,7 +23,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..storage import atomic
 from .lock import pid_alive
 from .manifest import Manifest
-from .retention import RetentionPolicy, epochs_to_delete, metric_value
+from .retention import RetentionPolicy, epochs_to_delete, metric_unreadable, metric_value
 from .view import CheckpointDirectory
 
 logger = logging.getLogger("epochal")
@@ -83,7 +83,8 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
     newer = {e for e in manifests if e > newest}
     metrics = None
     if policy.keep_best is not None:  # epochs whose manifest could not be read are absent: kept
-        metrics = {e: metric_value(m.metrics.get(str(policy.metric))) for e, m in good.items()}
+        metrics = {e: metric_value(m.metrics.get(str(policy.metric))) for e, m in good.items()
+                   if not metric_unreadable(m.metrics.get(str(policy.metric)))}
     doomed = epochs_to_delete(committed, newest, pins, policy, protect=newer | set(unreadable), metrics=metrics)
     # only files named exactly as an epoch's dbs of a known node are ever deleted (a
     # README.1 beside the dbs is not one; nor a file a damaged manifest names: refused)

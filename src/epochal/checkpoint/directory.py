@@ -299,7 +299,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             final=self._expect_final == epoch,  # see expect_final
             nodes=nodes,
             metrics=collect_metrics(self.policy, metrics, [d.db_path(n, epoch) for n in self.node_names],
-                                    self.db_type),
+                                    self.db_type, epoch),
             keep_best=keep_best_record(self.policy),
         )
         d.records.makedirs(d.records_dir)
