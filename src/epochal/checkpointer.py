@@ -45,6 +45,7 @@ from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, S
 from .errors import CheckpointCorruptError, CheckpointError, UnsupportedBlobError
 from .jobs.cadence import Cadence, parse_interval
 from .jobs.preemption import SignalGuard
+from .storage.io.seam import local_path
 
 __all__ = ["Checkpointer"]
 
@@ -110,7 +111,7 @@ class Checkpointer:
         max_host_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        self.directory = os.fspath(directory)
+        self.directory = local_path(directory)  # file:// is the local disk
         kw: dict[str, Any] = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "mode": mode}
         remote = _is_url(self.directory)
         if remote or storage_options is not None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..storage.base import DbBackend, get_db_type
+from ..storage.io.seam import local_path
 from .best import BestEpochs, best_of
 from .manifest import DbEntry, Manifest, decode_manifest, manifest_name, parse_manifest_name
 from .naming import RECORDS_DIR, db_name, split_db_file
@@ -51,8 +52,8 @@ class CheckpointDirectory:
 
     def __init__(self, db_prefix: str | os.PathLike[str], path_prefix: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
-        self.db_prefix = os.fspath(db_prefix)
-        self.path_prefix = path_prefix or None
+        self.db_prefix = local_path(db_prefix)
+        self.path_prefix = local_path(path_prefix) if path_prefix else None
         if self.path_prefix:
             self.db_dir = os.path.dirname(self.path_prefix) or "."
             self._file_prefix = os.path.basename(self.path_prefix)
