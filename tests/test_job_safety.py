@@ -368,11 +368,11 @@ def test_the_lock_without_flock_falls_back_to_the_holder_record(tmp_path, monkey
     (tmp_path / "lock").write_text(json.dumps({"host": lockmod.atomic.hostname(), "pid": 999999999, "since": "x"}))
     a = lockmod.WriterLock(path)
     a.acquire()  # a dead pid of this host: taken over
+    a.release()  # (a second lock in this same process is refused as such: issue 23)
     (tmp_path / "lock").write_text('{"host": "other-host", "pid": 1, "since": "2026-01-01"}')
     b = lockmod.WriterLock(path)
     with pytest.raises(CheckpointLockedError, match="host other-host, pid 1, since 2026-01-01"):
         b.acquire()
-    a.release()
 
 
 # ----------------------------------------------------------------- 8. manifests are checked
