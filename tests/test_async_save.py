@@ -45,7 +45,16 @@ def test_background_error_surfaces_at_join(tmp_path):
     ws = Workspace()
     ws["w"] = np.zeros(3)
     s = LocalSession(ws)
-    mgr = CheckpointManager(str(tmp_path / "missing"), "n")
+    import errno
+
+    from epochal.storage.io.seam import register_store
+
+    class NoDirectory:  # a store whose every write fails as a missing directory would
+        def create(self, path, size=None):
+            raise FileNotFoundError(errno.ENOENT, "directory does not exist", path)
+
+    register_store("nodir", NoDirectory)  # (a missing local directory is created: issue 23)
+    mgr = CheckpointManager("nodir://missing", "n")
     s.run(mgr.init())
     s.run(mgr.save(1, background=True))  # the snapshot succeeds...
     with pytest.raises(FileNotFoundError):

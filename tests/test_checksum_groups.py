@@ -116,9 +116,11 @@ def test_few_blobs_or_groups_off_write_a_1_0_file_with_the_same_data(tmp_path: P
 
 # ------------------------------------------------------------------------------- reader
 def test_full_load_checks_groups_not_segments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A full load makes one checksum call per group for the grouped arrays: with the
-    arrays' segment checksums in the index wrong (the group checksums left right), it loads
-    bit for bit, while a partial load, which checks segments, refuses it."""
+    """A full load makes one checksum call per group for the grouped arrays, and checks from
+    the index alone that the segments' checksums combine to the group's: with the arrays'
+    segment checksums in the index wrong (the group checksums left right), it is refused
+    like verify and a partial load refuse it (issue 23: a file loads only where it verifies;
+    it loaded bit for bit before)."""
     path, blobs = _write(tmp_path)
     parts = NativeParts.parse(path.read_bytes())
     groups = parts.groups
@@ -128,8 +130,13 @@ def test_full_load_checks_groups_not_segments(tmp_path: Path, monkeypatch: pytes
         if owner[k].startswith("p"):  # the arrays (the str blob takes the general path)
             parts.segs[k]["crc"] ^= 0xFFFFFFFF
     path.write_bytes(parts.pack())
-    _same(NATIVE.read(str(path)), blobs)
     victim = next(owner[k] for k in sorted(grouped) if owner[k].startswith("p"))
+    with pytest.raises(CheckpointCorruptError, match="data checksum mismatch") as ei:
+        NATIVE.read(str(path))
+    assert ei.value.blob == victim
+    with pytest.raises(CheckpointCorruptError, match="data checksum mismatch") as ei:
+        NATIVE.verify(str(path))
+    assert ei.value.blob == victim
     with pytest.raises(CheckpointCorruptError, match="data checksum mismatch") as ei:
         NATIVE.read(str(path), [victim])
     assert ei.value.blob == victim

@@ -368,11 +368,11 @@ def test_the_lock_without_flock_falls_back_to_the_holder_record(tmp_path, monkey
     (tmp_path / "lock").write_text(json.dumps({"host": lockmod.atomic.hostname(), "pid": 999999999, "since": "x"}))
     a = lockmod.WriterLock(path)
     a.acquire()  # a dead pid of this host: taken over
+    a.release()  # (a second lock in this same process is refused as such: issue 23)
     (tmp_path / "lock").write_text('{"host": "other-host", "pid": 1, "since": "2026-01-01"}')
     b = lockmod.WriterLock(path)
     with pytest.raises(CheckpointLockedError, match="host other-host, pid 1, since 2026-01-01"):
         b.acquire()
-    a.release()
 
 
 # ----------------------------------------------------------------- 8. manifests are checked
@@ -438,7 +438,9 @@ def test_retention_never_deletes_a_file_a_manifest_names_that_is_not_its_db(tmp_
     assert (tmp_path / "README.1").read_text() == "keep me too"
     assert (tmp_path / "other.1").read_text() == "another job's node"
     assert d.committed_epochs() == [5] and (tmp_path / "n.5").exists()
-    assert not (tmp_path / "n.1").exists() and not (tmp_path / "n.4").exists()
+    # epoch 1's manifest exists but is refused: its epoch is kept, never a leftover (issue 23)
+    assert (tmp_path / "n.1").exists() and (tmp_path / ".epochal" / "manifest.1.json").exists()
+    assert not (tmp_path / "n.4").exists()
 
 
 def test_manifests_of_an_older_epochal_still_read(tmp_path):

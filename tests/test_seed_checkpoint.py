@@ -189,7 +189,9 @@ def test_upload_failure_propagates(tmp_path):
 
 
 def test_ckpt_save_failure(tmp_path, caplog):
-    missing = str(tmp_path / "path_does_not_exist")
+    # the seed's missing path is now created (issue 23); one under a regular file cannot be
+    (tmp_path / "a_file").write_text("not a directory")
+    missing = str(tmp_path / "a_file" / "path_does_not_exist")
     for node_id in range(3):
         session = LocalSession(Workspace())
         checkpoint = MultiNodeCheckpointManager(missing, "native")
@@ -209,7 +211,7 @@ def test_ckpt_save_failure(tmp_path, caplog):
     with Cluster():
         with Job() as job:
             build_pipeline(0)
-        with pytest.raises(CheckpointError, match="3 checkpoint saves in a row failed.*epochs 0, 1, 2.*does not exist"):
+        with pytest.raises(CheckpointError, match="3 checkpoint saves in a row failed.*epochs 0, 1, 2.*cannot create the checkpoint directory .*a_file/path_does_not_exist"):
             JobRunner(job, MultiNodeCheckpointManager(missing, "native")).train(LocalSession(Workspace()))
 
 

@@ -53,6 +53,7 @@ from .errors import (
 )
 from .jobs.cadence import Cadence, parse_interval
 from .jobs.preemption import SignalGuard
+from .storage.io.seam import local_path
 
 __all__ = ["Checkpointer"]
 
@@ -125,7 +126,7 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         max_failed_saves: int | None = 1,
     ) -> None:
-        self.directory = os.fspath(directory)
+        self.directory = local_path(directory)  # file:// is the local disk
         kw: dict[str, Any] = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "mode": mode}
         remote = _is_url(self.directory)
         if remote or storage_options is not None:

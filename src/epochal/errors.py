@@ -68,13 +68,22 @@ class NodeLostError(CheckpointError):
 class CheckpointLockedError(CheckpointError):
     """Another live process holds the checkpoint directory's writer lock.
 
-    ``path`` is the lock file; ``holder`` what it says of its holder (host, pid, since).
+    ``path`` is the lock file; ``holder`` what it says of its holder (host, pid, since);
+    ``by``: the object of this same process that holds it (and where it was taken), when it
+    is this process.
     """
 
-    def __init__(self, path: str, holder: dict[str, object]) -> None:
+    def __init__(self, path: str, holder: dict[str, object], *, by: str | None = None) -> None:
         self.path = str(path)
         self.holder = dict(holder)
+        self.by = by
         who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "since", "expires") if k in holder)
+        if by is not None:  # a second lock in the holder's own process
+            super().__init__(
+                f"{self.path}: already held by this process ({who}), by {by}; close that one first "
+                "(Checkpointer.close(), or the end of its train()), or use another directory"
+            )
+            return
         super().__init__(
             f"{self.path}: another job is writing checkpoints in this directory ({who or 'holder unknown'}); "
             "stop it first, or use another directory"

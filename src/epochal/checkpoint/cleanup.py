@@ -3,7 +3,9 @@
 * **Retention** (:func:`apply_retention`, after a commit): the epochs the policy of
   :mod:`epochal.checkpoint.retention` drops go manifest first (the epoch then no longer
   exists), then their dbs, so an interrupted delete never leaves a manifest naming missing
-  files; dbs of older epochs that were never committed (killed or failed saves) go too.
+  files; dbs of older epochs that were never committed (killed or failed saves) go too,
+  but only of epochs with no manifest file at all: an epoch whose manifest exists and cannot
+  be read at that moment (EIO, EMFILE, a failed GET) or parsed is kept, named in a warning.
   Only files named exactly as an epoch's db of a known node are ever deleted.
 * **Temp files** (:func:`clean_temp_files`, when a handler starts): the ``*.tmp.<host>.<pid>.*``
   files of killed saves of this host whose process is gone. Another host's are never touched.
@@ -17,22 +19,51 @@ import logging
 import os
 from collections.abc import Iterable
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..storage import atomic
-from .best import recorded_metrics
 from .lock import pid_alive
-from .retention import RetentionPolicy, epochs_to_delete
+from .manifest import Manifest
+from .retention import RetentionPolicy, epochs_to_delete, metric_unreadable, metric_value
 from .view import CheckpointDirectory
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["apply_retention", "clean_temp_files"]
+__all__ = ["apply_retention", "clean_temp_files", "read_manifests"]
+
+
+def read_manifests(d: CheckpointDirectory, epochs: Iterable[int]) -> tuple[dict[int, Manifest], dict[int, str]]:
+    """Each manifest of ``epochs`` read once: ``({epoch: manifest}, {epoch: why it cannot be
+    read or parsed})``. An epoch whose manifest vanished since the listing is in neither."""
+    good: dict[int, Manifest] = {}
+    bad: dict[int, str] = {}
+    for epoch in epochs:
+        try:
+            good[epoch] = d.read_manifest(epoch)
+        except CheckpointNotFoundError:
+            continue
+        except CheckpointError as ex:
+            bad[epoch] = str(ex)
+    return good, bad
+
+
+def _manifest_absent(d: CheckpointDirectory, epoch: int) -> bool:
+    """True only when the store says the manifest file of ``epoch`` does not exist (an error
+    asking it means: it may exist, keep the epoch)."""
+    try:
+        d.records.size(d.manifest_path(epoch))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy, node_names: Iterable[str]) -> list[int]:
     """Delete what ``policy`` drops from ``d`` now that ``newest`` is committed; return the
     epochs deleted, oldest first. Epochs newer than ``newest`` (about to be overwritten) and
-    pinned ones are kept; dbs of older epochs that were never committed are removed.
+    pinned ones are kept; dbs of older epochs that have no manifest file at all are removed.
+    An epoch whose manifest file exists but cannot be read (an I/O error at that moment) or
+    parsed (damage) is kept, named in a warning: only what is known may be deleted is.
     ``node_names``: the job's nodes (with those the manifests list, the only db names touched)."""
     if policy.keeps_everything:
         return []
@@ -42,22 +73,28 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
         logger.warning("Retention skipped: %s", ex)
         return []
     manifests = d.manifest_epochs()
-    committed = d.committed_epochs()
+    good, unreadable = read_manifests(d, manifests)
+    if unreadable:
+        logger.warning(
+            "Retention keeps epoch(s) %s: their manifest exists but cannot be read or is damaged (%s)",
+            ", ".join(map(str, sorted(unreadable))), "; ".join(unreadable[e] for e in sorted(unreadable)),
+        )
+    committed = sorted(good)
     newer = {e for e in manifests if e > newest}
-    doomed = epochs_to_delete(committed, newest, pins, policy, protect=newer,
-                              metrics=recorded_metrics(d, policy, committed))
+    metrics = None
+    if policy.keep_best is not None:  # epochs whose manifest could not be read are absent: kept
+        metrics = {e: metric_value(m.metrics.get(str(policy.metric))) for e, m in good.items()
+                   if not metric_unreadable(m.metrics.get(str(policy.metric)))}
+    doomed = epochs_to_delete(committed, newest, pins, policy, protect=newer | set(unreadable), metrics=metrics)
     # only files named exactly as an epoch's dbs of a known node are ever deleted (a
     # README.1 beside the dbs is not one; nor a file a damaged manifest names: refused)
     known = set(node_names)
-    for epoch in committed:
-        known.update(d.read_manifest(epoch).nodes)
+    for m in good.values():
+        known.update(m.nodes)
     on_disk = {e: {n: p for n, p in dbs.items() if n in known and os.path.basename(p) ==
                    os.path.basename(d.db_path(n, e))} for e, dbs in d.scan().items()}
     for epoch in doomed:
-        try:
-            nodes = d.read_manifest(epoch).nodes
-        except CheckpointError:
-            nodes = {}
+        nodes = good[epoch].nodes
         files = [d.db_path(n, epoch) for n, entry in nodes.items()
                  if entry.file == os.path.basename(d.db_path(n, epoch))]
         d.records.delete(d.manifest_path(epoch))
@@ -65,12 +102,11 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
         for path in {*files, *on_disk.get(epoch, {}).values()}:
             d.records.delete(path)
         logger.info("Retention: deleted the checkpoint of epoch %d", epoch)
-    # leftovers of saves that never committed (or of a delete that was interrupted)
-    valid = set(committed)
+    # leftovers of saves that never committed (or of a delete that was interrupted): dbs of
+    # epochs older than the newest commit with no manifest file at all (asked once more)
+    listed = set(manifests)
     for epoch, dbs in on_disk.items():
-        if epoch < newest and epoch not in valid and epoch not in pins:
-            if epoch in manifests:
-                d.records.delete(d.manifest_path(epoch))
+        if epoch < newest and epoch not in listed and epoch not in pins and _manifest_absent(d, epoch):
             for path in dbs.values():
                 d.records.delete(path)
             logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs.values()))

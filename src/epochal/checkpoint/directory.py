@@ -299,7 +299,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             final=self._expect_final == epoch,  # see expect_final
             nodes=nodes,
             metrics=collect_metrics(self.policy, metrics, [d.db_path(n, epoch) for n in self.node_names],
-                                    self.db_type),
+                                    self.db_type, epoch),
             keep_best=keep_best_record(self.policy),
         )
         d.records.makedirs(d.records_dir)
@@ -347,6 +347,8 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             self._lock = None
         if self._lock is None:
             self._lock, self._lock_path = d.records.writer_lock(path, self.lease_seconds), path
+            if hasattr(self._lock, "owner"):  # named in the refusal of a second lock in this process
+                self._lock.owner = repr(self)
         d.records.makedirs(d.records_dir)
         self._lock.acquire()
 

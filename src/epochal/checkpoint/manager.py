@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
 from ..storage.base import get_db_type
+from ..storage.io.seam import local_path
 from .handler_calls import HandlerCalls
 from .handles import CheckpointGroup, CheckpointTask
 from .metadata import DbReport, MetadataHandler, PushTarget
@@ -79,7 +80,7 @@ class CheckpointManager(HandlerCalls):
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        self._db_prefix = db_prefix
+        self._db_prefix = db_prefix = local_path(db_prefix)  # file:// is the local disk
         self._storage_options = dict(storage_options) if storage_options else None
         use_storage_options(db_name(0, "_", db_prefix), self._storage_options)  # for the driver
         self._node_name = check_node_name(str(node_name))
@@ -317,7 +318,7 @@ class MultiNodeCheckpointManager(HandlerCalls):
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self._node_managers: list[tuple[str, CheckpointManager]] | None = None
-        self._db_prefix = db_prefix
+        self._db_prefix = db_prefix = local_path(db_prefix)  # file:// is the local disk
         self._storage_options = dict(storage_options) if storage_options else None
         use_storage_options(db_name(0, "_", db_prefix), self._storage_options)  # for the driver
         self._db_type = db_type

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from ..storage import atomic
+from ..storage.io.seam import is_url
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -340,7 +341,7 @@ def records_for(location: str, storage_options: dict[str, Any] | None = None) ->
     """The record store of ``location`` (a local directory or a URL). For a URL,
     ``storage_options`` are recorded for it (see
     :func:`epochal.storage.io.fsspec_store.set_storage_options`)."""
-    if "://" not in location:
+    if not is_url(location):
         return LocalRecords()
     from ..storage.io.fsspec_store import set_storage_options
 

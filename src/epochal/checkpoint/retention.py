@@ -62,9 +62,21 @@ def metric_value(value: object) -> float | None:
         return None
     try:
         x = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return None if math.isnan(x) else x
+
+
+def metric_unreadable(value: object) -> bool:
+    """True for a recorded metric that no float holds (an int beyond about 1.8e308, written by
+    an older epochal): it cannot be ranked, and tools show it as unreadable."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return True
+    return False
 
 
 def best_epochs(metrics: Mapping[int, object], k: int, mode: str = "min") -> list[int]:

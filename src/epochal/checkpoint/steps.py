@@ -7,6 +7,7 @@ the node's own process and run it there, next to that node's workspace and disk.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from ..errors import (
 )
 from ..storage.base import ReadStats, get_db_type
 from ..storage.codecs import LOAD_OPTIONS, PLAIN_VALUES, check_all_live
+from ..storage.io.seam import is_url
 from .background import BackgroundSaver, process_saver
 from .metadata import DbReport
 
@@ -57,6 +59,22 @@ class StepResult:
     def report(self) -> DbReport:
         """What the handler commits of this db (its size and digest, never reread)."""
         return DbReport(int(self.nbytes), self.digest, self.pushed)
+
+
+def ensure_directory(db: str) -> None:
+    """Create the local directory of ``db`` when it does not exist yet (as DCP's file writer
+    and Orbax do); an OSError naming that directory when it cannot be (a path under a regular
+    file, no permission). Nothing for a URL (object stores have no folders)."""
+    if is_url(db):
+        return
+    folder = os.path.dirname(db) or "."
+    if os.path.isdir(folder):
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as ex:
+        raise OSError(ex.errno, f"cannot create the checkpoint directory {folder}: {ex.strerror or ex}",
+                      folder) from ex
 
 
 def push_db(push: Any, db: str) -> bool:
@@ -270,6 +288,7 @@ class SaveBlobs:
         """Save, and say what was written: bytes, ns, the db's digest, whether pushed."""
         start = time.perf_counter_ns()
         use_storage_options(self.db, self.storage_options)
+        ensure_directory(self.db)
         blobs = self._gather(ws)
         self._note_untracked(ws)
         try:
@@ -336,6 +355,7 @@ class SnapshotAndSave(SaveBlobs):
 
     def __call__(self, ws: Any) -> int:
         use_storage_options(self.db, self.storage_options)
+        ensure_directory(self.db)
         saver = self.saver or process_saver()
         if saver.pending(self.db):
             raise CheckpointError(f"checkpoint {self.db}: a background save of it is still running")

@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..storage.base import DbBackend, get_db_type
+from ..storage.io.seam import local_path
 from .best import BestEpochs, best_of
 from .manifest import DbEntry, Manifest, decode_manifest, manifest_name, parse_manifest_name
 from .naming import RECORDS_DIR, db_name, split_db_file
@@ -31,6 +33,8 @@ logger = logging.getLogger("epochal")
 
 PINS_FILE = "pins.json"
 VERIFY_LEVELS = ("full", "quick", "none")
+#: seconds waited before each new try of a manifest read that failed with an I/O error
+MANIFEST_READ_RETRIES = (0.05, 0.2)
 
 
 def _is_int(value: Any) -> bool:
@@ -48,8 +52,8 @@ class CheckpointDirectory:
 
     def __init__(self, db_prefix: str | os.PathLike[str], path_prefix: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
-        self.db_prefix = os.fspath(db_prefix)
-        self.path_prefix = path_prefix or None
+        self.db_prefix = local_path(db_prefix)
+        self.path_prefix = local_path(path_prefix) if path_prefix else None
         if self.path_prefix:
             self.db_dir = os.path.dirname(self.path_prefix) or "."
             self._file_prefix = os.path.basename(self.path_prefix)
@@ -109,17 +113,26 @@ class CheckpointDirectory:
         """The parsed manifest of ``epoch``.
 
         CheckpointNotFoundError when the epoch has none (it is not committed);
-        CheckpointCorruptError naming the file when it is not a valid manifest of that epoch.
+        CheckpointCorruptError naming the file when it is not a valid manifest of that epoch,
+        or when reading it fails with an I/O error three times (waits of
+        ``MANIFEST_READ_RETRIES`` between: a transient error does not make an epoch damaged).
         """
         path = self.manifest_path(epoch)
-        try:
-            raw = self.records.read(path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"epoch {epoch} is not committed: manifest {path} does not exist"
-            ) from None
-        except OSError as ex:
-            raise CheckpointCorruptError(path, f"cannot read manifest: {ex}") from ex
+        for wait in (*MANIFEST_READ_RETRIES, None):
+            try:
+                raw = self.records.read(path)
+                break
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"epoch {epoch} is not committed: manifest {path} does not exist"
+                ) from None
+            except OSError as ex:  # EIO, EMFILE, a failed GET: maybe transient, try again
+                if wait is None:
+                    raise CheckpointCorruptError(
+                        path, f"cannot read manifest ({len(MANIFEST_READ_RETRIES) + 1} tries): {ex}"
+                    ) from ex
+                logger.debug("reading %s failed (%s); trying again in %.2f s", path, ex, wait)
+                time.sleep(wait)
         return decode_manifest(raw, path, epoch)
 
     def read_manifest(self, epoch: int) -> Manifest:

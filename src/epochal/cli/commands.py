@@ -116,8 +116,8 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
         if best is not None:
             value = best.values.get(e["epoch"])
             rank = f"#{e['best']} " if e["best"] else ""
-            row.append(Text(f"{rank}{value:.6g}" if value is not None else "-",
-                            style="bold" if e["best"] else "dim"))
+            shown = "unreadable" if e["epoch"] in best.unreadable else "-" if value is None else f"{value:.6g}"
+            row.append(Text(f"{rank}{shown}", style="bold" if e["best"] else "dim"))
         if wide:
             for n in nodes:
                 f = e["files"].get(n)

@@ -123,6 +123,10 @@ class Location(click.ParamType):
         self.path = click.Path(exists=True, dir_okay=True, file_okay=file_okay)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.startswith("file://"):
+            from ..storage.io.seam import local_path
+
+            value = local_path(value)  # file:// is the local disk
         if isinstance(value, str) and "://" in value:
             from ..storage.io.fsspec_store import set_storage_options
 

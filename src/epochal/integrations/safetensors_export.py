@@ -32,11 +32,12 @@ class _StateDictOf:
 
 
 def _db_type_of(path: str) -> str:
-    from ..storage.native import MAGIC
+    """The db type of the file ``path``, sniffed from its head by each backend (which open
+    without blocking and refuse a FIFO, a device or a socket, naming it)."""
+    from ..storage.base import sniff_db_type
 
-    with open(path, "rb") as f:
-        head = f.read(len(MAGIC))
-    return "native" if head == MAGIC else "safetensors"
+    found = sniff_db_type(path)
+    return found if found is not None else "safetensors"
 
 
 def _source(ckpt: str, blob: str) -> tuple[str, str]:
@@ -110,21 +111,23 @@ def export_safetensors(
     from ..storage import atomic
     from ..storage.base import get_db_type
 
+    atomic.check_regular_output(os.fspath(out))  # a FIFO would block the writer for ever
     path, db_type = _source(os.fspath(ckpt), blob)
     value = get_db_type(db_type).read(path, [blob])[blob]
     tensors = _tensors(value, f"{path}, blob {blob!r}")
     meta = {"format": "pt", "source": os.path.basename(path), "blob": blob, "exported_by": "epochal"}
     meta.update(metadata or {})
     target = os.fspath(out)
-    tmp = atomic.temp_path_for(target)  # save_model writes it; then fsync, rename into place
+    # save_model writes a temp file (mode 0644 less the umask, as every file epochal writes),
+    # then fsync and rename into place: an earlier file at ``target`` survives a failure
     try:
-        save_model(_StateDictOf(tensors), tmp, metadata=meta)  # type: ignore[arg-type]
-        atomic.fsync_file(tmp)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    atomic.fsync_dir(os.path.dirname(os.path.abspath(target)))
+        atomic.write_via_temp(target, lambda tmp: save_model(_StateDictOf(tensors), tmp, metadata=meta))  # type: ignore[arg-type]
+    except OSError as ex:
+        if ex.filename is None:
+            raise OSError(ex.errno, ex.strerror or str(ex), target) from ex
+        raise
+    except Exception as ex:  # SafetensorError("I/O error: No space left on device") and kin
+        raise CheckpointError(f"cannot write {target}: {ex}") from ex
     from safetensors import safe_open
 
     with safe_open(target, framework="pt") as f:

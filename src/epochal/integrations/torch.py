@@ -209,6 +209,9 @@ class TensorCodec:
     """Dense torch tensors and parameters of every dtype, stored as raw bytes."""
 
     kind = "torch.tensor"
+    #: a tensor leaf of a plain container (a state dict held in the state) is copied into the
+    #: live tensor there (it aliases a parameter, a buffer or optimizer state): see storage.tree
+    inplace_leaf = True
 
     def accepts(self, value: Any) -> bool:
         return isinstance(value, torch.Tensor)

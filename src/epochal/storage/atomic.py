@@ -292,3 +292,54 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | m
     return the bytes written."""
     with AtomicFile(path, size=memoryview(data).nbytes) as f:
         return f.write(data)
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``/proc``), else by
+    setting and restoring it."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_regular_output(path: str | os.PathLike[str]) -> None:
+    """Refuse an output path that exists and is not a regular file (a FIFO would block the
+    writer forever, a device never end, a directory or socket cannot be replaced): OSError
+    naming it. A missing path, or a regular file (replaced whole), is fine."""
+    import stat as _stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not _stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO" if _stat.S_ISFIFO(st.st_mode) else "a directory" if _stat.S_ISDIR(st.st_mode)
+                else "a socket" if _stat.S_ISSOCK(st.st_mode) else "a device or special file")
+        raise OSError(errno.EINVAL, f"is {kind}, not a regular file: output is written to regular files only",
+                      os.fspath(path))
+
+
+def write_via_temp(target: str | os.PathLike[str], write: Any, mode: int = 0o644) -> None:
+    """Replace ``target`` with what ``write(temp_path)`` writes to a temp file beside it (a
+    library's own file writer): the temp file gets ``mode`` (less the umask, as every file
+    epochal writes), is fsynced and renamed into place, then the directory fsynced. On any
+    failure the temp file is removed and ``target`` (an earlier output) is left as it was.
+    ``target`` must be a regular file or absent (:func:`check_regular_output`)."""
+    check_regular_output(target)
+    tmp = temp_path_for(target)
+    try:
+        write(tmp)
+        os.chmod(tmp, mode & ~umask())
+        fsync_file(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(target)))

@@ -448,7 +448,23 @@ def check_live(kind: str, meta: dict[str, Any], existing: Any) -> None:
     restored into the live object ``existing`` (keys, shapes, dtypes, layout), without
     touching it. Loaders call this for every blob before any live object is written, so a
     mismatch in one blob never leaves another half-restored. Codecs opt in with a
-    ``check(meta, existing)`` method; the others accept anything."""
+    ``check(meta, existing)`` method; the others accept anything. A live stateful object
+    (module, optimizer, sampler, RNGState) only takes a tree blob: any other kind would
+    replace it, so it is refused."""
+    if kind != "tree" and _stateful(existing):
+        raise BlobMismatchError(
+            f"the checkpoint holds a {kind} where the live object is a {type(existing).__name__}: a "
+            "stateful object is restored in place (load_state_dict) or not at all, never replaced"
+        )
     fn = getattr(codec_for_kind(kind), "check", None)
     if fn is not None:
         fn(meta, existing)
+
+
+def _stateful(value: Any) -> bool:
+    """Objects that restore themselves through a state dict (as ``storage.skeleton.is_stateful``)."""
+    return (
+        not isinstance(value, (dict, list, tuple, type))
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import BlobMismatchError
+from . import codecs
 from .skeleton import MAX_DEPTH, Decoder, check_leaves, is_stateful, path_str, type_name
 
 __all__ = ["live_pairs", "register_fixed_shapes", "register_inplace_stateful", "register_state_check", "restore_into",
@@ -215,10 +216,8 @@ def state_problems(meta: dict[str, Any], existing: Any) -> list[str]:
     if meta.get("v") != 1:
         return []
     saved = skeleton(meta)
-    if meta.get("stateful") is not True:
+    if meta.get("stateful") is not True or not is_stateful(existing):
         return _nested_problems(saved, existing, ())
-    if not is_stateful(existing):
-        return []
     try:
         live = existing.state_dict()
     except Exception:
@@ -237,9 +236,21 @@ def _nested_problems(saved: Any, live: Any, path: tuple[Any, ...]) -> list[str]:
     if isinstance(saved, _Stub):
         if saved.kind == "tree" and saved.meta.get("stateful") is True and is_stateful(live):
             return [f"{path_str(path)}: {p}" for p in state_problems(saved.meta, live)]
+        if live is not None:  # a leaf copied into its live counterpart (torch tensors)
+            try:
+                codec = codecs.codec_for_kind(saved.kind)
+                check = getattr(codec, "check", None)
+                if getattr(codec, "inplace_leaf", False) and check is not None:
+                    check(saved.meta, live)
+            except BlobMismatchError as ex:
+                return [f"{path_str(path) or 'the value'}: {ex} (it is restored in place)"]
+            except (ValueError, KeyError, ImportError):
+                return []
         return []
     out: list[str] = []
     if isinstance(saved, dict) and isinstance(live, dict):
+        if {"state", "param_groups"} <= saved.keys() and {"state", "param_groups"} <= live.keys():
+            out.extend(_optimizer_dict_problems(saved, live, path))
         for k, v in saved.items():
             if k in live:
                 out.extend(_nested_problems(v, live[k], (*path, k)))
@@ -247,6 +258,43 @@ def _nested_problems(saved: Any, live: Any, path: tuple[Any, ...]) -> list[str]:
         for i, (a, b) in enumerate(zip(saved, live)):
             out.extend(_nested_problems(a, b, (*path, i)))
     return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) or (a != a and b != b)  # NaN hyperparameters are the same
+    except Exception:  # noqa: BLE001 - a value that does not compare: not known to differ
+        return True
+
+
+def _optimizer_dict_problems(saved: Any, live: Any, path: tuple[Any, ...]) -> list[str]:
+    """An optimizer's ``state_dict()`` held in the state (``{"opt": opt.state_dict()}``):
+    its tensors alias the optimizer's state, restored in place, but its ``param_groups``
+    are copies, and a fresh optimizer has no state to copy into. So it is restored in place
+    only when nothing is lost: every saved parameter state has a live one and every
+    hyperparameter is already the saved value; otherwise the load is refused."""
+    where = path_str(path) or "the value"
+    hint = ("an optimizer's state_dict() held in the state cannot be restored in place (it is a copy): "
+            "hold the optimizer itself (state = {'opt': opt})")
+    sstate, lstate = saved["state"], live["state"]
+    if isinstance(sstate, dict) and isinstance(lstate, dict):
+        missing = [k for k in sstate if k not in lstate]
+        if missing:
+            return [f"{where}: no live state for parameters {missing[:5]} (none before a first step); {hint}"]
+    sg, lg = saved["param_groups"], live["param_groups"]
+    if isinstance(sg, list) and isinstance(lg, list):
+        if len(sg) != len(lg):
+            return [f"{where}: {len(sg)} parameter groups in the checkpoint, {len(lg)} live; {hint}"]
+        for i, (a, b) in enumerate(zip(sg, lg)):
+            if not isinstance(a, dict) or not isinstance(b, dict):
+                continue
+            for k, v in a.items():
+                if k == "params" or isinstance(v, _Stub):
+                    continue
+                if k not in b or not _same_value(v, b[k]):
+                    return [f"{where}: param_groups[{i}][{k!r}] is {v!r} in the checkpoint, "
+                            f"{b.get(k)!r} live; {hint}"]
+    return []
 
 
 def restore_into(existing: Any, state: Any) -> Any:

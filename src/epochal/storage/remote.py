@@ -28,8 +28,10 @@ def _fsspec() -> Any:
 
 
 def is_url(path: str) -> bool:
-    """True for ``protocol://...`` paths other than ``file://``."""
-    return "://" in path and not path.startswith("file://")
+    """True for ``protocol://...`` paths other than ``file://`` (:func:`.io.seam.is_url`)."""
+    from .io.seam import is_url as seam_is_url
+
+    return seam_is_url(path)
 
 
 def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:

@@ -214,10 +214,13 @@ class Decoder:
         kind, meta, nseg = self.leaves[i]
         codec = codecs.codec_for_kind(kind)
         bufs = self.buffers[self.offsets[i] : self.offsets[i] + nseg]
-        # Only a nested stateful object is restored into its live counterpart: plain leaves
-        # of a container are fresh values (the blob replaces the container's content).
+        # A nested stateful object is restored into its live counterpart: other plain leaves
+        # of a container are fresh values (the blob replaces the container's content) ...
         nested_stateful = kind == TREE_KIND and meta.get("stateful") is True
-        live = existing if nested_stateful else None
+        # ... and a leaf whose codec copies into a live leaf of its kind (torch tensors: a
+        # state dict held in the state aliases the module's parameters), restored in place
+        in_place = existing is not None and getattr(codec, "inplace_leaf", False)
+        live = existing if nested_stateful or in_place else None
         if i in self.inplace and _read_in_place(codec, meta, bufs, self.inplace[i]):
             live = self.inplace[i]  # the bytes are already in the live leaf: decode to it
         value = codec.decode(meta, bufs, live)

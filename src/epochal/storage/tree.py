@@ -68,6 +68,7 @@ from .live import (
     register_inplace_stateful,
     register_state_check,
     restore_into,
+    skeleton,
     state_problems,
 )
 from .skeleton import MAX_DEPTH, TREE_KIND, Decoder, Encoder, check_leaves, is_stateful, type_name
@@ -149,7 +150,16 @@ class TreeCodec:
 
     def check(self, meta: dict[str, Any], existing: Any) -> None:
         """BlobMismatchError when the blob cannot be restored into ``existing`` (see
-        :func:`~epochal.storage.live.state_problems`); nothing is written."""
+        :func:`~epochal.storage.live.state_problems`); nothing is written. A plain tree
+        saved where the live object is stateful must be a dict (its state dict, restored
+        through ``load_state_dict``): a list or tuple would replace the live object."""
+        if meta.get("stateful") is not True and is_stateful(existing):
+            if not isinstance(skeleton(meta), dict):
+                raise BlobMismatchError(
+                    f"the checkpoint holds a {type_name(skeleton(meta))} where the live object is a "
+                    f"{type_name(existing)}: it is restored in place from a state dict or not at all"
+                )
+            meta = {**meta, "stateful": True}
         problems = state_problems(meta, existing)
         if problems:
             raise BlobMismatchError(
@@ -162,11 +172,20 @@ class TreeCodec:
         if meta.get("v") != 1:
             raise ValueError(f"unknown tree version {meta.get('v')!r}")
         stateful = meta.get("stateful") is True
+        if not stateful and is_stateful(existing):  # a state dict saved as a plain dict
+            state = Decoder(meta.get("leaves"), buffers).node(meta.get("root"), 0)
+            if not isinstance(state, dict):
+                raise BlobMismatchError(
+                    f"the checkpoint holds a {type_name(state)} where the live object is a "
+                    f"{type_name(existing)}: it is restored in place from a state dict or not at all"
+                )
+            return restore_into(existing, state)
         pairs = live_pairs(meta, existing) if stateful else None
         dec = Decoder(meta.get("leaves"), buffers, pairs)
         # A state dict decodes into fresh values (load_state_dict copies them over); a plain
-        # container may hand live stateful objects down to nested stateful leaves.
-        tree = dec.node(meta.get("root"), 0, None if stateful else existing)
+        # container (also the live state dict a module's state is restored into) hands its
+        # live leaves down: nested stateful objects, and tensors copied into in place.
+        tree = dec.node(meta.get("root"), 0, None if stateful and is_stateful(existing) else existing)
         if stateful and is_stateful(existing):
             return restore_into(existing, tree)
         return tree

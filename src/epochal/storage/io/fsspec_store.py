@@ -46,8 +46,9 @@ _options_lock = threading.Lock()
 
 
 def is_url(path: str) -> bool:
-    """True for ``scheme://...`` paths (``file://`` included: fsspec serves it too)."""
-    return "://" in path
+    """True for ``scheme://...`` paths other than ``file://`` (one notion everywhere: see
+    :func:`epochal.storage.io.seam.is_url`; a ``file://`` checkpoint is the local disk)."""
+    return "://" in path and not path.startswith("file://")  # (seam imports this module)
 
 
 def _fsspec() -> Any:

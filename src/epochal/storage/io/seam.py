@@ -53,9 +53,32 @@ __all__ = [
     "ByteStore",
     "PinnedSink",
     "committed",
+    "is_url",
+    "local_path",
     "register_store",
     "store_for",
 ]
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """The local path a ``file://`` URL names (``file:///a/b`` and ``file://localhost/a/b``:
+    ``/a/b``; ``file://a/b``: the relative ``a/b``, as fsspec reads it); any other path or URL
+    as it is. Every place a checkpoint location is opened calls this, so ``file://`` is the
+    local disk everywhere (fsync, rename, flock), never object storage."""
+    text = os.fspath(path)
+    if not text.startswith("file://"):
+        return text
+    rest = text[len("file://"):]
+    if rest.startswith("localhost/"):
+        rest = rest[len("localhost"):]
+    return rest or "."
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for ``scheme://...`` locations other than ``file://`` (the one notion of local vs
+    remote: a ``file://`` URL is a local path, see :func:`local_path`)."""
+    text = os.fspath(path)
+    return "://" in text and not text.startswith("file://")
 
 
 @runtime_checkable

@@ -27,7 +27,7 @@ __all__ = ["read_small_arrays"]
 
 
 def read_small_arrays(
-    f: Opened, ids: list[int], verify: bool
+    f: Opened, ids: list[int], verify: bool, suspect: set[int] | frozenset[int] = frozenset()
 ) -> tuple[dict[str, np.ndarray], list[int], int]:
     """The batch path for many small plain numpy arrays (pread only).
 
@@ -45,7 +45,9 @@ def read_small_arrays(
     segment table alone); a worker thread meanwhile parses the metas, then per read
     (in order, as each is read) checks the checksums and builds the views of the blobs
     that fit. Candidates whose meta does not fit are left to the general path (their bytes
-    here are not used)."""
+    here are not used). ``suspect``: checksum groups whose stored checksum disagrees with
+    their segments' (:meth:`Index.disagreeing_groups`): their segments are checked one by
+    one, so the damage is named as verify names it."""
     if _codecs.plain_ndarray_codec() is None:
         return {}, ids, 0
     idx, path = f.index, f.path
@@ -129,15 +131,16 @@ def read_small_arrays(
             if len(whole_w):
                 gstart, gend = idx.group_ranges()
                 st["w_l"] = list(zip(gstart[whole_w].tolist(), gend[whole_w].tolist(),
-                                     idx.groups["crc"][whole_w].tolist(), wfirst_j.tolist()))
+                                     idx.groups["crc"][whole_w].tolist(), wfirst_j.tolist(),
+                                     [w not in suspect for w in whole_w.tolist()]))
             else:
                 st["w_l"] = []
 
     def check_groups(g: int, mv: memoryview, start: int) -> bool:
         """One checksum per whole group of this read; on a mismatch, name the damaged blob."""
         w_l, wcut = st["w_l"], st["wcut"]
-        for gs, ge, want, j0 in w_l[wcut[g] : wcut[g + 1]]:
-            if fn_big(mv[gs - start : ge - start], 0) != want:
+        for gs, ge, want, j0, agrees in w_l[wcut[g] : wcut[g + 1]]:
+            if not agrees or fn_big(mv[gs - start : ge - start], 0) != want:
                 crcs_l, lens_l = st["crcs_l"], st["lens_l"]
                 j = j0
                 while j < len(offs_l) and offs_l[j] < ge:  # which segment (or padding) it is

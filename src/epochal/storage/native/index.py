@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from .. import codecs as _codecs
 from .. import strict_json
 from ..base import BlobInfo
 from ..checksum import checksum_function, format_checksum
+from ..crc_combine import combined
 from .layout import (
     ALIGN,
     FORMAT_MAJOR,
@@ -180,6 +182,34 @@ class Index:
         start = segs["offset"][first].astype(np.int64)
         end = (segs["offset"][last] + segs["length"][last] + segs["pad"][last]).astype(np.int64)
         return start, end
+
+    def disagreeing_groups(self, ids: Sequence[int], fn: Any) -> list[int]:
+        """The checksum groups all of whose segments belong to the blobs ``ids`` whose stored
+        checksum is not what their segments' stored checksums combine to (``fn``: the file's
+        checksum function), from the index alone (:mod:`epochal.storage.crc_combine`). Such a
+        group cannot both verify and have verifying segments: a load of it reads its segments
+        one by one and refuses it, as verify does."""
+        g = self.groups
+        if not len(g) or not len(ids):
+            return []
+        recs, segs = self.recs, self.segs
+        ids_arr = np.asarray(ids, dtype=np.int64)
+        first = recs["seg_first"][ids_arr].astype(np.int64)
+        count = recs["seg_count"][ids_arr].astype(np.int64)
+        nseg = len(segs)
+        delta = np.bincount(first, count > 0, nseg + 1) - np.bincount(first + count, count > 0, nseg + 1)
+        covered = np.cumsum(delta)[:nseg] > 0
+        cs = np.concatenate([[0], np.cumsum(covered)])
+        gfirst = g["seg_first"].astype(np.int64)
+        gcount = g["seg_count"].astype(np.int64)
+        w = np.flatnonzero(cs[gfirst + gcount] - cs[gfirst] == gcount)
+        if not len(w):
+            return []
+        n = gcount[w]
+        group_of = np.repeat(np.arange(len(w)), n)
+        k = np.repeat(gfirst[w] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+        want = combined(fn, segs["crc"][k], segs["length"][k], segs["pad"][k], group_of, len(w))
+        return w[want != g["crc"][w]].tolist()
 
     def _check_permutation(self) -> None:
         order = self.order

@@ -26,6 +26,7 @@ from ...errors import CheckpointError, MissingBlobError
 from .. import codecs as _codecs
 from .. import tuning
 from ..base import BlobInfo, ReadStats
+from ..checksum import checksum_function
 from ..codecs import flat_writable
 from ..io.reads import read_bytes, read_exact
 from ..io.seam import ByteSource, store_for
@@ -190,20 +191,30 @@ class NativeFile:
             self._check_live(ids, existing)
         small: dict[str, np.ndarray] = {}
         total = 0
+        # checksum groups read whole whose stored checksum is not what their segments' combine
+        # to: their segments are checked one by one, and the load refused as verify refuses it
+        suspect = self._index.disagreeing_groups(ids, checksum_function(self._index.header.algorithm, inline=True)) \
+            if verify else []
         if self._mm is None and len(ids) > tuning.MANY_BLOBS:
-            small, rest, total = batch.read_small_arrays(f, ids, verify)
+            small, rest, total = batch.read_small_arrays(f, ids, verify, set(suspect))
         else:
             rest = ids
         plan = allocate(f, rest, mapped=self._mm is not None)
+        direct: list[Any] = []
         if self._mm is not None:
             mapped.map_views(f, self._mm, plan, verify)
         else:
-            direct = inplace.direct_targets(f, plan, existing) if existing else []
+            if existing:
+                direct = inplace.direct_targets(f, plan, existing)
             if direct and verify:
                 inplace.verify_direct(f, direct)  # before any live memory is written
             fill.fill(f, plan, verify, {(d.pos, d.seg) for d in direct})
-            if direct:  # every requested checksum is verified: read into the live memory
-                inplace.read_direct(f, plan, direct)
+        if suspect:  # every segment verified one by one: so the group's own checksum is wrong
+            g = int(suspect[0])
+            first = int(self._index.groups["seg_first"][g])
+            raise corrupt(self.path, DAMAGED_GROUP, self._index.name(self._index.blob_of_segment(first)))
+        if direct:  # every requested checksum is verified: read into the live memory
+            inplace.read_direct(f, plan, direct)
         slow, nbytes = decode(f, plan, existing)
         total += nbytes
         out: dict[str, Any] = {}
@@ -268,7 +279,8 @@ class NativeFile:
         idx = self._index
         assert self._src is not None, "native db is closed"
         src = self._src
-        ids = range(self.header.blob_count) if names is None else [self._lookup(n) for n in names]
+        # in file order (blob records are): a group is checked only when read in order
+        ids = range(self.header.blob_count) if names is None else sorted({self._lookup(n) for n in names})
         if names is None:
             idx.names()  # every name decoded once: duplicates and the name order checked
         segs = idx.segs
