@@ -146,7 +146,8 @@ class Checkpointer:
         self._dir = self.handler.directory
         #: resume, save, commit and the failure policy, shared with the JobRunner
         self._engine = CheckpointEngine(HandlerLink(self.handler, self.directory, DB_TYPE, [NODE]),
-                                        max_failed_saves=max_failed_saves, word="step")
+                                        max_failed_saves=max_failed_saves, word="step",
+                                        own_error=True)
         self._engine.open()  # one writer per directory, until close()
         self.async_save = bool(async_save)
         self._saver = BackgroundSaver(max_host_bytes=max_host_bytes)

@@ -118,19 +118,21 @@ class CheckpointEngine:
 
     ``max_failed_saves``: how many saves in a row may fail before one raises (None: never,
     the seed's policy; every failure is a warning). When the limit is reached the error
-    raised is the save's own when it is the only failure (``max_failed_saves=1``: each
-    failed save raises what it raised), else a CheckpointError naming the failed epochs, the
-    newest committed one and the last error. ``word``: what the door calls an epoch in its
-    messages ("epoch", or "step" for the Checkpointer).
+    raised is a CheckpointError naming the failed epochs, the newest committed one and the
+    last error; with ``own_error`` (the Checkpointer's: its ``save`` raises what the save
+    raised) a failure that is the only one in the row is raised as it is.
+    ``word``: what the door calls an epoch in its messages ("epoch", or "step" for the
+    Checkpointer).
     """
 
     def __init__(self, records: Records, *, max_failed_saves: int | None = 3, word: str = "epoch",
-                 events: EngineEvents | None = None) -> None:
+                 events: EngineEvents | None = None, own_error: bool = False) -> None:
         if max_failed_saves is not None and (isinstance(max_failed_saves, bool) or max_failed_saves < 1):
             raise ValueError(f"max_failed_saves must be >= 1 or None, got {max_failed_saves!r}")
         self.records = records
         self.max_failed_saves = max_failed_saves
         self.word = word
+        self.own_error = own_error
         self.events = events
         #: the newest epoch committed (or resumed from) through this engine, None before any
         self.last_committed: int | None = None
@@ -269,7 +271,7 @@ class CheckpointEngine:
         if self.max_failed_saves is None or len(self._failed) < self.max_failed_saves:
             logger.warning("Unable to write checkpoint for %s %d. Error=%s", self.word, epoch, ex)
             return
-        if len(self._failed) == 1:
+        if self.own_error and len(self._failed) == 1:
             raise ex
         epochs = ", ".join(map(str, self._failed))
         last = "none" if self.last_committed is None else f"{self.word} {self.last_committed}"

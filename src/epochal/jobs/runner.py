@@ -88,7 +88,7 @@ class JobRunner:
       committed, ``train`` raises :class:`Preempted`; False returns the last epoch instead.
     - ``max_failed_saves`` (default 3): storage errors (disk full, I/O, network) are warnings
       and training goes on, until this many saves in a row failed: then ``train`` raises
-      :class:`CheckpointError` with the cause (with 1: the failed save's own error). None:
+      :class:`CheckpointError` with the cause. None:
       never (the seed's policy).
     - ``metrics``: ``{name: TaskOutput or blob name}`` of scalars fetched at each save (a
       blob name is read on the first node of the epoch group) and recorded in its commit (the manifest's ``metrics``; ``keep_best`` of a
