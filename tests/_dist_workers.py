@@ -129,3 +129,138 @@ def dcp_load_two_ranks(rank: int, world: int, path: str, step: int) -> None:
     sd = dtensor_state(mesh, full_state(2.0), 1, zero=True)
     dcp.load(sd, storage_reader=EpochalStorageReader(path, step=step))
     check_loaded(sd, full_state(2.0))
+
+
+# -- the Checkpointer under torch.distributed (tests/test_distributed.py)
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 6))
+
+
+def train_one(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def missing_rank_data(rank: int, world: int, path: str) -> None:
+    """Step 2 fails on rank 1 (never committed); step 3 commits, then loses rank 1's db: the
+    restore resumes step 1 on both ranks."""
+    import epochal
+    import epochal.integrations.dcp.storage as storage
+    from epochal.checkpoint.view import CheckpointDirectory
+
+    model = tiny_model(0)
+    opt = torch.optim.Adam(model.parameters())
+    state = {"model": model, "opt": opt, "step": 1}
+    ck = epochal.Checkpointer(path)
+    assert type(ck).__name__ == "DistributedCheckpointer"
+    train_one(model, opt, 1)
+    ck.save(1, state)
+    at1 = {k: v.clone() for k, v in model.state_dict().items()}
+    train_one(model, opt, 2)
+    real = storage.write_native
+    if rank == 1:
+        def broken(*a: Any, **k: Any) -> int:
+            raise OSError(28, "No space left on device (injected)")
+        storage.write_native = broken  # type: ignore[assignment]
+    state["step"] = 2
+    try:
+        ck.save(2, state)
+        raise AssertionError("a save with rank 1's data missing returned")
+    except OSError as ex:
+        assert rank == 1 and "injected" in str(ex), ex
+    except Exception as ex:  # rank 0 is told which rank failed, and why
+        assert rank == 0 and "rank 1 failed to save step 2" in str(ex) and "injected" in str(ex), ex
+    storage.write_native = real
+    assert CheckpointDirectory(path).committed_epochs() == [1]
+    state["step"] = 3
+    ck.save(3, state)
+    assert CheckpointDirectory(path).committed_epochs() == [1, 3]
+    dist.barrier()
+    if rank == 0:
+        os.unlink(os.path.join(path, "rank1.3"))
+    dist.barrier()
+    fresh = tiny_model(9)
+    fopt = torch.optim.Adam(fresh.parameters())
+    state2: dict[str, Any] = {"model": fresh, "opt": fopt, "step": 0}
+    assert ck.restore(state2) == 1
+    assert state2["step"] == 1
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, at1[k]), k
+    ck.close()
+
+
+def fsdp_save(rank: int, world: int, path: str, out: str) -> None:
+    """FSDP2 (fully_shard on a 1-D CPU mesh): one step, a save, and the gathered full state."""
+    from _torch_bits import bits
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import epochal
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = tiny_model(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    train_one(model, opt, 1)
+    with epochal.Checkpointer(path) as ck:
+        ck.save(4, {"model": model, "opt": opt, "note": "fsdp"})
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=opts)
+    fopt = get_optimizer_state_dict(model, opt, options=opts)
+    if rank == 0:
+        flat = {f"model.{k}": bits(v).hex() for k, v in full.items()}
+        flat.update({f"opt.{p}.{k}": bits(v).hex() for p, s in fopt["state"].items() for k, v in s.items()})
+        import json
+
+        with open(out, "w") as f:
+            json.dump(flat, f)
+
+
+def fsdp_restore(rank: int, world: int, path: str, expect: str) -> None:
+    """Restore a step saved by one process into an FSDP2 model on ``world`` ranks; the
+    gathered full state equals the saved one bit for bit."""
+    import json
+
+    from _torch_bits import bits
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import epochal
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = tiny_model(7)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = {"model": model, "opt": opt, "note": ""}
+    with epochal.Checkpointer(path) as ck:
+        assert ck.restore(state) == 5
+    assert state["note"] == "plain"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+    full = get_model_state_dict(model, options=opts)
+    fopt = get_optimizer_state_dict(model, opt, options=opts)
+    if rank == 0:
+        with open(expect) as f:
+            want = json.load(f)
+        got = {f"model.{k}": bits(v).hex() for k, v in full.items()}
+        got.update({f"opt.{p}.{k}": bits(v).hex() for p, s in fopt["state"].items() for k, v in s.items()})
+        assert got == want, sorted(k for k in want if got.get(k) != want[k])

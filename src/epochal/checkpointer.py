@@ -34,6 +34,7 @@ import inspect
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -97,6 +98,16 @@ class Checkpointer:
     gets :class:`~epochal.errors.CheckpointLockedError` naming this one). :meth:`close` (or
     leaving ``with``) lets the lock go and restores the previous handler.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Checkpointer:
+        """Under torch.distributed with more than one rank: a DistributedCheckpointer."""
+        td = sys.modules.get("torch.distributed")  # (never imports torch itself)
+        if cls is Checkpointer and td is not None and td.is_available() and td.is_initialized() \
+                and td.get_world_size() > 1:
+            from .integrations.distributed import DistributedCheckpointer
+
+            return DistributedCheckpointer(*args, **kwargs)  # type: ignore[return-value]
+        return super().__new__(cls)
 
     def __init__(
         self,

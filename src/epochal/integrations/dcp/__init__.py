@@ -5,7 +5,7 @@ items through epochal's codecs; nothing is pickled. See :mod:`.storage` and docs
 
 from __future__ import annotations
 
-from .planners import EpochalLoadPlanner, EpochalSavePlanner
+from .planners import EpochalLoadPlanner, EpochalSavePlanner, Whole
 from .storage import META_NODE, EpochalStorageReader, EpochalStorageWriter, commit_step, rank_node
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "EpochalStorageWriter",
     "commit_step",
     "rank_node",
+    "Whole",
 ]

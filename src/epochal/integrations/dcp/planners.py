@@ -27,7 +27,21 @@ from torch.distributed.checkpoint.planner import (
 
 from ...errors import UnsupportedBlobError
 
-__all__ = ["EpochalLoadPlanner", "EpochalSavePlanner", "item_value", "set_value"]
+__all__ = ["EpochalLoadPlanner", "EpochalSavePlanner", "Whole", "item_value", "set_value"]
+
+
+class Whole:
+    """A value DCP must treat as one non-tensor item (not flatten it into its dict keys or
+    list entries): the storage writer stores ``value`` as one blob with epochal's codecs (a
+    state dict with tensors in it included); on load the decoded value replaces the wrapper."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Whole({type(self.value).__name__})"
 
 
 class EpochalSavePlanner(DefaultSavePlanner):
@@ -65,8 +79,11 @@ def item_value(planner: SavePlanner, item: WriteItem) -> Any:
         isinstance(planner, EpochalSavePlanner)
         or type(planner).transform_object is DefaultSavePlanner.transform_object
     ):
-        return planner.lookup_object(item.index)
+        value = planner.lookup_object(item.index)
+        return value.value if isinstance(value, Whole) else value
     value = planner.resolve_data(item)
+    if isinstance(value, Whole):
+        return value.value
     if isinstance(value, io.BytesIO):
         raise UnsupportedBlobError(
             f"DCP item {item.index.fqn!r}: the planner {type(planner).__name__} turned it into "

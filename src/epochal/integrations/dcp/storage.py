@@ -113,11 +113,13 @@ class EpochalStorageWriter(StorageWriter):
     already committed is refused. ``handler``: the :class:`DirectoryMetadataHandler` that
     commits (its retention applies); None: a default one, keeping every step. ``lock``: the
     coordinator takes the directory's writer lock for the commit (False when the caller
-    holds it already, as a Checkpointer does)."""
+    holds it already, as a Checkpointer does). ``metrics``: numbers recorded in the manifest."""
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
-                 handler: DirectoryMetadataHandler | None = None, lock: bool = True) -> None:
+                 handler: DirectoryMetadataHandler | None = None, lock: bool = True,
+                 metrics: dict[str, Any] | None = None) -> None:
         super().__init__()
+        self.metrics = metrics
         self.path = os.fspath(path)
         self.step = None if step is None else int(step)
         self.handler = handler
@@ -222,12 +224,13 @@ class EpochalStorageWriter(StorageWriter):
         write_native(meta_db, {META_BLOB: metadata_to_json(metadata, self.save_id)})
         st = stat_native(meta_db)
         reports[META_NODE] = DbReport(st.file_bytes, st.digest)
-        commit_step(self.path, step, reports, self.handler, self.lock)
+        commit_step(self.path, step, reports, self.handler, self.lock, self.metrics)
         self.committed = step
 
 
 def commit_step(path: str, step: int, reports: dict[str, DbReport],
-                handler: DirectoryMetadataHandler | None = None, lock: bool = True) -> None:
+                handler: DirectoryMetadataHandler | None = None, lock: bool = True,
+                metrics: dict[str, Any] | None = None) -> None:
     """Commit ``step`` of ``path`` over the dbs of ``reports`` (node -> what its writer said
     of it, every one durable): the manifest, then the handler's retention."""
     h = handler if handler is not None else DirectoryMetadataHandler()
@@ -236,7 +239,7 @@ def commit_step(path: str, step: int, reports: dict[str, DbReport],
         h.acquire_lock()
     try:
         h.report_dbs(step, reports)
-        h.write(step)
+        h.write(step, metrics=metrics or None)
     finally:
         if lock:
             h.release_lock()
