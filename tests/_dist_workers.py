@@ -190,6 +190,32 @@ def missing_rank_data(rank: int, world: int, path: str) -> None:
     assert state2["step"] == 1
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, at1[k]), k
+    # step 4 committed, then one data byte of rank 1's db flipped: rank 1's load finds it and
+    # every rank falls back to step 1 together
+    train_one(model, opt, 4)
+    state["step"] = 4
+    ck.save(4, state)
+    dist.barrier()
+    if rank == 1:
+        from epochal.storage.native.reader import NativeFile
+
+        db = os.path.join(path, "rank1.4")
+        with NativeFile(db) as f:
+            name = next(n for n in f.names() if f.info(n).kind == "torch.tensor" and f.info(n).nbytes >= 16)
+            raw = f[name].contiguous().view(torch.uint8).numpy().tobytes()
+        data = bytearray(open(db, "rb").read())
+        at = data.find(raw)
+        assert at > 0
+        data[at + 3] ^= 0x01
+        with open(db, "r+b") as fh:
+            fh.write(bytes(data))
+    dist.barrier()
+    fresh = tiny_model(9)
+    state3: dict[str, Any] = {"model": fresh, "opt": torch.optim.Adam(fresh.parameters()), "step": 0}
+    assert ck.restore(state3) == 1
+    assert state3["step"] == 1
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, at1[k]), k
     ck.close()
 
 
