@@ -34,7 +34,6 @@ import inspect
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -100,10 +99,12 @@ class Checkpointer:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Checkpointer:
-        """Under torch.distributed with more than one rank: a DistributedCheckpointer."""
-        td = sys.modules.get("torch.distributed")  # (never imports torch itself)
-        if cls is Checkpointer and td is not None and td.is_available() and td.is_initialized() \
-                and td.get_world_size() > 1:
+        """Under torch.distributed with more than one rank, or on a directory written by ranks:
+        a DistributedCheckpointer (docs/distributed.md)."""
+        from .integrations.world import use_distributed
+
+        directory = args[0] if args else kwargs.get("directory")
+        if cls is Checkpointer and directory is not None and use_distributed(directory):
             from .integrations.distributed import DistributedCheckpointer
 
             return DistributedCheckpointer(*args, **kwargs)  # type: ignore[return-value]

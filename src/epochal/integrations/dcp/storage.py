@@ -60,6 +60,7 @@ from ...errors import (
 from ...storage.codecs import LOAD_OPTIONS
 from ...storage.native.reader import NativeFile, stat_native
 from ...storage.native.writer import write_native
+from .. import world as _world
 from ..torch import dtype_name
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
 from .planners import item_value, set_value
@@ -67,7 +68,7 @@ from .planners import item_value, set_value
 __all__ = ["META_BLOB", "META_NODE", "EpochalStorageReader", "EpochalStorageWriter", "rank_node"]
 
 #: the node whose db holds a step's DCP metadata (``<dir>/dcp.<step>``)
-META_NODE = "dcp"
+META_NODE = _world.META_NODE
 #: the blob of that db holding the metadata JSON
 META_BLOB = "metadata"
 
