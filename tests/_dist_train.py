@@ -45,7 +45,7 @@ def main() -> int:
     sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.5)
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g)
-    sampler = ResumableSampler(range(40), seed=rank)  # each rank its own order
+    sampler = ResumableSampler(range(40), seed=0, num_replicas=2, rank=rank)  # each rank its share
     torch.manual_seed(100 + rank)  # per-rank dropout masks
     state = {"model": ddp, "opt": opt, "sched": sched, "sampler": sampler, "rng": epochal.RNGState(),
              "step": 0, "epoch": 0, "losses": []}

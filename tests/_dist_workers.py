@@ -241,7 +241,7 @@ def fsdp_save(rank: int, world: int, path: str, out: str) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     train_one(model, opt, 1)
     with epochal.Checkpointer(path) as ck:
-        ck.save(4, {"model": model, "opt": opt, "note": "fsdp"})
+        ck.save(4, {"model": model, "opt": opt, "note": "fsdp", "rng": epochal.RNGState()})
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=opts)
     fopt = get_optimizer_state_dict(model, opt, options=opts)

@@ -107,11 +107,13 @@ def test_fsdp2_two_to_one_and_one_to_two_bit_equal(tmp_path: Path, monkeypatch: 
     model = tiny_model(5)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     train_one(model, opt, 3)  # (the optimizer has state of its own before the restore)
-    state = {"model": model, "opt": opt, "note": ""}
+    state = {"model": model, "opt": opt, "note": "", "rng": epochal.RNGState()}
+    rng = torch.get_rng_state()
     with epochal.Checkpointer(path) as ck:  # the directory was written by ranks
         assert isinstance(ck, DistributedCheckpointer)
         assert ck.restore(state) == 4
     assert state["note"] == "fsdp"
+    assert torch.equal(torch.get_rng_state(), rng)  # per-rank values of 2 ranks are not 1 rank's
     got = {f"model.{k}": bits(v).hex() for k, v in model.state_dict().items()}
     names = dict(zip(range(len(list(model.parameters()))), [n for n, _ in model.named_parameters()]))
     got.update({f"opt.{names[p]}.{k}": bits(v).hex() for p, s in opt.state_dict()["state"].items()
