@@ -52,7 +52,7 @@ def main() -> int:
     with epochal.Checkpointer(ckpt, keep_last=2) as ck:
         assert type(ck).__name__ == "DistributedCheckpointer", type(ck)
         got = ck.restore(state)
-        print(f"rank {rank} resumed {got}", flush=True)
+        print(f"rank {rank} resumed {got} pid {os.getpid()}", flush=True)
         while state["step"] < total:
             sampler.set_epoch(state["epoch"])
             for idx in batches(sampler, 8):
@@ -68,6 +68,10 @@ def main() -> int:
                 time.sleep(0.03)
                 if ck.due(state["step"], every=3) or state["step"] == total:
                     ck.save(state["step"], state)
+                if ck.preempted:  # every rank saved this step: leave, not finished
+                    print(f"rank {rank} preempted at {state['step']}", flush=True)
+                    dist.destroy_process_group()
+                    return 143
                 if state["step"] == total:
                     break
             else:

@@ -62,20 +62,34 @@ def _final(out: Path) -> list[dict[str, Any]]:
     return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
 
 
-def test_ddp_killed_at_random_moments_resumes_bit_identical(tmp_path: Path) -> None:
-    base = tmp_path / "base"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The final state of each rank of an uninterrupted run."""
+    base = tmp_path_factory.mktemp("base")
     _finish(_launch(base / "ckpt", base / "out"))
     want = _final(base / "out")
     assert want[0]["rng"] != want[1]["rng"]  # per-rank RNG streams really differ
+    assert want[0]["sampler"] != want[1]["sampler"]  # each rank its own share
+    return want
+
+
+def _wait_commit(ckpt: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not list((ckpt / ".epochal").glob("manifest.*.json")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_ddp_killed_at_random_moments_resumes_bit_identical(
+    tmp_path: Path, uninterrupted: list[dict[str, Any]]
+) -> None:
+    want = uninterrupted
 
     run = tmp_path / "run"
     rnd = random.Random(os.getpid())
     procs = _launch(run / "ckpt", run / "out")
     first = procs[0].stdout.readline()  # type: ignore[union-attr]
     assert "resumed None" in first, first
-    deadline = time.monotonic() + 60
-    while not list((run / "ckpt" / ".epochal").glob("manifest.*.json")) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_commit(run / "ckpt")
     time.sleep(rnd.uniform(0.0, 0.5))  # SIGKILL both ranks at a random moment after a commit
     for p in procs:
         p.send_signal(signal.SIGKILL)
@@ -86,7 +100,7 @@ def test_ddp_killed_at_random_moments_resumes_bit_identical(tmp_path: Path) -> N
     assert killed_at and killed_at[-1] < STEPS
     procs = _launch(run / "ckpt", run / "out")
     first = procs[0].stdout.readline()  # type: ignore[union-attr]
-    assert f"resumed {killed_at[-1]}" in first, (first, killed_at)
+    assert f"resumed {killed_at[-1]} " in first, (first, killed_at)
     _finish(procs)
     assert _final(run / "out") == want
     d = CheckpointDirectory(str(run / "ckpt"))
@@ -128,3 +142,35 @@ def test_fsdp2_two_to_one_and_one_to_two_bit_equal(tmp_path: Path, monkeypatch: 
                   for k, v in s.items()})
     full.write_text(json.dumps(saved))
     run_ranks(fsdp_restore, 2, str(path), str(full))
+
+
+def test_sigterm_to_torchrun_and_a_rank_saves_one_step_exits_nonzero_and_resumes(
+    tmp_path: Path, uninterrupted: list[dict[str, Any]]
+) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    env = {**os.environ, "EPOCHAL_QUIET": "1"}
+    tr = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+         f"--master_port={free_port()}", TRAIN, str(ckpt), str(out), str(STEPS)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    while len([ln for ln in lines if "resumed" in ln]) < 2:
+        line = tr.stdout.readline()  # type: ignore[union-attr]
+        assert line, "".join(lines)
+        lines.append(line)
+    pid1 = int(next(ln for ln in lines if "rank 1 resumed" in ln).rsplit(" ", 1)[1])
+    _wait_commit(ckpt)
+    os.kill(pid1, signal.SIGTERM)  # the scheduler signals the worker itself...
+    tr.send_signal(signal.SIGTERM)  # ... and torchrun, which forwards another one to it
+    rest, _ = tr.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert tr.returncode != 0, text
+    stops = {int(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if " preempted at " in ln}
+    assert len(stops) == 1 and len([ln for ln in text.splitlines() if " preempted at " in ln]) == 2, text
+    (stop,) = stops
+    assert stop < STEPS and CheckpointDirectory(str(ckpt)).committed_epochs()[-1] == stop
+    procs = _launch(ckpt, out)
+    first = procs[0].stdout.readline()  # type: ignore[union-attr]
+    assert f"resumed {stop} " in first, first
+    _finish(procs)
+    assert _final(out) == uninterrupted

@@ -74,6 +74,10 @@ logger = logging.getLogger("epochal")
 PER_RANK_TYPES = ("RNGState", "ResumableSampler", "StatefulDataLoader", "DistributedSampler")
 
 
+#: a second SIGTERM this soon after the first is a duplicate delivery, not "stop at once"
+DUPLICATE_SECONDS = 5.0
+
+
 def process_world() -> tuple[int, int]:
     """(rank, world size) of the default process group; (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
@@ -156,7 +160,7 @@ class DistributedCheckpointer:
         self._metric = metric
         self.last_step: int | None = None
         self._last_save = time.monotonic()
-        self._guard = SignalGuard((signal.SIGTERM,)).__enter__()
+        self._guard = RankSignalGuard((signal.SIGTERM,)).__enter__()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -366,6 +370,24 @@ class DistributedCheckpointer:
             dcp_load(sd, storage_reader=reader, process_group=self._group, no_dist=not self._dist)
         for key, apply in after.items():
             apply(sd[key])
+
+
+class RankSignalGuard(SignalGuard):
+    """SignalGuard for a rank: a second SIGTERM within :data:`DUPLICATE_SECONDS` of the first
+    is the same one delivered twice (a scheduler signals every process, and torchrun forwards
+    its own to its workers): ignored. A later one still stops at once."""
+
+    _first = 0.0
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self._first = now
+        elif now - self._first < DUPLICATE_SECONDS:
+            logger.info("Received %s again within %ss: the same preemption, already saving",
+                        signal.Signals(signum).name, DUPLICATE_SECONDS)
+            return
+        super()._handle(signum, frame)
 
 
 @contextlib.contextmanager
