@@ -174,3 +174,24 @@ def test_sigterm_to_torchrun_and_a_rank_saves_one_step_exits_nonzero_and_resumes
     assert f"resumed {stop} " in first, first
     _finish(procs)
     assert _final(out) == uninterrupted
+
+
+def test_one_process_keeps_last_and_best_and_records_metrics(tmp_path: Path) -> None:
+    """Rank 0's retention and best-k (here the only rank, no process group)."""
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.7, 5: 0.8}
+    with DistributedCheckpointer(tmp_path, keep_last=1, keep_best=1, metric="loss") as ck:
+        for step, loss in losses.items():
+            train_one(model, opt, step)
+            ck.save(step, {"model": model, "opt": opt, "step": step}, metrics={"loss": loss})
+        assert ck.steps() == [2, 5] and ck.best_steps() == [2]
+    d = CheckpointDirectory(str(tmp_path))
+    assert d.read_manifest(2).metrics == {"loss": 0.1}
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "dcp.2", "dcp.5", "rank0.2", "rank0.5"]
+    fresh = tiny_model(3)
+    state = {"model": fresh, "opt": torch.optim.SGD(fresh.parameters(), lr=0.1), "step": 0}
+    with epochal.Checkpointer(tmp_path) as ck:
+        assert ck.restore(state) == 5 and state["step"] == 5
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
