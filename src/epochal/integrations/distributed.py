@@ -138,8 +138,10 @@ class DistributedCheckpointer:
                 f"Checkpointer({self.directory!r}) under torch.distributed: async_save, URLs and "
                 "storage_options are not supported yet (docs/distributed.md)"
             )
-        self.rank, self.world = process_world()
         self._dist = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = process_world()
+        if self._dist and group is not None:  # ranks of that group
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._group = group
         if self._dist and group is None and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # host-side coordination
