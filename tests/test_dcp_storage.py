@@ -171,3 +171,15 @@ def test_a_committed_step_is_never_replaced(tmp_path: Path) -> None:
     sd = {"w": torch.zeros(2)}
     dcp.load(sd, storage_reader=EpochalStorageReader(path))
     assert sd["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the CUDA path "
+                    "(chunks copied to the host on save, into the live CUDA tensor on load) is not run")
+def test_cuda_tensors_round_trip_bit_equal(tmp_path: Path) -> None:  # pragma: no cover - needs a GPU
+    path = str(tmp_path / "ckpt")
+    src = {k: v.cuda() for k, v in full_state().items()}
+    dcp.save(src, storage_writer=EpochalStorageWriter(path))
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    dcp.load(dst, storage_reader=EpochalStorageReader(path))
+    for k, v in src.items():
+        assert dst[k].is_cuda and bits(dst[k].cpu()) == bits(v.cpu()), k
