@@ -117,8 +117,9 @@ def dcp_two_ranks(rank: int, world: int, path: str) -> None:
         check_loaded(sd, full)
 
 
-def dcp_load_two_ranks(rank: int, world: int, path: str, step: int) -> None:
-    """Load step ``step`` (saved by one process) into 2 ranks' shards, unpickling forbidden."""
+def dcp_load_two_ranks(rank: int, world: int, path: str, step: int, scale: float = 2.0, w_dim: int = 1) -> None:
+    """Load step ``step`` into ``world`` ranks' shards (w sharded on ``w_dim``), unpickling
+    forbidden."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -126,9 +127,9 @@ def dcp_load_two_ranks(rank: int, world: int, path: str, step: int) -> None:
 
     forbid_pickle()
     mesh = init_device_mesh("cpu", (world,))
-    sd = dtensor_state(mesh, full_state(2.0), 1, zero=True)
+    sd = dtensor_state(mesh, full_state(scale), w_dim, zero=True)
     dcp.load(sd, storage_reader=EpochalStorageReader(path, step=step))
-    check_loaded(sd, full_state(2.0))
+    check_loaded(sd, full_state(scale))
 
 
 # -- the Checkpointer under torch.distributed (tests/test_distributed.py)

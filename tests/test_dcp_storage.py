@@ -117,6 +117,10 @@ def test_one_to_two_loads_bit_equal_shards(tmp_path: Path) -> None:
     run_ranks(dcp_load_two_ranks, 2, str(path), 3)
 
 
+def test_two_to_four_loads_bit_equal_shards(two_rank_ckpt: Path) -> None:
+    run_ranks(dcp_load_two_ranks, 4, str(two_rank_ckpt), 0, 1.0, 0)
+
+
 def test_flipped_byte_raises_corrupt_naming_file_and_item(two_rank_ckpt: Path, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     shutil.copytree(two_rank_ckpt, path)
