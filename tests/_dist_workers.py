@@ -158,6 +158,12 @@ def missing_rank_data(rank: int, world: int, path: str) -> None:
     state = {"model": model, "opt": opt, "step": 1}
     ck = epochal.Checkpointer(path)
     assert type(ck).__name__ == "DistributedCheckpointer"
+    try:  # a plain value that differs per rank would be saved as one rank's: refused on both
+        ck.save(0, {**state, "who": [rank]})
+        raise AssertionError("a per-rank plain value was saved as one rank's")
+    except ValueError as ex:
+        assert "['who']" in str(ex) and "per_rank" in str(ex), ex
+    assert CheckpointDirectory(path).committed_epochs() == []
     train_one(model, opt, 1)
     ck.save(1, state)
     at1 = {k: v.clone() for k, v in model.state_dict().items()}

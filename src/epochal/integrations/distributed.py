@@ -43,6 +43,7 @@ import os
 import signal
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, cast
 
@@ -224,6 +225,7 @@ class DistributedCheckpointer:
         self._last_save = time.monotonic()
         start = time.perf_counter_ns()
         sd, _ = self._dcp_state(state, None)
+        self._check_replicated(sd)
         writer = EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
                                       metrics=recorded or None)
         try:
@@ -359,6 +361,22 @@ class DistributedCheckpointer:
                            "(per-rank values are restored only at the world size they were saved with)",
                            self.directory, ", ".join(map(repr, skipped)), self.rank)
         return sd, after
+
+    def _check_replicated(self, sd: dict[str, Any]) -> None:
+        """Plain values are written once (one rank's): ValueError on every rank, naming them,
+        when they differ between ranks (before anything is written)."""
+        names = sorted(k for k, v in sd.items() if isinstance(v, Whole) and not k.startswith("__rank"))
+        if not self._dist or not names:
+            return
+        sums = [zlib.crc32(repr(sd[k].value).encode("utf-8", "backslashreplace")) for k in names]
+        hi, lo = self._all_max(sums), [-v for v in self._all_max([-v for v in sums])]
+        differ = [k for k, a, b in zip(names, hi, lo) if a != b]
+        if differ:
+            raise ValueError(
+                f"state {differ} differ between ranks: a value that is neither a tensor nor a module or "
+                "optimizer is saved once, as one rank's; make it the same on every rank (an all-reduced "
+                "loss, say) or name it in per_rank= (DistributedCheckpointer) to keep each rank's own"
+            )
 
     def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
         reader = EpochalStorageReader(self.directory, step=step)
