@@ -113,6 +113,18 @@ class Checkpointer:
     leaving ``with``) lets the lock go and restores the previous handler.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Checkpointer:
+        """Under torch.distributed with more than one rank, or on a directory written by ranks:
+        a DistributedCheckpointer (docs/distributed.md)."""
+        from .integrations.world import use_distributed
+
+        directory = args[0] if args else kwargs.get("directory")
+        if cls is Checkpointer and directory is not None and use_distributed(directory):
+            from .integrations.distributed import DistributedCheckpointer
+
+            return DistributedCheckpointer(*args, **kwargs)  # type: ignore[return-value]
+        return super().__new__(cls)
+
     def __init__(
         self,
         directory: str | os.PathLike[str],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class of every checkpoint problem epochal reports."""
@@ -22,6 +24,10 @@ class CheckpointCorruptError(CheckpointError):
         self.blob = blob
         where = f"{self.path}" + (f", blob {blob!r}" if blob is not None else "")
         super().__init__(f"{where}: {message}")
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (torch.distributed gathers errors)
+        return (type(self), (self.path, self.message, self.blob))
 
 
 class CheckpointVersionError(CheckpointCorruptError):

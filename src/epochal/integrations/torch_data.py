@@ -35,6 +35,12 @@ The position counts the indices handed to the loader, which with ``num_workers=0
 loop consumed. Worker processes fetch ahead (``prefetch_factor`` batches each), so with
 ``num_workers > 0`` use torchdata's ``StatefulDataLoader`` (its ``state_dict`` accounts for
 what was prefetched), and derive any per-sample randomness in workers from the sample index.
+
+Under ``torch.distributed``, ``ResumableSampler(ds, seed=0, num_replicas=world, rank=rank)``
+(the same ``seed`` on every rank) hands rank ``r`` the indices ``r, r + world, ...`` of the
+epoch's permutation, padded (from its start) to a multiple of ``world`` as
+``DistributedSampler`` does; its state is the epoch and this rank's position, so a resume in
+a later epoch continues that epoch's order (torchdata's distributed sampler forgets the epoch).
 """
 
 from __future__ import annotations
@@ -73,9 +79,14 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     ``load_state_dict()`` save and restore the position; see the module doc for the recipe.
     """
 
-    def __init__(self, data_source: Sized, *, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, data_source: Sized, *, shuffle: bool = True, seed: int = 0,
+                 num_replicas: int = 1, rank: int = 0) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1 \
+                or isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(f"need 0 <= rank < num_replicas, got rank={rank!r}, num_replicas={num_replicas!r}")
+        self.num_replicas, self.rank = num_replicas, rank
         self.data_source = data_source
         self.shuffle = bool(shuffle)
         self.seed = seed
@@ -84,23 +95,32 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self._pinned = False  # set_epoch named the current epoch: no rollover at the next iter
 
     def __len__(self) -> int:
-        return len(self.data_source)
+        """The indices of one epoch this rank hands out."""
+        n = len(self.data_source)
+        return -(-n // self.num_replicas) if n else 0
 
     def __repr__(self) -> str:
-        return (f"ResumableSampler(n={len(self)}, shuffle={self.shuffle}, seed={self.seed}, "
-                f"epoch={self.epoch}, position={self.position})")
+        replicas = f", rank={self.rank}/{self.num_replicas}" if self.num_replicas > 1 else ""
+        return (f"ResumableSampler(n={len(self.data_source)}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"epoch={self.epoch}, position={self.position}{replicas})")
 
     def order(self, epoch: int) -> list[int]:
-        """Every index of ``epoch``, in the order this sampler hands them out."""
+        """Every index of ``epoch`` this sampler (this rank) hands out, in order."""
         n = len(self.data_source)
         if not self.shuffle:
-            return list(range(n))
-        g = torch.Generator()
-        g.manual_seed(epoch_seed(self.seed, epoch))
-        return torch.randperm(n, generator=g).tolist()  # type: ignore[no-any-return]
+            every = list(range(n))
+        else:
+            g = torch.Generator()
+            g.manual_seed(epoch_seed(self.seed, epoch))
+            every = torch.randperm(n, generator=g).tolist()
+        if self.num_replicas == 1 or not every:
+            return every
+        total = len(self) * self.num_replicas
+        padded = (every * (total // n + 1))[:total]  # as DistributedSampler: repeat from the start
+        return padded[self.rank::self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        n = len(self.data_source)
+        n = len(self)
         if self.position >= n > 0 and not self._pinned:
             self.epoch, self.position = self.epoch + 1, 0  # the epoch was used up
         self._pinned = False
@@ -118,8 +138,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self._pinned = True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "shuffle": self.shuffle, "size": len(self.data_source)}
+        state = {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                 "shuffle": self.shuffle, "size": len(self.data_source)}
+        if self.num_replicas > 1:
+            state.update(num_replicas=self.num_replicas, rank=self.rank)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the saved position (and with the saved seed). ValueError, touching
@@ -138,8 +161,12 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"the sampler state is for {size} samples, the data set has {len(self.data_source)}")
         if state.get("shuffle") is not self.shuffle:
             raise ValueError(f"the sampler state has shuffle={state.get('shuffle')!r}, this sampler {self.shuffle}")
-        if position > size:
-            raise ValueError(f"the sampler state's position {position} is past the {size} samples")
+        replicas = (state.get("num_replicas", 1), state.get("rank", 0))
+        if replicas != (self.num_replicas, self.rank):
+            raise ValueError(f"the sampler state is rank {replicas[1]} of {replicas[0]}, this sampler is rank "
+                             f"{self.rank} of {self.num_replicas}")
+        if position > len(self):
+            raise ValueError(f"the sampler state's position {position} is past the {len(self)} samples")
         return epoch, position, seed
 
 

@@ -1,0 +1,373 @@
+"""``torch.distributed.checkpoint`` storage that writes epochal checkpoints.
+
+::
+
+    import torch.distributed.checkpoint as dcp
+    from epochal.integrations.dcp import EpochalStorageReader, EpochalStorageWriter
+
+    dcp.save(state_dict, storage_writer=EpochalStorageWriter("ckpt"))         # step: next
+    dcp.load(state_dict, storage_reader=EpochalStorageReader("ckpt"))         # step: newest
+
+One DCP save is one step of an epochal checkpoint directory: every rank writes the items
+DCP's planner gave it (its shards; a replicated tensor is written by one rank only) into
+one native db, ``<dir>/rank<r>.<step>`` (CRC-32C on every byte; temp file, fsync, rename),
+and reports its size and digest; the coordinator then writes DCP's metadata as strict JSON
+into ``<dir>/dcp.<step>`` and commits the step's manifest through
+:class:`~epochal.checkpoint.directory.DirectoryMetadataHandler` (under the directory's
+writer lock), only after every rank's db is durable. A save killed at any moment leaves no
+manifest, so the step does not exist; earlier steps are untouched.
+
+Loading reads the manifest and the metadata db (verified), lets DCP's planner match the saved
+chunks against the live ones (any world size, any sharding), and reads only the blobs of
+the chunks that overlap this rank's shards, each checked by checksum before its bytes reach
+a live tensor; a damaged byte is :class:`~epochal.errors.CheckpointCorruptError` naming the
+file and the item. Non-tensor items are encoded by epochal's codecs, never pickled (see
+:mod:`.planners`); nothing on the load path unpickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ...checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler
+from ...checkpoint.metadata import DbReport
+from ...checkpoint.naming import split_db_file
+from ...errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsupportedBlobError,
+)
+from ...storage.codecs import LOAD_OPTIONS
+from ...storage.native.reader import NativeFile, stat_native
+from ...storage.native.writer import write_native
+from .. import world as _world
+from ..torch import dtype_name
+from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
+from .planners import item_value, set_value
+
+__all__ = ["META_BLOB", "META_NODE", "EpochalStorageReader", "EpochalStorageWriter", "rank_node"]
+
+#: the node whose db holds a step's DCP metadata (``<dir>/dcp.<step>``)
+META_NODE = _world.META_NODE
+#: the blob of that db holding the metadata JSON
+META_BLOB = "metadata"
+
+
+def rank_node(rank: int) -> str:
+    """The node name of rank ``rank``'s db: ``rank0``, ``rank1``, ..."""
+    return f"rank{int(rank)}"
+
+
+def chunk_blob(fqn: str, offsets: Sequence[int] | None) -> str:
+    """The blob name of a saved item: the FQN, and for a tensor chunk its offsets
+    (``layer.weight@0,16``)."""
+    return fqn if offsets is None else f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """What the coordinator tells each rank: the step and the rank's node name."""
+
+    step: int
+    node: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """A rank's WriteResult storage_data: where the item went and what the rank says of its db."""
+
+    location: ItemLocation
+    report: DbReport
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class EpochalStorageWriter(StorageWriter):
+    """A DCP storage writer of epochal checkpoints (see the module doc).
+
+    ``path``: the checkpoint directory (created). ``step``: the step this save commits;
+    None: one more than the newest committed step (0 in an empty directory). A step that is
+    already committed is refused. ``handler``: the :class:`DirectoryMetadataHandler` that
+    commits (its retention applies); None: a default one, keeping every step. ``lock``: the
+    coordinator takes the directory's writer lock for the commit (False when the caller
+    holds it already, as a Checkpointer does). ``metrics``: numbers recorded in the manifest."""
+
+    def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
+                 handler: DirectoryMetadataHandler | None = None, lock: bool = True,
+                 metrics: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.metrics = metrics
+        self.path = os.fspath(path)
+        self.step = None if step is None else int(step)
+        self.handler = handler
+        self.lock = bool(lock)
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        #: after a save: the step it committed (on the coordinator)
+        self.committed: int | None = None
+        self._step: int | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._step = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise CheckpointError("EpochalStorageWriter: saves without collectives (rank-local metadata) "
+                                  "cannot be committed as one step; use the default use_collectives=True")
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        os.makedirs(self.path, exist_ok=True)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        committed = CheckpointDirectory(self.path).committed_epochs()
+        step = self.step if self.step is not None else (committed[-1] + 1 if committed else 0)
+        if step in committed:
+            raise CheckpointError(f"{self.path}: step {step} is already committed (a DCP save never replaces one)")
+        return [dataclasses.replace(p, storage_data=_Target(step, rank_node(i))) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target = plan.storage_data
+        if not isinstance(target, _Target):
+            raise CheckpointError("EpochalStorageWriter.write_data: the plan did not come from prepare_global_plan")
+        self._step = target.step
+        blobs: dict[str, Any] = {}
+        placed: list[tuple[MetadataIndex, str, int]] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                name = chunk_blob(item.index.fqn, None)
+                value = item_value(planner, item)
+                nbytes = 0
+            else:
+                assert item.tensor_data is not None
+                name = chunk_blob(item.index.fqn, item.tensor_data.chunk.offsets)
+                value = planner.resolve_data(item)
+                if not isinstance(value, torch.Tensor):
+                    raise UnsupportedBlobError(f"DCP item {item.index.fqn!r}: the planner gave a "
+                                               f"{type(value).__name__}, not a tensor")
+                value = value.detach()
+                nbytes = value.numel() * value.element_size()
+            if name in blobs:
+                raise CheckpointError(f"DCP items {name!r}: two items of one save have the same blob name")
+            blobs[name] = value
+            placed.append((item.index, name, nbytes))
+        if not blobs:
+            return _done([])
+        db = CheckpointDirectory(self.path).db_path(target.node, target.step)
+        write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
+        st = stat_native(db)
+        report = DbReport(st.file_bytes, st.digest)
+        file = os.path.basename(db)
+        return _done([
+            WriteResult(index=idx, size_in_bytes=nbytes,
+                        storage_data=_Written(ItemLocation(file, name, 0, nbytes), report))
+            for idx, name, nbytes in placed
+        ])
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator, after every rank's write_data returned (its db durable): write
+        the metadata db and commit the step's manifest."""
+        storage: dict[MetadataIndex, ItemLocation] = {}
+        reports: dict[str, DbReport] = {}
+        step = self._step
+        for rank_results in results:
+            for r in rank_results:
+                w = r.storage_data
+                assert isinstance(w, _Written)
+                storage[r.index] = w.location
+                node, ep = split_db_file(w.location.db) or ("", -1)
+                reports[node] = w.report
+                step = ep
+        if step is None:
+            raise CheckpointError("EpochalStorageWriter.finish: no step was planned")
+        metadata.storage_data = storage
+        d = CheckpointDirectory(self.path)
+        meta_db = d.db_path(META_NODE, step)
+        write_native(meta_db, {META_BLOB: metadata_to_json(metadata, self.save_id)})
+        st = stat_native(meta_db)
+        reports[META_NODE] = DbReport(st.file_bytes, st.digest)
+        commit_step(self.path, step, reports, self.handler, self.lock, self.metrics)
+        self.committed = step
+
+
+def commit_step(path: str, step: int, reports: dict[str, DbReport],
+                handler: DirectoryMetadataHandler | None = None, lock: bool = True,
+                metrics: dict[str, Any] | None = None) -> None:
+    """Commit ``step`` of ``path`` over the dbs of ``reports`` (node -> what its writer said
+    of it, every one durable): the manifest, then the handler's retention."""
+    h = handler if handler is not None else DirectoryMetadataHandler()
+    h.set_params(db_prefix=path, db_type="native", node_names=sorted(reports), path_prefix=None, path_type=None)
+    if lock:
+        h.acquire_lock()
+    try:
+        h.report_dbs(step, reports)
+        h.write(step, metrics=metrics or None)
+    finally:
+        if lock:
+            h.release_lock()
+
+
+class EpochalStorageReader(StorageReader):
+    """A DCP storage reader of epochal checkpoints (see the module doc). ``step``: the step
+    to load; None: the newest committed step written by :class:`EpochalStorageWriter`."""
+
+    def __init__(self, path: str | os.PathLike[str], step: int | None = None) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.step = None if step is None else int(step)
+        self.storage_data: dict[MetadataIndex, ItemLocation] = {}
+        #: after read_metadata: the step being loaded
+        self.loaded_step: int | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.storage_data = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
+
+    def _choose_step(self, d: CheckpointDirectory) -> int:
+        if self.step is not None:
+            if self.step not in d.committed_epochs():
+                raise CheckpointNotFoundError(f"{self.path}: step {self.step} is not committed")
+            return self.step
+        for step in reversed(d.committed_epochs()):
+            if META_NODE in d.read_manifest(step).nodes:
+                return step
+        raise CheckpointNotFoundError(f"{self.path}: no committed DCP checkpoint")
+
+    def read_metadata(self) -> Metadata:  # (no **kwargs: DCP's rank-local metadata is not ours)
+        d = CheckpointDirectory(self.path)
+        step = self._choose_step(d)
+        manifest = d.read_manifest(step)
+        if META_NODE not in manifest.nodes:
+            raise CheckpointNotFoundError(f"{d.manifest_path(step)}: step {step} was not written by DCP")
+        db = d.db_path(META_NODE, step)
+        with NativeFile(db, mmap=False) as f:
+            text = f.read([META_BLOB])[META_BLOB]
+        if not isinstance(text, str):
+            raise CheckpointCorruptError(db, "the DCP metadata is not a str", META_BLOB)
+        md = metadata_from_json(text, db)
+        for loc in md.storage_data.values():
+            split = split_db_file(loc.db) if os.path.basename(loc.db) == loc.db else None
+            if split is None or split[1] != step or split[0] not in manifest.nodes:
+                raise CheckpointCorruptError(db, f"DCP metadata names db {loc.db!r}, not one of step {step}'s",
+                                             META_BLOB)
+        self.loaded_step = step
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = dict(metadata.storage_data or {})
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the blobs of the saved chunks that ``plan``'s items overlap (each once,
+        checksum-verified before any live tensor is written), then copy each item's region."""
+        wanted: dict[str, dict[str, list[ReadItem]]] = defaultdict(lambda: defaultdict(list))
+        for item in plan.items:
+            loc = self.storage_data.get(item.storage_index)
+            if loc is None:
+                raise CheckpointCorruptError(self.path, f"the DCP metadata has no storage for item "
+                                             f"{item.storage_index.fqn!r} at {item.storage_index.offset}")
+            wanted[loc.db][loc.blob].append(item)
+        token = LOAD_OPTIONS.set({"map_location": "cpu", "where": f"DCP checkpoint {self.path}"})
+        try:
+            for file in sorted(wanted):
+                path = os.path.join(self.path, file)
+                if not os.path.exists(path):
+                    raise CheckpointNotFoundError(f"{path}: the db of DCP items "
+                                                  f"{sorted(wanted[file])[:3]} does not exist")
+                with NativeFile(path, mmap=False) as f:
+                    for blob, items in wanted[file].items():
+                        _read_blob(f, blob, items, planner)
+        finally:
+            LOAD_OPTIONS.reset(token)
+        return _done(None)
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The region ``offsets`` .. ``offsets + lengths`` of ``t`` (a view)."""
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.size(dim):
+            t = t.narrow(dim, int(o), int(n))
+    return t
+
+
+def _read_blob(f: NativeFile, blob: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+    """Read one saved item (verified) and hand each of ``items`` its part."""
+    first = items[0]
+    if first.type == LoadItemType.BYTE_IO:
+        value = f.read([blob])[blob]
+        for item in items:
+            set_value(planner, item, value)
+        return
+    if len(items) == 1 and not any(first.storage_offsets):
+        target = planner.resolve_tensor(first).detach()
+        info = f.info(blob)
+        if target.size() == first.lengths and info.shape == tuple(first.lengths) and \
+                info.dtype == dtype_name(target.dtype):
+            # the whole chunk into the whole target: read straight into it once verified
+            f.read([blob], existing={blob: target})
+            planner.commit_tensor(first, target)
+            return
+    saved = f.read([blob])[blob]
+    if not isinstance(saved, torch.Tensor):
+        raise CheckpointCorruptError(f.path, "a DCP tensor chunk holds no tensor", blob)
+    for item in items:
+        part = _narrow(saved, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != part.size():
+            raise CheckpointCorruptError(f.path, f"DCP item {item.dest_index.fqn!r}: saved region "
+                                         f"{tuple(part.size())} does not fit {tuple(target.size())}", blob)
+        target.copy_(part)
+        planner.commit_tensor(item, target)

@@ -1,0 +1,47 @@
+"""Which Checkpointer a process needs, decided without importing torch.
+
+:class:`epochal.Checkpointer` asks :func:`use_distributed`: a process of a ``torch.distributed``
+group of more than one rank, or one process opening a directory whose newest step was written
+by ranks (``epochal.integrations.dcp``'s layout: ``rank<r>.<step>`` and ``dcp.<step>``), gets
+:class:`~epochal.integrations.distributed.DistributedCheckpointer`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..checkpoint.view import CheckpointDirectory
+from ..errors import CheckpointError
+
+__all__ = ["distributed_world", "use_distributed", "written_by_ranks"]
+
+#: the node of a ranks-written step's DCP metadata db (epochal.integrations.dcp.META_NODE)
+META_NODE = "dcp"
+
+
+def distributed_world() -> int:
+    """The world size of an initialized default process group; 1 without one (torch is
+    looked at only when the process already imported ``torch.distributed``)."""
+    td = sys.modules.get("torch.distributed")
+    if td is None or not td.is_available() or not td.is_initialized():
+        return 1
+    return int(td.get_world_size())
+
+
+def written_by_ranks(directory: str | os.PathLike[str]) -> bool:
+    """Whether the newest committed step of a local ``directory`` was written by ranks."""
+    path = os.fspath(directory)
+    if "://" in path or not os.path.isdir(path):
+        return False
+    try:
+        d = CheckpointDirectory(path)
+        steps = d.committed_epochs()
+        return bool(steps) and META_NODE in d.read_manifest(steps[-1]).nodes
+    except (CheckpointError, OSError, ValueError):
+        return False
+
+
+def use_distributed(directory: str | os.PathLike[str]) -> bool:
+    """A DistributedCheckpointer is needed for ``directory`` in this process."""
+    return distributed_world() > 1 or written_by_ranks(directory)

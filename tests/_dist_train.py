@@ -1,0 +1,94 @@
+"""One rank of a small DDP training run with epochal's Checkpointer (tests/test_distributed.py
+starts two, kills them with SIGKILL and reruns them). Args: checkpoint dir, output JSON
+prefix, total steps. Env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun sets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import epochal
+from epochal.integrations.torch import ResumableSampler
+
+
+def batches(sampler: ResumableSampler, size: int):  # type: ignore[no-untyped-def]
+    buf = []
+    for i in sampler:
+        buf.append(i)
+        if len(buf) == size:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def bits_hex(t: torch.Tensor) -> str:
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+
+
+def main() -> int:
+    ckpt, out, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.5)
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g)
+    sampler = ResumableSampler(range(40), seed=0, num_replicas=2, rank=rank)  # each rank its share
+    torch.manual_seed(100 + rank)  # per-rank dropout masks
+    state = {"model": ddp, "opt": opt, "sched": sched, "sampler": sampler, "rng": epochal.RNGState(),
+             "step": 0, "epoch": 0, "losses": []}
+    with epochal.Checkpointer(ckpt, keep_last=2) as ck:
+        assert type(ck).__name__ == "DistributedCheckpointer", type(ck)
+        got = ck.restore(state)
+        print(f"rank {rank} resumed {got} pid {os.getpid()}", flush=True)
+        while state["step"] < total:
+            sampler.set_epoch(state["epoch"])
+            for idx in batches(sampler, 8):
+                loss = ((ddp(xs[idx]) - ys[idx]) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+                state["step"] += 1
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)  # the logged loss is the same on every rank (a plain value)
+                state["losses"] = [*state["losses"], round(float(mean) / 2, 6)]
+                time.sleep(0.03)
+                if ck.due(state["step"], every=3) or state["step"] == total:
+                    ck.save(state["step"], state)
+                if ck.preempted:  # every rank saved this step: leave, not finished
+                    print(f"rank {rank} preempted at {state['step']}", flush=True)
+                    dist.destroy_process_group()
+                    return 143
+                if state["step"] == total:
+                    break
+            else:
+                state["epoch"] += 1
+    final = {k: bits_hex(v) for k, v in model.state_dict().items()}
+    final.update({f"opt.{i}.{k}": bits_hex(v) for i, s in opt.state_dict()["state"].items()
+                  for k, v in s.items()})
+    final["rng"] = bits_hex(torch.get_rng_state())
+    final["sampler"] = json.dumps(sampler.state_dict())
+    final["lr"] = repr(sched.get_last_lr())
+    final["losses"] = json.dumps(state["losses"])
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(final, f)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("EPOCHAL_QUIET", "1")
+    sys.exit(main())
