@@ -17,6 +17,12 @@ import epochal
 from epochal.integrations.torch import ResumableSampler
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks share torchrun's stdout, and print() writes the text
+    and its newline apart, so two ranks' lines could run together."""
+    os.write(1, (line + "\n").encode())
+
+
 def batches(sampler: ResumableSampler, size: int):  # type: ignore[no-untyped-def]
     buf = []
     for i in sampler:
@@ -52,7 +58,7 @@ def main() -> int:
     with epochal.Checkpointer(ckpt, keep_last=2) as ck:
         assert type(ck).__name__ == "DistributedCheckpointer", type(ck)
         got = ck.restore(state)
-        print(f"rank {rank} resumed {got} pid {os.getpid()}", flush=True)
+        say(f"rank {rank} resumed {got} pid {os.getpid()}")
         while state["step"] < total:
             sampler.set_epoch(state["epoch"])
             for idx in batches(sampler, 8):
@@ -69,7 +75,7 @@ def main() -> int:
                 if ck.due(state["step"], every=3) or state["step"] == total:
                     ck.save(state["step"], state)
                 if ck.preempted:  # every rank saved this step: leave, not finished
-                    print(f"rank {rank} preempted at {state['step']}", flush=True)
+                    say(f"rank {rank} preempted at {state['step']}")
                     dist.destroy_process_group()
                     return 143
                 if state["step"] == total:
