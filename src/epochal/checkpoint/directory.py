@@ -109,8 +109,8 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
     docs/remote.md): ``storage_options`` go to fsspec; the records are objects at the URL
     (one per stats report), the commit uses the sizes and digests the nodes reported
     (:meth:`report_dbs`), resume checks sizes and digests only (each node's load verifies
-    every checksum), and the writer lock is a lease of ``lease_seconds``, renewed at each
-    commit (:mod:`.lease`). ``mirror_from_nodes`` (default False): each node uploads its own
+    every checksum), and the writer lock is a fenced lease of ``lease_seconds`` (default 60),
+    renewed in the background and proved before each save and commit (:mod:`.lease`). ``mirror_from_nodes`` (default False): each node uploads its own
     db to the mirror in its save task, the driver only the manifest (for machines that share
     no disk; the save then waits for the upload), see :meth:`node_push_target`.
     """
@@ -303,9 +303,9 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             keep_best=keep_best_record(self.policy),
         )
         d.records.makedirs(d.records_dir)
+        self._fence()  # a job that lost the lease stops here, before writing (CheckpointLockedError)
         self._write_manifest(d.manifest_path(epoch), manifest)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
-        self._renew_lock()
         try:
             self.apply_retention(epoch)
         except Exception as ex:  # retention must never undo a commit
@@ -331,6 +331,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         A no is logged as a warning with the reason."""
         d = self._dir()
         if d.records.remote:
+            self._fence()  # a job that lost the lease writes no db over the new holder's
             return True  # object storage: no folder to make, no free space to measure
         return room.writable(d) and room.fits(d, *self._space_needed())
 
@@ -339,7 +340,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         """Take the directory's writer lock (``.epochal/lock``) for a run: JobRunner.train
         calls this right after ``set_params`` and :meth:`release_lock` when it ends. A second
         writer gets CheckpointLockedError naming the holder; see :mod:`.lock`. At a URL it is
-        the lease ``.epochal/lease.json`` (see :mod:`.lease`), renewed at each commit."""
+        the lease ``.epochal/lease.json`` (see :mod:`.lease`), renewed in the background."""
         d = self._dir()
         path = os.path.join(d.records_dir, LOCK_FILE)
         if self._lock is not None and self._lock_path != path:
@@ -375,6 +376,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             d = self._dir()
             manifest = d.read_manifest(int(epoch))
             if not manifest.final:
+                self._fence()
                 self._write_manifest(d.manifest_path(int(epoch)), dataclasses.replace(manifest, final=True))
                 if self.mirror is not None:
                     self._mirror_call(self._push_final, int(epoch))
@@ -491,12 +493,11 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         the commit then records these and never opens a node's file."""
         self._reported[int(epoch)] = dict(dbs)
 
-    def _renew_lock(self) -> None:
+    def _fence(self) -> None:
+        """Prove this job still holds the writer lock before it writes (renews a lease;
+        CheckpointLockedError naming the new holder when another job took it over)."""
         if self._lock is not None:
-            try:
-                self._lock.renew()
-            except Exception as ex:  # the commit stands; the next one retries
-                logger.warning("Cannot renew the writer lease of %s: %s", self.location(), ex)
+            self._lock.fence()
 
 
 __all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy", "best_of_directory"]

@@ -120,6 +120,10 @@ class WriterLock:
         """A flock lasts as long as its process: nothing to renew (a lease's counterpart)."""
         return None
 
+    def fence(self) -> None:
+        """A held flock cannot be taken over: nothing to prove (a lease's counterpart)."""
+        return None
+
     def release(self) -> None:
         """Let the lock go (the file stays, emptied: removing it could race a new holder)."""
         fd, self._fd = self._fd, None

@@ -50,6 +50,11 @@ class RecordLock(Protocol):
 
     def renew(self) -> None: ...
 
+    def fence(self) -> None:
+        """Prove the lock is still held right before a write (CheckpointLockedError naming
+        the new holder when it was taken over; a no-op for flock, held until the process ends)."""
+        ...
+
     def release(self) -> None: ...
 
 
@@ -245,23 +250,6 @@ class UrlRecords:
             raise _named(ex, path) from ex
         fs.invalidate_cache(p.rsplit("/", 1)[0])
 
-    def create_new(self, path: str, data: bytes) -> bool:
-        """Write ``path`` only when it does not exist (a conditional PUT where the store has
-        one); False when it exists already."""
-        fs, p = self._fs(path)
-        try:
-            fs.pipe_file(p, bytes(data), mode="create")
-        except FileExistsError:
-            return False
-        except (TypeError, NotImplementedError, ValueError):  # no conditional writes here
-            if fs.exists(p):
-                return False
-            self.write(path, data)
-        except OSError as ex:
-            raise _named(ex, path) from ex
-        fs.invalidate_cache(p.rsplit("/", 1)[0])
-        return True
-
     def delete(self, path: str) -> bool:
         fs, p = self._fs(path)
         try:
@@ -321,9 +309,11 @@ class UrlRecords:
         return out
 
     def writer_lock(self, path: str, seconds: float) -> RecordLock:
+        from ..storage.io.conditional import conditional_for
         from .lease import Lease
 
-        return Lease(self, path.rsplit("/", 1)[0] + "/lease.json", seconds)
+        lease_path = path.rsplit("/", 1)[0] + "/lease.json"
+        return Lease(conditional_for(lease_path), lease_path, seconds)
 
 
 def _named(ex: OSError, path: str) -> OSError:

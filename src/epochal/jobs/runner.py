@@ -30,6 +30,7 @@ from ..errors import (
     BlobMismatchError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointLockedError,
     MissingBlobError,
     NodeLostError,
     Preempted,
@@ -48,7 +49,7 @@ logger = logging.getLogger("epochal")
 DEFAULT_DISPLAY = "epochal.progress:TerminalProgress"
 
 #: errors about the values themselves: no retry can make such a save succeed
-FATAL_SAVE_ERRORS = (UnsupportedBlobError, MissingBlobError, BlobMismatchError)
+FATAL_SAVE_ERRORS = (UnsupportedBlobError, MissingBlobError, BlobMismatchError, CheckpointLockedError)
 
 
 def _quiet() -> bool:
