@@ -350,6 +350,11 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             self._lock, self._lock_path = d.records.writer_lock(path, self.lease_seconds), path
         d.records.makedirs(d.records_dir)
         self._lock.acquire()
+        if d.records.remote and self.clean_temp:  # the holder alone may remove dead uploads
+            try:
+                cleanup.clean_temp_keys(d)
+            except OSError as ex:
+                logger.warning("Cannot remove leftover uploads at %s: %s", d.db_dir, ex)
 
     def release_lock(self) -> None:
         """Let the writer lock go (no-op when not held)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import CheckpointLockedError
 from ..storage import atomic
+from ..storage.atomic import pid_alive  # noqa: F401 - its home was here
 
 logger = logging.getLogger("epochal")
 
@@ -34,19 +35,6 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists on this machine (zombies count as alive)."""
-    if pid <= 0:
-        return True  # never treat a nonsense pid as dead
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 class WriterLock:
