@@ -70,7 +70,8 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
     # leftovers of saves that never committed (or of a delete that was interrupted)
     valid = set(committed)
     for epoch, dbs in on_disk.items():
-        if epoch < newest and epoch not in valid and epoch not in pins:
+        if epoch < newest and epoch not in valid and epoch not in pins and (
+                epoch in manifests or not d.records.exists(d.manifest_path(epoch))):  # asked afresh
             if epoch in manifests:
                 d.records.delete(d.manifest_path(epoch))
             for path in dbs.values():

@@ -51,6 +51,7 @@ from .manifest import (
 from .metadata import BaseMetadataHandler, DbReport, PushTarget
 from .mirror_sync import MirrorSync
 from .naming import RECORDS_DIR  # noqa: F401 - re-exported (its old home)
+from .record_cache import CachedRecords
 from .records import STATS_FILE, RecordLock  # noqa: F401
 from .records import read_local_record as read_record  # noqa: F401 - its old home
 from .retention import RetentionPolicy
@@ -350,6 +351,8 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             self._lock, self._lock_path = d.records.writer_lock(path, self.lease_seconds), path
         d.records.makedirs(d.records_dir)
         self._lock.acquire()
+        if d.records.remote and not isinstance(d.records, CachedRecords):
+            d.records = CachedRecords(d.records)  # the lease holder's: commits cost O(1) requests
         if d.records.remote and self.clean_temp:  # the holder alone may remove dead uploads
             try:
                 cleanup.clean_temp_keys(d)
@@ -360,6 +363,8 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         """Let the writer lock go (no-op when not held)."""
         if self._lock is not None:
             self._lock.release()
+        if self.directory is not None and isinstance(self.directory.records, CachedRecords):
+            self.directory.records = self.directory.records.inner  # trusted only while held
 
     def location(self) -> str | None:
         """The checkpoint directory (None before ``set_params``)."""
