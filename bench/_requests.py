@@ -37,10 +37,14 @@ class Requests:
 
 
 @contextlib.contextmanager
-def count_requests(exclude: tuple[str, ...] = ()) -> Iterator[Requests]:
+def count_requests(exclude: tuple[str, ...] = (), latency: float = 0.0) -> Iterator[Requests]:
     """Count every S3 request made in this process inside the block (every thread, every
     filesystem instance). ``exclude``: key substrings not counted (say ``"lease.json"``, for
-    the background renewals of a lease)."""
+    the background renewals of a lease). ``latency``: seconds added before each request (a
+    real store's round trip; an ``asyncio.sleep``, so requests in flight overlap as they do
+    on a network)."""
+    import asyncio
+
     import s3fs
 
     seen = Requests()
@@ -50,6 +54,8 @@ def count_requests(exclude: tuple[str, ...] = ()) -> Iterator[Requests]:
         key = str(kwargs.get("Key", "")) + str(kwargs.get("Prefix", ""))
         if not any(x in key for x in exclude):
             seen.add(method)
+        if latency > 0:
+            await asyncio.sleep(latency)
         return await real(self, method, *args, **kwargs)
 
     s3fs.S3FileSystem._call_s3 = counted  # type: ignore[method-assign]

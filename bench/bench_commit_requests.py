@@ -147,14 +147,75 @@ def run(steps: int, commits: int, opts: dict[str, Any], tools: bool, verify: boo
     return out
 
 
+def paired(steps: int, rounds: int, latency: float, opts: dict[str, Any]) -> dict[str, Any]:
+    """``epochal ls``, ``stats`` and a resume at ``steps`` steps with ``latency`` seconds added
+    to each request: one request at a time vs ``PARALLEL_REQUESTS`` at a time, alternating
+    (the order flips every round); medians of the per-round ratios sequential / parallel."""
+    from epochal.checkpoint import record_cache
+    from epochal.cli.records import list_prefix, stats_prefix
+
+    url = f"s3://bench/paired-{steps}-{os.getpid()}-{time.time_ns()}"
+    set_storage_options(url, opts)
+    _fill(url, steps)
+    fs, root = filesystem_for(url)
+    parallel = record_cache.PARALLEL_REQUESTS
+
+    def resume() -> None:
+        h = ep.DirectoryMetadataHandler(storage_options=opts)
+        h.set_params(url, "native", [NODE])
+        h.acquire_lock()
+        assert h.resume_epoch() == steps - 1
+        h.release_lock()
+
+    def listing() -> None:
+        fs.invalidate_cache()
+        fs.ls(root + "/.epochal", detail=True, refresh=True)
+
+    jobs = {"ls": lambda: list_prefix(url), "stats": lambda: stats_prefix(url), "resume": resume,
+            "listing": listing}
+    times: dict[tuple[str, int], list[float]] = {}
+    for r in range(rounds):
+        for workers in ((1, parallel) if r % 2 == 0 else (parallel, 1)):
+            record_cache.PARALLEL_REQUESTS = workers
+            for name, fn in jobs.items():
+                with count_requests(latency=latency):
+                    t = time.perf_counter()
+                    fn()
+                    times.setdefault((name, workers), []).append(time.perf_counter() - t)
+    record_cache.PARALLEL_REQUESTS = parallel
+    out: dict[str, Any] = {"steps": steps}
+    for name in jobs:
+        seq, par = times[(name, 1)], times[(name, parallel)]
+        out[name] = (statistics.median(seq), statistics.median(par),
+                     statistics.median(s / p for s, p in zip(seq, par)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", default="10,1000,5000", help="comma-separated step counts")
     ap.add_argument("--commits", type=int, default=4, help="commits measured per step count")
     ap.add_argument("--no-tools", action="store_true", help="skip ls/stats/verify")
     ap.add_argument("--verify-max", type=int, default=1000, help="run verify (reads every db) up to this many steps")
+    ap.add_argument("--paired", type=int, default=0, metavar="STEPS",
+                    help="instead: ls/stats/resume at STEPS steps, one request at a time vs in parallel")
+    ap.add_argument("--latency-ms", type=float, default=20.0, help="with --paired: added to each request")
+    ap.add_argument("--rounds", type=int, default=3, help="with --paired")
     args = ap.parse_args()
     server, opts = _server()
+    if args.paired:
+        try:
+            got = paired(args.paired, args.rounds, args.latency_ms / 1000, opts)
+        finally:
+            server.terminate()
+            server.wait()
+        print(f"{got['steps']} steps, {args.latency_ms:g} ms added per request, N = {args.rounds} rounds")
+        print("| what | one at a time s | parallel s | ratio (median of pairs) |")
+        print("|---|---:|---:|---:|")
+        for name in ("ls", "stats", "resume", "listing"):
+            seq, par, ratio = got[name]
+            print(f"| {name} | {seq:.2f} | {par:.2f} | {ratio:.2f} |")
+        return
     try:
         rows = []
         for s in args.steps.split(","):

@@ -107,6 +107,9 @@ def test_a_writer_that_lost_the_lease_stops_before_its_next_commit(
     assert CheckpointDirectory(url).manifest_epochs() == [0, 1]
     with pytest.raises(CheckpointLockedError):  # nor does it start another save
         a.cp_accessible()
+    with pytest.raises(CheckpointLockedError):  # nor rewrite the pins
+        a.pin(0)
+    assert CheckpointDirectory(url).pins() == set()
     with pytest.raises(CheckpointLockedError):  # ... or overwrite B's manifest
         a.write(1)
     assert CheckpointDirectory(url).manifest(1) == m1
@@ -118,6 +121,11 @@ def test_a_writer_that_lost_the_lease_stops_before_its_next_commit(
         _handler(url, opts).acquire_lock()
     b.write(1)  # B goes on committing
     b.release_lock()
+    assert not _exists(_lease_url(url))
+    a.acquire_lock()  # once B is done, A may run again (a new attempt, by the same rules)
+    assert _read(_lease_url(url))["token"] == a._lock.token  # type: ignore[union-attr]
+    a.write(2)
+    a.release_lock()
     assert not _exists(_lease_url(url))
 
 
@@ -346,3 +354,35 @@ def test_a_failed_read_of_the_lease_is_an_error_not_a_takeover(
         _handler(url, opts).acquire_lock()
     monkeypatch.undo()
     assert _read(_lease_url(url))["host"] == "elsewhere"  # untouched
+
+
+def test_an_s3_store_that_refuses_conditional_requests_falls_back_with_a_warning(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"s3://ckpts/lease-{secrets.token_hex(4)}/run"
+    set_storage_options(url, s3)
+
+    def refused(self: Any, path: str, data: bytes, condition: dict[str, str]) -> str | None:
+        raise OSError(95, "NotImplemented: A header you provided implies functionality that is not implemented")
+
+    monkeypatch.setattr(conditional.ConditionalObjects, "_s3_put", refused)
+    fs, _ = filesystem_for(url)
+    real_call = fs.call_s3
+
+    def call_s3(method: str, *a: Any, **k: Any) -> Any:
+        if "IfMatch" in k:
+            raise OSError(95, "NotImplemented")
+        return real_call(method, *a, **k)
+
+    monkeypatch.setattr(fs, "call_s3", call_s3)
+    h = _handler(url, s3)
+    with caplog.at_level(logging.WARNING, logger="epochal"):
+        h.acquire_lock()
+    assert "refuses conditional requests" in caplog.text and "best effort" in caplog.text
+    assert _read(_lease_url(url))["pid"] == os.getpid()
+    with pytest.raises(CheckpointLockedError):  # still one writer in this process
+        _handler(url, s3).acquire_lock()
+    _save_db(url, 0)
+    h.write(0)  # fenced by read-compare-write
+    h.release_lock()
+    assert not _exists(_lease_url(url))

@@ -477,6 +477,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
 
     def _update_pins(self, add: set[int], remove: set[int]) -> None:
         d = self._dir()
+        self._fence()  # a job that lost the lease does not rewrite the new holder's pins
         pins = (d.pins() | add) - remove
         d.records.makedirs(d.records_dir)
         data = {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)}

@@ -159,8 +159,7 @@ class Lease:
         if self.held:
             self.fence()
             return
-        if self._lost is not None:
-            raise CheckpointLockedError(self.path, self._lost)
+        self._lost = None  # a new attempt (say a second train() after losing it): by the rules below
         for _ in range(5):
             got = self.objects.get(self.path)
             if got is None:

@@ -66,10 +66,10 @@ class CachedRecords:
     remote = True
 
     def __init__(self, inner: RecordStore, *, sizes_from_listing: bool = False,
-                 workers: int = PARALLEL_REQUESTS) -> None:
+                 workers: int | None = None) -> None:
         self.inner = inner
         self.sizes_from_listing = bool(sizes_from_listing)
-        self.workers = max(1, int(workers))
+        self.workers = max(1, int(workers if workers is not None else PARALLEL_REQUESTS))
         self._lock = threading.Lock()
         self._listings: dict[str, dict[str, tuple[str, int | None]]] = {}  # folder -> name -> (path, size)
         self._data: dict[str, bytes] = {}

@@ -219,12 +219,14 @@ def _serial(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
 
 
 def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-    """``[fn(x) for x in items]``, 16 at a time (requests to object storage), in order."""
-    if len(items) <= 1:
-        return _serial(fn, items)
+    """``[fn(x) for x in items]``, several at a time (requests to object storage), in order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(min(16, len(items))) as pool:
+    from ..checkpoint.record_cache import PARALLEL_REQUESTS
+
+    if len(items) <= 1 or PARALLEL_REQUESTS <= 1:
+        return _serial(fn, items)
+    with ThreadPoolExecutor(min(PARALLEL_REQUESTS, len(items))) as pool:
         return list(pool.map(fn, items))
 
 

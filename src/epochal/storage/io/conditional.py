@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ from typing import Any
 from .fsspec_store import filesystem_for
 
 __all__ = ["ConditionalObjects", "Versioned", "conditional_for"]
+
+logger = logging.getLogger("epochal")
 
 _fallback_lock = threading.Lock()
 
@@ -38,6 +41,20 @@ class Versioned:
 
     data: bytes
     version: str
+
+
+def _not_implemented(ex: BaseException) -> bool:
+    """True when the store refuses conditional requests (an S3 look-alike without them)."""
+    seen: BaseException | None = ex
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            if (response.get("Error") or {}).get("Code") in ("NotImplemented", "501"):
+                return True
+            if (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 501:
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return "NotImplemented" in str(ex) or "not implemented" in str(ex).lower()
 
 
 def _precondition_failed(ex: BaseException) -> bool:
@@ -86,7 +103,8 @@ class ConditionalObjects:
             try:
                 return self._s3_put(path, data, {"IfNoneMatch": "*"})
             except OSError as ex:
-                raise _named(ex, url) from ex
+                if not self._refused(ex, url):
+                    raise _named(ex, url) from ex
         with _fallback_lock:
             if self.fs.exists(path):
                 return None
@@ -100,6 +118,9 @@ class ConditionalObjects:
                 return self._s3_put(path, data, {"IfMatch": version})
             except FileNotFoundError:  # deleted meanwhile: the condition did not hold
                 return None
+            except OSError as ex:
+                if not self._refused(ex, url):
+                    raise
         with _fallback_lock:
             current = self.get(url)
             if current is None or current.version != version:
@@ -118,10 +139,12 @@ class ConditionalObjects:
             except OSError as ex:
                 if _precondition_failed(ex):
                     return False
-                raise
+                if not self._refused(ex, url):
+                    raise
+            else:
+                return True
             finally:
                 self.fs.invalidate_cache(path)
-            return True
         with _fallback_lock:
             current = self.get(url)
             if current is None or current.version != version:
@@ -133,6 +156,15 @@ class ConditionalObjects:
             finally:
                 self.fs.invalidate_cache(path)
             return True
+
+    def _refused(self, ex: OSError, url: str) -> bool:
+        """The store does not do conditional requests: from now on read-compare-write."""
+        if not _not_implemented(ex):
+            return False
+        logger.warning("%s refuses conditional requests (%s): the lease there is best effort "
+                       "(see docs/remote.md)", url, ex)
+        self.atomic = False
+        return True
 
     # -- S3
     def _s3_get(self, path: str) -> Versioned | None:
