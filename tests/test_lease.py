@@ -204,6 +204,7 @@ def test_the_default_lease_is_short(where: tuple[str, dict[str, Any] | None]) ->
     (b"{not json", "not a JSON object"),
     (b'{"host": "elsewhere", "pid": 1, "token": "x"}', "no expiry"),
     (b'["a", "list"]', "not a JSON object"),
+    (b'{"host": "elsewhere", "pid": 1, "expires_at": Infinity}', "no expiry"),
 ])
 def test_an_unreadable_lease_is_treated_as_expired(
     where: tuple[str, dict[str, Any] | None], caplog: pytest.LogCaptureFixture, body: bytes, why: str,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -89,7 +90,8 @@ class LeaseState:
             self.problem = "it is not a JSON object"
         else:
             self.body = data
-            if not isinstance(data.get("expires_at"), (int, float)) or isinstance(data.get("expires_at"), bool):
+            expires = data.get("expires_at")
+            if not isinstance(expires, (int, float)) or isinstance(expires, bool) or not math.isfinite(expires):
                 self.problem = "it has no expiry"
         self.token = self.body.get("token")
         gen = self.body.get("generation")
