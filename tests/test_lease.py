@@ -387,3 +387,17 @@ def test_an_s3_store_that_refuses_conditional_requests_falls_back_with_a_warning
     h.write(0)  # fenced by read-compare-write
     h.release_lock()
     assert not _exists(_lease_url(url))
+
+
+def test_a_checkpointer_whose_lease_is_taken_raises_at_its_next_save(
+    where: tuple[str, dict[str, Any] | None],
+) -> None:
+    url, opts = where
+    with ep.Checkpointer(url, storage_options=opts) as cp:
+        cp.save(0, {"w": np.arange(3)})
+        _put(_lease_url(url), _foreign(host="thief", pid=99, expires_in=600))
+        with pytest.raises(CheckpointLockedError) as e:
+            cp.save(1, {"w": np.arange(3) + 1})
+        assert "host thief" in str(e.value)
+        assert cp.steps() == [0]
+    assert _read(_lease_url(url))["host"] == "thief"  # close() did not delete the new holder's lease
