@@ -6,7 +6,10 @@ partial load fetches only the index and the byte ranges it needs. Writes are sta
 local temp file (bounded memory: the stream goes to disk as it comes), then uploaded at
 commit to a temporary key next to the final one, size-checked and moved into place; an
 abort (or a failed upload) removes the temp file and the temp key, so a reader of the final
-key never sees a partial object.
+key never sees a partial object. Staging files are named ``epochal-stage.<host>.<pid>.*``: a
+killed process's are removed by the next process of its host that stages a write there
+(:func:`clean_stage_dir`); a killed upload's temp key (:data:`TEMP_KEY_RE`) by the next holder
+of the location's lease (:func:`epochal.checkpoint.cleanup.clean_temp_keys`).
 
 Credentials and endpoints: :func:`set_storage_options` records fsspec ``storage_options``
 for a URL prefix in this process (the managers and handlers do it for their ``db_prefix``,
