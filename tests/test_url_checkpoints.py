@@ -142,7 +142,8 @@ def test_a_second_writer_is_refused_and_an_expired_lease_taken_over(
 
     stale = ep.DirectoryMetadataHandler(storage_options=opts, lease_seconds=0.01)
     stale.set_params(url, "native", list(NODES))
-    stale.acquire_lock()  # and its holder dies without releasing it
+    stale.acquire_lock()  # and its holder dies without releasing it: no more renewals
+    stale._lock.stop_renewal()  # type: ignore[union-attr]
     time.sleep(0.05)
     with caplog.at_level(logging.WARNING, logger="epochal"):
         assert _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts) == LAST

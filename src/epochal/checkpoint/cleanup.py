@@ -9,6 +9,8 @@
   Only files named exactly as an epoch's db of a known node are ever deleted.
 * **Temp files** (:func:`clean_temp_files`, when a handler starts): the ``*.tmp.<host>.<pid>.*``
   files of killed saves of this host whose process is gone. Another host's are never touched.
+  At a URL (:func:`clean_temp_keys`, once the lease is held): the ``*.tmp.upload.<hex>`` keys
+  of uploads that never finished.
 
 :class:`~epochal.checkpoint.directory.DirectoryMetadataHandler` calls both.
 """
@@ -28,7 +30,7 @@ from .view import CheckpointDirectory
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["apply_retention", "clean_temp_files", "read_manifests"]
+__all__ = ["apply_retention", "clean_temp_files", "clean_temp_keys", "read_manifests"]
 
 
 def read_manifests(d: CheckpointDirectory, epochs: Iterable[int]) -> tuple[dict[int, Manifest], dict[int, str]]:
@@ -150,4 +152,29 @@ def clean_temp_files(d: CheckpointDirectory) -> list[str]:
                 logger.warning("Cannot remove the leftover temp file %s: %s", path, ex)
     if removed:
         logger.info("Removed %d leftover temp file(s) of killed saves: %s", len(removed), removed)
+    return removed
+
+
+def clean_temp_keys(d: CheckpointDirectory) -> list[str]:
+    """At a URL: remove the temporary keys of uploads that never finished
+    (``<db>.tmp.upload.<hex>``: their writer was killed mid-upload) beside the dbs and the
+    records; return their URLs. Called by the lease holder when it starts, so no save of its
+    own is in flight; a writer that lost the lease may lose an upload in flight (it could not
+    commit it anyway)."""
+    if not d.records.remote:
+        return []
+    from ..storage.io.fsspec_store import TEMP_KEY_RE
+
+    removed = []
+    for folder in (d.db_dir, d.records_dir):
+        for name, path in d.records.files(folder):
+            if TEMP_KEY_RE.search(name) is None:
+                continue
+            try:
+                if d.records.delete(path):
+                    removed.append(path)
+            except OSError as ex:
+                logger.warning("Cannot remove the leftover upload %s: %s", path, ex)
+    if removed:
+        logger.info("Removed %d leftover upload key(s) of killed saves: %s", len(removed), removed)
     return removed

@@ -51,6 +51,7 @@ from .manifest import (
 from .metadata import BaseMetadataHandler, DbReport, PushTarget
 from .mirror_sync import MirrorSync
 from .naming import RECORDS_DIR  # noqa: F401 - re-exported (its old home)
+from .record_cache import CachedRecords
 from .records import STATS_FILE, RecordLock  # noqa: F401
 from .records import read_local_record as read_record  # noqa: F401 - its old home
 from .retention import RetentionPolicy
@@ -109,8 +110,8 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
     docs/remote.md): ``storage_options`` go to fsspec; the records are objects at the URL
     (one per stats report), the commit uses the sizes and digests the nodes reported
     (:meth:`report_dbs`), resume checks sizes and digests only (each node's load verifies
-    every checksum), and the writer lock is a lease of ``lease_seconds``, renewed at each
-    commit (:mod:`.lease`). ``mirror_from_nodes`` (default False): each node uploads its own
+    every checksum), and the writer lock is a fenced lease of ``lease_seconds`` (default 60),
+    renewed in the background and proved before each save and commit (:mod:`.lease`). ``mirror_from_nodes`` (default False): each node uploads its own
     db to the mirror in its save task, the driver only the manifest (for machines that share
     no disk; the save then waits for the upload), see :meth:`node_push_target`.
     """
@@ -303,9 +304,9 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             keep_best=keep_best_record(self.policy),
         )
         d.records.makedirs(d.records_dir)
+        self._fence()  # a job that lost the lease stops here, before writing (CheckpointLockedError)
         self._write_manifest(d.manifest_path(epoch), manifest)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
-        self._renew_lock()
         try:
             self.apply_retention(epoch)
         except Exception as ex:  # retention must never undo a commit
@@ -331,6 +332,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         A no is logged as a warning with the reason."""
         d = self._dir()
         if d.records.remote:
+            self._fence()  # a job that lost the lease writes no db over the new holder's
             return True  # object storage: no folder to make, no free space to measure
         return room.writable(d) and room.fits(d, *self._space_needed())
 
@@ -339,7 +341,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         """Take the directory's writer lock (``.epochal/lock``) for a run: JobRunner.train
         calls this right after ``set_params`` and :meth:`release_lock` when it ends. A second
         writer gets CheckpointLockedError naming the holder; see :mod:`.lock`. At a URL it is
-        the lease ``.epochal/lease.json`` (see :mod:`.lease`), renewed at each commit."""
+        the lease ``.epochal/lease.json`` (see :mod:`.lease`), renewed in the background."""
         d = self._dir()
         path = os.path.join(d.records_dir, LOCK_FILE)
         if self._lock is not None and self._lock_path != path:
@@ -351,11 +353,20 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
                 self._lock.owner = repr(self)
         d.records.makedirs(d.records_dir)
         self._lock.acquire()
+        if d.records.remote and not isinstance(d.records, CachedRecords):
+            d.records = CachedRecords(d.records)  # the lease holder's: commits cost O(1) requests
+        if d.records.remote and self.clean_temp:  # the holder alone may remove dead uploads
+            try:
+                cleanup.clean_temp_keys(d)
+            except OSError as ex:
+                logger.warning("Cannot remove leftover uploads at %s: %s", d.db_dir, ex)
 
     def release_lock(self) -> None:
         """Let the writer lock go (no-op when not held)."""
         if self._lock is not None:
             self._lock.release()
+        if self.directory is not None and isinstance(self.directory.records, CachedRecords):
+            self.directory.records = self.directory.records.inner  # trusted only while held
 
     def location(self) -> str | None:
         """The checkpoint directory (None before ``set_params``)."""
@@ -377,6 +388,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
             d = self._dir()
             manifest = d.read_manifest(int(epoch))
             if not manifest.final:
+                self._fence()
                 self._write_manifest(d.manifest_path(int(epoch)), dataclasses.replace(manifest, final=True))
                 if self.mirror is not None:
                     self._mirror_call(self._push_final, int(epoch))
@@ -467,6 +479,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
 
     def _update_pins(self, add: set[int], remove: set[int]) -> None:
         d = self._dir()
+        self._fence()  # a job that lost the lease does not rewrite the new holder's pins
         pins = (d.pins() | add) - remove
         d.records.makedirs(d.records_dir)
         data = {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)}
@@ -493,12 +506,11 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         the commit then records these and never opens a node's file."""
         self._reported[int(epoch)] = dict(dbs)
 
-    def _renew_lock(self) -> None:
+    def _fence(self) -> None:
+        """Prove this job still holds the writer lock before it writes (renews a lease;
+        CheckpointLockedError naming the new holder when another job took it over)."""
         if self._lock is not None:
-            try:
-                self._lock.renew()
-            except Exception as ex:  # the commit stands; the next one retries
-                logger.warning("Cannot renew the writer lease of %s: %s", self.location(), ex)
+            self._lock.fence()
 
 
 __all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy", "best_of_directory"]

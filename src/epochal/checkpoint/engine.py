@@ -34,6 +34,7 @@ from ..errors import (
     BlobMismatchError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointLockedError,
     MissingBlobError,
     NodeLostError,
     UnsupportedBlobError,
@@ -46,8 +47,8 @@ __all__ = ["FATAL_SAVE_ERRORS", "CheckpointEngine", "Done", "EngineEvents", "Rec
 
 logger = logging.getLogger("epochal")
 
-#: errors about the values themselves: no retry can make such a save succeed
-FATAL_SAVE_ERRORS = (UnsupportedBlobError, MissingBlobError, BlobMismatchError)
+#: errors no retry can fix: about the values themselves, or a location another job took over
+FATAL_SAVE_ERRORS = (UnsupportedBlobError, MissingBlobError, BlobMismatchError, CheckpointLockedError)
 #: errors that are not the save's at all: the caller handles them (a lost node is recovered)
 _NOT_A_SAVE_ERROR = (NodeLostError,)
 

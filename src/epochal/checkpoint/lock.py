@@ -34,6 +34,7 @@ from typing import Any
 
 from ..errors import CheckpointLockedError
 from ..storage import atomic
+from ..storage.atomic import pid_alive  # noqa: F401 - its home was here
 
 logger = logging.getLogger("epochal")
 
@@ -43,19 +44,6 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists on this machine (zombies count as alive)."""
-    if pid <= 0:
-        return True  # never treat a nonsense pid as dead
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 # every WriterLock held in this process, by the (device, inode) of its file
@@ -225,6 +213,10 @@ class WriterLock:
 
     def renew(self) -> None:
         """A flock lasts as long as its process: nothing to renew (a lease's counterpart)."""
+        return None
+
+    def fence(self) -> None:
+        """A held flock cannot be taken over: nothing to prove (a lease's counterpart)."""
         return None
 
     def release(self) -> None:

@@ -4,6 +4,7 @@ the save/load stats log (``epochal ls``, ``verify PREFIX``, ``stats``)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint.manifest import DbEntry, Manifest
@@ -44,10 +45,13 @@ class Records:
     def _init_url(self, prefix: str) -> None:
         """A URL (s3://bucket/run): its records through the checkpoint module's record store."""
         from ..checkpoint.directory import CheckpointDirectory
+        from ..checkpoint.record_cache import CachedRecords
 
         self.prefix = prefix.rstrip("/")
         try:
             self._dir = CheckpointDirectory(self.prefix)
+            # one command's snapshot: listings once, sizes from them, records read in parallel
+            self._dir.records = CachedRecords(self._dir.records, sizes_from_listing=True)
             here = self._dir.records.files(self._dir.db_dir)
             self.has_records = bool(self._dir.records.files(self._dir.records_dir))
         except (CheckpointError, OSError, ValueError) as e:
@@ -217,19 +221,32 @@ def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
         return {"target": target, "ok": f["ok"], "files": [f], "epochs": []}
     rec = Records(target)
     present = rec.scan()
-    files = []
-    for e in sorted(present):
-        for node in sorted(present[e]):
-            files.append(verify_file(present[e][node], db_type))
+    each = _parallel if "://" in target else _serial  # a URL's requests go out in parallel
+    files = each(lambda p: verify_file(p, db_type), [present[e][n] for e in sorted(present) for n in sorted(present[e])])
     files.extend(verify_file(path, db_type) for path in loose_checkpoints(target))
-    epochs = []
     damaged = rec.damaged_manifests()
-    for e in sorted(set(rec.committed()) | set(damaged)):
-        probs = ([f"manifest damaged, so the epoch is not committed: {damaged[e]}"] if e in damaged
-                 else rec.verify_epoch(e))
-        epochs.append({"epoch": e, "ok": not probs, "problems": probs})
+    chosen = sorted(set(rec.committed()) | set(damaged))
+    found = each(lambda e: [f"manifest damaged, so the epoch is not committed: {damaged[e]}"] if e in damaged
+                 else rec.verify_epoch(e), chosen)
+    epochs = [{"epoch": e, "ok": not probs, "problems": probs} for e, probs in zip(chosen, found)]
     ok = all(f["ok"] for f in files) and all(e["ok"] for e in epochs)
     return {"target": target, "ok": ok, "files": files, "epochs": epochs}
+
+
+def _serial(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    return [fn(x) for x in items]
+
+
+def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``[fn(x) for x in items]``, several at a time (requests to object storage), in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..checkpoint.record_cache import PARALLEL_REQUESTS
+
+    if len(items) <= 1 or PARALLEL_REQUESTS <= 1:
+        return _serial(fn, items)
+    with ThreadPoolExecutor(min(PARALLEL_REQUESTS, len(items))) as pool:
+        return list(pool.map(fn, items))
 
 
 #: the fields of a stats record and the types they may have (None: absent)

@@ -46,6 +46,19 @@ def temp_path_for(path: str | os.PathLike[str]) -> str:
     return f"{os.fspath(path)}.tmp.{hostname()}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists on this machine (zombies count as alive)."""
+    if pid <= 0:
+        return True  # never treat a nonsense pid as dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def parse_temp_path(path: str | os.PathLike[str]) -> tuple[str, str, int] | None:
     """``(final_path, host, pid)`` of a name made by :func:`temp_path_for`, else None."""
     m = _TEMP_RE.match(os.fspath(path))

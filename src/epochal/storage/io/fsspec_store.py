@@ -6,7 +6,10 @@ partial load fetches only the index and the byte ranges it needs. Writes are sta
 local temp file (bounded memory: the stream goes to disk as it comes), then uploaded at
 commit to a temporary key next to the final one, size-checked and moved into place; an
 abort (or a failed upload) removes the temp file and the temp key, so a reader of the final
-key never sees a partial object.
+key never sees a partial object. Staging files are named ``epochal-stage.<host>.<pid>.*``: a
+killed process's are removed by the next process of its host that stages a write there
+(:func:`clean_stage_dir`); a killed upload's temp key (:data:`TEMP_KEY_RE`) by the next holder
+of the location's lease (:func:`epochal.checkpoint.cleanup.clean_temp_keys`).
 
 Credentials and endpoints: :func:`set_storage_options` records fsspec ``storage_options``
 for a URL prefix in this process (the managers and handlers do it for their ``db_prefix``,
@@ -20,20 +23,28 @@ Imported only for URLs (the seam loads it lazily): the core needs numpy alone. N
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import re
 import secrets
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
+from .. import atomic
+
+logger = logging.getLogger("epochal")
 
 __all__ = [
     "FsspecSink",
     "FsspecSource",
     "FsspecStore",
+    "TEMP_KEY_RE",
+    "clean_stage_dir",
     "filesystem_for",
     "is_url",
     "set_storage_options",
@@ -89,6 +100,67 @@ def filesystem_for(url: str) -> tuple[Any, str]:
 def stage_dir() -> str:
     """Where writes are staged before upload: ``$EPOCHAL_STAGE_DIR``, else the temp dir."""
     return os.environ.get("EPOCHAL_STAGE_DIR") or tempfile.gettempdir()
+
+
+#: staged writes: ``epochal-stage.<host>.<pid>.<random>`` in :func:`stage_dir`
+STAGE_PREFIX = "epochal-stage."
+#: the temporary key of an upload in flight: ``<final key>.tmp.upload.<8 hex digits>``
+TEMP_KEY_RE = re.compile(r"\.tmp\.upload\.[0-9a-f]{8}$")
+_swept: set[str] = set()
+_swept_lock = threading.Lock()
+
+
+def _stage_owner(name: str) -> tuple[str, int] | None:
+    """``(host, pid)`` of a staging file's name, else None."""
+    if not name.startswith(STAGE_PREFIX):
+        return None
+    parts = name[len(STAGE_PREFIX):].rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def clean_stage_dir(folder: str | None = None) -> list[str]:
+    """Remove the staging files in ``folder`` (default :func:`stage_dir`) left by killed
+    processes of this host (their pid is gone); return their paths. Another host's files (a
+    shared staging folder) and live processes' are never touched. Runs once per folder and
+    process on its own, before the first staged write."""
+    folder = folder or stage_dir()
+    me, removed = atomic.hostname(), []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        owner = _stage_owner(name)
+        if owner is None or owner[0] != me or owner[1] == os.getpid() or atomic.pid_alive(owner[1]):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            continue
+        except OSError as ex:
+            logger.warning("Cannot remove the leftover staging file %s: %s", path, ex)
+    if removed:
+        logger.info("Removed %d staging file(s) of killed saves: %s", len(removed), removed)
+    return removed
+
+
+def _sweep_once(folder: str) -> None:
+    with _swept_lock:
+        if folder in _swept:
+            return
+        _swept.add(folder)
+    clean_stage_dir(folder)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _not_found(exc: BaseException) -> bool:
@@ -162,7 +234,10 @@ class FsspecSink:
             if free < size:
                 raise OSError(errno.ENOSPC, f"{free} bytes free in the staging directory {folder}, "
                               f"{size} needed to stage {url}")
-        fd, self._local = tempfile.mkstemp(prefix="epochal-stage-", dir=folder)
+        _sweep_once(folder)
+        fd, self._local = tempfile.mkstemp(prefix=f"{STAGE_PREFIX}{atomic.hostname()}.{os.getpid()}.", dir=folder)
+        # a sink dropped without commit or abort still removes its staging file
+        self._finalizer = weakref.finalize(self, _unlink_quietly, self._local)
         self._file = os.fdopen(fd, "w+b")
         self._done = False
 
@@ -201,10 +276,7 @@ class FsspecSink:
     def _drop_local(self) -> None:
         if not self._done:
             self._done = True
-            try:
-                os.unlink(self._local)
-            except OSError:
-                pass
+            self._finalizer()
 
 
 def upload_to_key(fs: Any, path: str, local: str, size: int, name: str) -> None:

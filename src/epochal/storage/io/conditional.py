@@ -1,0 +1,227 @@
+"""Conditional writes of small objects at an fsspec URL: compare-and-swap on a version.
+
+A writer lease on object storage is safe only if taking, renewing and deleting it are
+compare-and-swap operations: "replace this object only if it is still the one I read". This
+module gives those three operations for one URL, on every store, with how strong they are:
+
+* **S3** (s3fs): the store checks the condition itself, atomically. The version is the
+  object's ``ETag``; a create is ``PUT`` with ``If-None-Match: *``, a replace ``PUT`` with
+  ``If-Match: <etag>``, a delete ``DELETE`` with ``If-Match: <etag>`` (AWS S3 since 2024,
+  MinIO, moto). ``atomic`` is True.
+* **Any other store** (``memory://``, ``file://``, GCS through gcsfs today, ...): read, compare,
+  write. The version is the SHA-256 of the bytes; the compare and the write are not one
+  operation, so two writers within one round trip of each other can both succeed. Within one
+  process a lock makes it atomic (``memory://`` in tests); across processes it is best effort.
+  ``atomic`` is False; :mod:`epochal.checkpoint.lease` reads the object back after each write
+  to catch most such races and documents the rest. (GCS has the same primitive as S3, generation
+  preconditions ``ifGenerationMatch``; it is not wired here yet.)
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .fsspec_store import filesystem_for
+
+__all__ = ["ConditionalObjects", "Versioned", "conditional_for"]
+
+logger = logging.getLogger("epochal")
+
+_fallback_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """An object's bytes and the version a conditional write compares against."""
+
+    data: bytes
+    version: str
+
+
+def _not_implemented(ex: BaseException) -> bool:
+    """True when the store refuses conditional requests (an S3 look-alike without them)."""
+    seen: BaseException | None = ex
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            if (response.get("Error") or {}).get("Code") in ("NotImplemented", "501"):
+                return True
+            if (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 501:
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return "NotImplemented" in str(ex) or "not implemented" in str(ex).lower()
+
+
+def _precondition_failed(ex: BaseException) -> bool:
+    """True for the store's "the condition did not hold" answer (HTTP 412)."""
+    if isinstance(ex, FileExistsError):
+        return True
+    seen: BaseException | None = ex
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error") or {}
+            if err.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+                return True
+            if (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") in (409, 412):
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return "pre-condition" in str(ex) or "precondition" in str(ex).lower()
+
+
+class ConditionalObjects:
+    """Compare-and-swap on the objects of one fsspec filesystem (see the module doc)."""
+
+    def __init__(self, url: str) -> None:
+        self.fs, _ = filesystem_for(url)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        #: True when the store checks conditions itself (S3); False: read-compare-write
+        self.atomic = bool({"s3", "s3a"} & set(protocols)) and hasattr(self.fs, "_call_s3")
+
+    # -- reads
+    def get(self, url: str) -> Versioned | None:
+        """The object's bytes and version; None when it does not exist."""
+        _, path = filesystem_for(url)
+        if self.atomic:
+            return self._s3_get(path)
+        try:
+            data = bytes(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+        return Versioned(data, hashlib.sha256(data).hexdigest())
+
+    # -- writes: each returns the new version, or None when the condition did not hold
+    def create(self, url: str, data: bytes) -> str | None:
+        """Write ``url`` only if it does not exist."""
+        _, path = filesystem_for(url)
+        if self.atomic:
+            try:
+                return self._s3_put(path, data, {"IfNoneMatch": "*"})
+            except OSError as ex:
+                if not self._refused(ex, url):
+                    raise _named(ex, url) from ex
+        with _fallback_lock:
+            if self.fs.exists(path):
+                return None
+            return self._plain_put(path, data)
+
+    def replace(self, url: str, data: bytes, version: str) -> str | None:
+        """Write ``url`` only if it is still at ``version``."""
+        _, path = filesystem_for(url)
+        if self.atomic:
+            try:
+                return self._s3_put(path, data, {"IfMatch": version})
+            except FileNotFoundError:  # deleted meanwhile: the condition did not hold
+                return None
+            except OSError as ex:
+                if not self._refused(ex, url):
+                    raise
+        with _fallback_lock:
+            current = self.get(url)
+            if current is None or current.version != version:
+                return None
+            return self._plain_put(path, data)
+
+    def delete(self, url: str, version: str) -> bool:
+        """Delete ``url`` only if it is still at ``version``; False when it is not (or gone)."""
+        _, path = filesystem_for(url)
+        if self.atomic:
+            bucket, key, _ = self.fs.split_path(path)
+            try:
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+            except FileNotFoundError:
+                return False
+            except OSError as ex:
+                if _precondition_failed(ex):
+                    return False
+                if not self._refused(ex, url):
+                    raise
+            else:
+                return True
+            finally:
+                self.fs.invalidate_cache(path)
+        with _fallback_lock:
+            current = self.get(url)
+            if current is None or current.version != version:
+                return False
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                return False
+            finally:
+                self.fs.invalidate_cache(path)
+            return True
+
+    def _refused(self, ex: OSError, url: str) -> bool:
+        """The store does not do conditional requests: from now on read-compare-write."""
+        if not _not_implemented(ex):
+            return False
+        logger.warning("%s refuses conditional requests (%s): the lease there is best effort "
+                       "(see docs/remote.md)", url, ex)
+        self.atomic = False
+        return True
+
+    # -- S3
+    def _s3_get(self, path: str) -> Versioned | None:
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(path)
+        fs = self.fs
+
+        async def get() -> tuple[bytes, str]:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+            try:
+                return bytes(await resp["Body"].read()), str(resp["ETag"])
+            finally:
+                resp["Body"].close()
+
+        try:
+            data, etag = sync(fs.loop, get)
+        except FileNotFoundError:
+            return None
+        except OSError as ex:
+            if ex.errno == errno.ENOENT:
+                return None
+            raise
+        return Versioned(data, etag)
+
+    def _s3_put(self, path: str, data: bytes, condition: dict[str, str]) -> str | None:
+        try:
+            out: Any = self.fs.pipe_file(path, bytes(data), **condition)
+        except FileNotFoundError:
+            raise
+        except OSError as ex:
+            if _precondition_failed(ex):
+                return None
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+        etag = out.get("ETag") if isinstance(out, dict) else None
+        if etag is None:  # an s3fs that does not return the response: ask
+            etag = self.fs.info(path, refresh=True).get("ETag")
+        return str(etag)
+
+    def _plain_put(self, path: str, data: bytes) -> str:
+        self.fs.pipe_file(path, bytes(data))
+        self.fs.invalidate_cache(path)
+        return hashlib.sha256(bytes(data)).hexdigest()
+
+
+def _named(ex: OSError, url: str) -> OSError:
+    """``ex`` as an error naming ``url`` (a missing bucket is CheckpointNotFoundError)."""
+    from ...errors import CheckpointNotFoundError
+
+    text = f"cannot write {url}: {ex.strerror or ex}"
+    if isinstance(ex, FileNotFoundError):
+        return CheckpointNotFoundError(text + " (does the bucket exist?)")
+    return OSError(ex.errno, text)
+
+
+def conditional_for(url: str) -> ConditionalObjects:
+    """The conditional operations of the store at ``url``."""
+    return ConditionalObjects(url)

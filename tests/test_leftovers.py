@@ -1,0 +1,180 @@
+"""Nothing left behind by saves to a URL that failed or were killed: temp upload keys are
+removed by the next lease holder, staging files when the save fails and (those of dead
+processes) when a process stages its first write. memory:// and moto's S3 on 127.0.0.1."""
+
+from __future__ import annotations
+
+import gc
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fsspec", reason="the s3 extra is not installed")
+
+import epochal as ep  # noqa: E402
+from epochal.errors import CheckpointLockedError  # noqa: E402
+from epochal.storage import atomic  # noqa: E402
+from epochal.storage.io import fsspec_store  # noqa: E402
+from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+
+
+@pytest.fixture(params=["memory", "s3"])
+def where(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any] | None]:
+    if request.param == "memory":
+        return f"memory://left-{secrets.token_hex(4)}/run", None
+    url, opts = f"s3://ckpts/left-{secrets.token_hex(4)}/run", request.getfixturevalue("s3")
+    set_storage_options(url, opts)
+    return url, opts
+
+
+@pytest.fixture
+def stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "stage"
+    folder.mkdir()
+    monkeypatch.setenv("EPOCHAL_STAGE_DIR", str(folder))
+    return folder
+
+
+def _keys(url: str) -> list[str]:
+    fs, root = filesystem_for(url)
+    fs.invalidate_cache()
+    return sorted(k[len(root) + 1:] for k in fs.find(root))
+
+
+def _put(url: str, data: bytes) -> None:
+    fs, path = filesystem_for(url)
+    fs.pipe_file(path, data)
+    fs.invalidate_cache()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_lease_holder_removes_dead_uploads_at_start(where: tuple[str, dict[str, Any] | None]) -> None:
+    url, opts = where
+    _put(f"{url}/n.0", b"committed-looking db")
+    _put(f"{url}/n.3.tmp.upload.deadbeef", b"half an upload")
+    _put(f"{url}/.epochal/pins.json.tmp.upload.0123abcd", b"x")
+    _put(f"{url}/notes.tmp.upload.txt", b"not one of ours")  # not an upload's temp name
+    h = ep.DirectoryMetadataHandler(storage_options=opts)
+    h.set_params(url, "native", ["n"])
+    assert ".epochal/pins.json.tmp.upload.0123abcd" in _keys(url)  # not before the lease is held
+    h.acquire_lock()
+    try:
+        assert _keys(url) == [".epochal/lease.json", "n.0", "notes.tmp.upload.txt"]
+    finally:
+        h.release_lock()
+    # a job refused the lease removes nothing
+    _put(f"{url}/n.4.tmp.upload.cafef00d", b"in flight")
+    first = ep.DirectoryMetadataHandler(storage_options=opts)
+    first.set_params(url, "native", ["n"])
+    first.acquire_lock()
+    try:
+        second = ep.DirectoryMetadataHandler(storage_options=opts)
+        second.set_params(url, "native", ["n"])
+        with pytest.raises(CheckpointLockedError):
+            second.acquire_lock()
+    finally:
+        first.release_lock()
+    assert "n.4.tmp.upload.cafef00d" not in _keys(url)  # the first (holder) removed it at start
+    fs, path = filesystem_for(f"{url}/notes.tmp.upload.txt")
+    fs.rm_file(path)  # the S3 server's state outlives this module: leave no ".tmp." key behind
+
+
+@pytest.mark.parametrize("step", ["put_file", "mv"])
+def test_a_failed_upload_leaves_no_staging_file_and_no_temp_key(
+    where: tuple[str, dict[str, Any] | None], stage: Path, monkeypatch: pytest.MonkeyPatch, step: str,
+) -> None:
+    url, _ = where
+    db = f"{url}/n.0"
+    backend = ep.get_db_type("native")
+    backend.write(db, {"v": np.arange(4)})
+    before = bytes(filesystem_for(db)[0].cat_file(filesystem_for(db)[1]))
+    fs = filesystem_for(db)[0]
+
+    def broken(*a: Any, **k: Any) -> None:
+        raise OSError(5, f"injected: {step} failed")
+
+    monkeypatch.setattr(fs, step, broken)  # a failed PUT, or a failed server-side move
+    with pytest.raises(OSError, match="injected"):
+        backend.write(db, {"v": np.arange(1000)})
+    monkeypatch.undo()
+    assert os.listdir(stage) == []
+    assert _keys(url) == ["n.0"]
+    assert bytes(fs.cat_file(filesystem_for(db)[1])) == before  # the old object stands
+
+
+def test_a_sink_dropped_without_commit_removes_its_staging_file(
+    where: tuple[str, dict[str, Any] | None], stage: Path,
+) -> None:
+    url, _ = where
+    sink = fsspec_store.FsspecStore().create(f"{url}/n.0")
+    sink.write(b"abc")
+    assert len(os.listdir(stage)) == 1
+    del sink
+    gc.collect()
+    assert os.listdir(stage) == []
+    assert _keys(url) == []
+
+
+def test_stale_staging_files_of_dead_processes_are_removed_at_the_first_write(
+    where: tuple[str, dict[str, Any] | None], stage: Path,
+) -> None:
+    url, _ = where
+    me, dead = atomic.hostname(), _dead_pid()
+    stale = stage / f"epochal-stage.{me}.{dead}.k2j4_x1"
+    alive = stage / f"epochal-stage.{me}.{os.getppid()}.a1b2c3d4"
+    foreign = stage / f"epochal-stage.other-host.{dead}.zz9"
+    other = stage / "unrelated.file"
+    for p in (stale, alive, foreign, other):
+        p.write_bytes(b"x" * 100)
+    fsspec_store._swept.discard(str(stage))
+    ep.get_db_type("native").write(f"{url}/n.0", {"v": np.arange(3)})
+    assert sorted(os.listdir(stage)) == sorted(p.name for p in (alive, foreign, other))
+    stale.write_bytes(b"again")  # the sweep runs once per folder and process...
+    ep.get_db_type("native").write(f"{url}/n.1", {"v": np.arange(3)})
+    assert stale.exists()
+    assert fsspec_store.clean_stage_dir(str(stage)) == [str(stale)]  # ... or when asked
+
+
+_KILLED = """
+import os, signal, sys
+import numpy as np
+import epochal as ep
+from epochal.storage.io import fsspec_store
+opts = {"endpoint_url": sys.argv[2], "key": "test", "secret": "test", "client_kwargs": {"region_name": "us-east-1"}}
+fsspec_store.set_storage_options(sys.argv[1], opts)
+fs, _ = fsspec_store.filesystem_for(sys.argv[1])
+fs.mv = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed mid-upload
+ep.get_db_type("native").write(sys.argv[1] + "/trainer_0.7", {"w": np.arange(100000)})
+"""
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_upload_leaves_nothing_after_the_next_start(
+    s3: dict[str, Any], stage: Path,
+) -> None:
+    url = f"s3://ckpts/killed-{secrets.token_hex(4)}/run"
+    set_storage_options(url, s3)
+    child = subprocess.run([sys.executable, "-c", _KILLED, url, s3["endpoint_url"]], env={**os.environ})
+    assert child.returncode == -9
+    left = _keys(url)
+    assert len(left) == 1 and fsspec_store.TEMP_KEY_RE.search(left[0])  # garbage, as a kill leaves it
+    assert [n.startswith("epochal-stage.") for n in os.listdir(stage)] == [True]
+    h = ep.DirectoryMetadataHandler(storage_options=s3)
+    h.set_params(url, "native", ["trainer_0"])
+    h.acquire_lock()
+    h.release_lock()
+    assert _keys(url) == []
+    fsspec_store._swept.discard(str(stage))
+    ep.get_db_type("native").write(f"{url}/trainer_0.8", {"w": np.arange(3)})  # this process's first stage here
+    assert os.listdir(stage) == []
