@@ -63,16 +63,16 @@ def _rank(rank: int, world: int, port: int, args: Any) -> None:
         order = ["dcp", "epochal"] if r % 2 == 0 else ["epochal", "dcp"]
         for who in order:
             if who == "dcp":
-                timed("save dcp", lambda: dcp.save(src, storage_writer=dcp.FileSystemWriter(dcp_dir, sync_files=True)))
+                timed("save dcp", lambda d=dcp_dir: dcp.save(src, storage_writer=dcp.FileSystemWriter(d, sync_files=True)))
             else:
-                timed("save epochal", lambda: dcp.save(src, storage_writer=EpochalStorageWriter(ep_dir, step=r)))
+                timed("save epochal", lambda d=ep_dir, r=r: dcp.save(src, storage_writer=EpochalStorageWriter(d, step=r)))
         for kind, dim in (("load", 0), ("reshard", 1)):
             for who in order:
                 dst = state(dim, True)
                 if who == "dcp":
-                    timed(f"{kind} dcp", lambda: dcp.load(dst, storage_reader=dcp.FileSystemReader(dcp_dir)))
+                    timed(f"{kind} dcp", lambda t=dst, d=dcp_dir: dcp.load(t, storage_reader=dcp.FileSystemReader(d)))
                 else:
-                    timed(f"{kind} epochal", lambda: dcp.load(dst, storage_reader=EpochalStorageReader(ep_dir, step=r)))
+                    timed(f"{kind} epochal", lambda t=dst, d=ep_dir, r=r: dcp.load(t, storage_reader=EpochalStorageReader(d, step=r)))
                 for k in dst:  # both loaded the same bits
                     assert torch.equal(dst[k].full_tensor(), src[k].full_tensor())
         dist.barrier()

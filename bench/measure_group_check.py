@@ -12,6 +12,7 @@ import tempfile
 import time
 
 import numpy as np
+
 from epochal.storage.native import NativeBackend, write_native
 from epochal.storage.native import index as index_mod
 
@@ -31,18 +32,23 @@ for r in range(9):
     for mode in (("on", "off") if r % 2 else ("off", "on")):
         index_mod.Index.disagreeing_groups = real if mode == "on" else off
         gc.collect()
-        t = time.perf_counter(); B.read(path); dt = time.perf_counter() - t
+        t = time.perf_counter()
+        B.read(path)
+        dt = time.perf_counter() - t
         (on_t if mode == "on" else off_t).append(dt)
     ratios.append(on_t[-1] / off_t[-1])
 index_mod.Index.disagreeing_groups = real
-from epochal.storage.native import NativeFile
-from epochal.storage.checksum import checksum_function
+from epochal.storage.checksum import checksum_function  # noqa: E402 - after the timing above
+from epochal.storage.native import NativeFile  # noqa: E402
+
 with NativeFile(path) as f:
     idx = f._index
     fn = checksum_function(idx.header.algorithm, inline=True)
     ids = list(range(len(idx.recs)))
     for _ in range(9):
-        t = time.perf_counter(); idx.disagreeing_groups(ids, fn); check_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        idx.disagreeing_groups(ids, fn)
+        check_t.append(time.perf_counter() - t)
 print(f"groups {len(idx.groups)}, segments {len(idx.segs)}")
 print(f"warm load with check: median {statistics.median(on_t)*1000:.1f} ms; without: {statistics.median(off_t)*1000:.1f} ms; paired ratio median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
 print(f"the check alone: median {statistics.median(check_t)*1000:.2f} ms")

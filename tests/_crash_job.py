@@ -349,7 +349,7 @@ def _check_directory(directory: str) -> list[str]:
     """After a kill: every db under a checkpoint name is complete, every committed epoch
     verifies; returns problems."""
     from epochal import get_db_type
-    from epochal.checkpoint.directory import CheckpointDirectory
+    from epochal.checkpoint.view import CheckpointDirectory
     from epochal.errors import CheckpointError
 
     d = CheckpointDirectory(directory)
@@ -382,7 +382,7 @@ def run_trial(directory: str, job_args: list[str], ref: Reference, seed: int, ki
     """Kill the job ``kills`` times (each rerun resumes), then let it finish; check after each
     kill that the directory is sound and that the rerun loads exactly the state the
     uninterrupted run had after that epoch, and at the end that the result is identical."""
-    from epochal.checkpoint.directory import CheckpointDirectory
+    from epochal.checkpoint.view import CheckpointDirectory
 
     rng = random.Random(seed)
     res = TrialResult()

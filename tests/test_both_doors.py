@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
 from epochal import (
-    CheckpointManager,
     Checkpointer,
+    CheckpointManager,
     DirectoryMetadataHandler,
     Job,
     JobRunner,

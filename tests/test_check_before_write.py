@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 
 from epochal import (  # noqa: E402
     BlobMismatchError,
-    CheckpointManager,
     Checkpointer,
+    CheckpointManager,
     DirectoryMetadataHandler,
     Job,
     JobRunner,

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 import epochal  # noqa: E402
 from epochal import Checkpointer, RNGState  # noqa: E402
-from epochal.checkpoint.directory import CheckpointDirectory  # noqa: E402
+from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointError, UnsupportedBlobError  # noqa: E402
 from epochal.integrations.torch import ResumableSampler  # noqa: E402
 from epochal.jobs.cadence import parse_interval  # noqa: E402

@@ -346,7 +346,7 @@ def test_demo_then_ls(tmp_path: Path) -> None:
 
 def test_blob_record_names_python_scalar_types(tmp_path: Path) -> None:
     from epochal import get_db_type
-    from epochal.cli.data import blob_record
+    from epochal.cli.dbs import blob_record
 
     p = str(tmp_path / "n.0")
     get_db_type("native").write(p, {"lr": 0.1, "step": 3, "tag": "x", "w": np.zeros(2, np.float32)})

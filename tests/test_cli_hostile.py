@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from epochal.checkpoint.directory import CheckpointDirectory
+from epochal.checkpoint.view import CheckpointDirectory
 from epochal.cli.main import run
 from epochal.storage.base import get_db_type
 

@@ -21,10 +21,8 @@ from epochal import (  # noqa: E402
     MultiNodeCheckpointManager,
     Workspace,
 )
-from epochal.checkpoint.directory import (  # noqa: E402
-    CheckpointDirectory,
-    DirectoryMetadataHandler,
-)
+from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.view import CheckpointDirectory
 from epochal.errors import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointNotFoundError,

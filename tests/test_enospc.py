@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _crash_job as cj  # noqa: E402
 
 from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager, Workspace, get_db_type  # noqa: E402
-from epochal.checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.view import CheckpointDirectory
 from epochal.storage import atomic  # noqa: E402
 
 SIZE = 20000  # ~400 KB per db: a 2 MiB filesystem holds four

@@ -24,7 +24,7 @@ from epochal import (
     Workspace,
     epoch_limiter,
 )
-from epochal.checkpoint.directory import CheckpointDirectory
+from epochal.checkpoint.view import CheckpointDirectory
 
 
 @dataclasses.dataclass

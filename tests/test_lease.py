@@ -23,8 +23,8 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 from test_url_checkpoints import LAST, _train  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.checkpoint.directory import CheckpointDirectory  # noqa: E402
 from epochal.checkpoint.lease import Lease  # noqa: E402
+from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointLockedError  # noqa: E402
 from epochal.storage import atomic  # noqa: E402
 from epochal.storage.io import conditional  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 
 import epochal.checkpoint.directory as directory_mod
 from epochal.checkpoint.best import best_of
-from epochal.checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler
+from epochal.checkpoint.directory import DirectoryMetadataHandler
 from epochal.checkpoint.manifest import (
     MANIFEST_FORMAT,
     DbEntry,
@@ -25,6 +25,7 @@ from epochal.checkpoint.manifest import (
 )
 from epochal.checkpoint.metadata import DbReport
 from epochal.checkpoint.naming import parse_db_file, split_db_file
+from epochal.checkpoint.view import CheckpointDirectory
 from epochal.cli.names import parse_db_name
 from epochal.errors import CheckpointCorruptError
 from epochal.storage.base import get_db_type

@@ -21,7 +21,8 @@ from epochal import (  # noqa: E402
     MultiNodeCheckpointManager,
     Workspace,
 )
-from epochal.checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.view import CheckpointDirectory
 from epochal.cli.main import run as cli_run  # noqa: E402
 from epochal.errors import CheckpointError  # noqa: E402
 from epochal.storage.base import get_db_type  # noqa: E402

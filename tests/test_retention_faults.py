@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from epochal.checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler
+from epochal.checkpoint.directory import DirectoryMetadataHandler
+from epochal.checkpoint.view import CheckpointDirectory
 from epochal.storage.base import get_db_type
 
 NODES = ("trainer_0", "trainer_1")

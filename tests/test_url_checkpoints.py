@@ -20,7 +20,7 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.checkpoint.directory import CheckpointDirectory  # noqa: E402
+from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointError, CheckpointLockedError  # noqa: E402
 from epochal.storage.io.fsspec_store import filesystem_for  # noqa: E402
 

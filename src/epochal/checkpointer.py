@@ -41,10 +41,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from .checkpoint.background import BackgroundSaver
-from .checkpoint.directory import DirectoryMetadataHandler, best_of_directory
+from .checkpoint.directory import DirectoryMetadataHandler
 from .checkpoint.engine import CheckpointEngine, Done, Results
 from .checkpoint.handler_calls import HandlerLink
 from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
+from .checkpoint.view import best_of_directory
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,

@@ -175,7 +175,8 @@ def run_demo(
     """
     import os
 
-    from .checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler
+    from .checkpoint.directory import DirectoryMetadataHandler
+    from .checkpoint.view import CheckpointDirectory
 
     os.makedirs(directory, exist_ok=True)
     session = LocalSession()

@@ -50,18 +50,13 @@ from .manifest import (
 )
 from .metadata import BaseMetadataHandler, DbReport, PushTarget
 from .mirror_sync import MirrorSync
-from .naming import RECORDS_DIR  # noqa: F401 - re-exported (its old home)
 from .record_cache import CachedRecords
-from .records import STATS_FILE, RecordLock  # noqa: F401
-from .records import read_local_record as read_record  # noqa: F401 - its old home
+from .records import RecordLock
 from .retention import RetentionPolicy
-from .stats import STATS_ACTIONS, stats_lines  # noqa: F401 - STATS_ACTIONS: its old home
-from .view import (  # noqa: F401 - re-exported: this module was their home
-    PINS_FILE,
+from .stats import stats_lines
+from .view import (
     VERIFY_LEVELS,
     CheckpointDirectory,
-    _check_db,
-    _is_int,
     best_of_directory,
 )
 

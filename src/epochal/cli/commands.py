@@ -15,11 +15,9 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from .common import (  # noqa: F401 - re-exported: they lived here
+from .common import (
     CONTEXT,
-    F,
     FileArg,
-    Location,
     Out,
     PathArg,
     PrefixArg,
@@ -82,7 +80,7 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
     """
     out = _out(ctx)
     listing = list_prefix(prefix)
-    from ..checkpoint.directory import best_of_directory
+    from ..checkpoint.view import best_of_directory
 
     best = best_of_directory(prefix)
     ranks = {e: i + 1 for i, e in enumerate(best.epochs)} if best is not None else {}

@@ -34,7 +34,7 @@ class Records:
         self.has_records = os.path.isdir(os.path.join(prefix, RECORDS_DIR))
         self._dir: Any = None
         try:
-            from ..checkpoint.directory import CheckpointDirectory
+            from ..checkpoint.view import CheckpointDirectory
         except ImportError:
             return
         try:
@@ -44,8 +44,8 @@ class Records:
 
     def _init_url(self, prefix: str) -> None:
         """A URL (s3://bucket/run): its records through the checkpoint module's record store."""
-        from ..checkpoint.directory import CheckpointDirectory
         from ..checkpoint.record_cache import CachedRecords
+        from ..checkpoint.view import CheckpointDirectory
 
         self.prefix = prefix.rstrip("/")
         try:

@@ -60,8 +60,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..checkpoint.best import metric_number
-from ..checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler, best_of_directory
+from ..checkpoint.directory import DirectoryMetadataHandler
 from ..checkpoint.steps import INTERNAL_PREFIX
+from ..checkpoint.view import CheckpointDirectory, best_of_directory
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard

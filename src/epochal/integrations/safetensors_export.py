@@ -47,7 +47,7 @@ def _source(ckpt: str, blob: str) -> tuple[str, str]:
         if not os.path.exists(ckpt):
             raise CheckpointNotFoundError(f"{ckpt}: no such checkpoint (a db, or a checkpoint directory)")
         return ckpt, _db_type_of(ckpt)
-    from ..checkpoint.directory import CheckpointDirectory
+    from ..checkpoint.view import CheckpointDirectory
     from ..storage.base import get_db_type
 
     d = CheckpointDirectory(ckpt)

@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import BlobMismatchError, UnsupportedBlobError
-from .dtypes import MAX_DIM, check_shape, dtype_from_json, dtype_to_json, expected_nbytes  # noqa: F401 (re-exported)
+from .dtypes import check_shape, dtype_from_json, dtype_to_json, expected_nbytes
 
 Buffer = memoryview
 

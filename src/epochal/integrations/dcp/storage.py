@@ -48,9 +48,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ...checkpoint.directory import CheckpointDirectory, DirectoryMetadataHandler
+from ...checkpoint.directory import DirectoryMetadataHandler
 from ...checkpoint.metadata import DbReport
 from ...checkpoint.naming import split_db_file
+from ...checkpoint.view import CheckpointDirectory
 from ...errors import (
     CheckpointCorruptError,
     CheckpointError,

@@ -16,6 +16,7 @@ import numpy as np
 from .. import codecs as _codecs
 from .. import tuning
 from ..checksum import checksum_function
+from ..dtypes import MAX_DIM
 from ..io.reads import Prefetcher, merged_ranges
 from ..io.threads import Worker
 from .index import Index
@@ -273,7 +274,7 @@ def _layouts(idx: Index) -> _Layouts:
             kinds.append((dt, -1 if dt is None else _view_code(dt, views, view_ids)))
         uid = np.fromiter(map(dict(zip(uniq, range(len(uniq)))).__getitem__, dts), dtype=np.int64, count=len(dts))
         n = np.asarray(ns, dtype=np.uint64)  # (19 digits at most: below 2**64)
-        n_ok = n <= np.uint64(_codecs.MAX_DIM)
+        n_ok = n <= np.uint64(MAX_DIM)
         n64 = np.where(n_ok, n, 0).astype(np.int64)
         isz_u = np.asarray([dt.itemsize if dt is not None else 0 for dt, _ in kinds], dtype=np.int64)
         ok_u = np.asarray([dt is not None for dt, _ in kinds], dtype=bool)
@@ -300,7 +301,7 @@ def _layouts(idx: Index) -> _Layouts:
             hit = known.get(d) if type(d) is str else None
             if (  # the common 1-D case, checked as check_shape would
                 hit is not None and type(sh) is list and len(sh) == 1
-                and type(sh[0]) is int and 0 <= sh[0] <= _codecs.MAX_DIM
+                and type(sh[0]) is int and 0 <= sh[0] <= MAX_DIM
             ):
                 dt_, c = hit
                 nbytes_of[mid] = sh[0] * dt_.itemsize
