@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from epochal.storage.checksum import ALGORITHM_IDS, ALGORITHM_NAMES, checksum_function
-from epochal.storage.native.layout import (
+from epochal.storage.formats.native.layout import (
     GROUP_DTYPE,
     INDEX_HEAD,
     INDEX_MAGIC,
@@ -32,6 +31,7 @@ from epochal.storage.native.layout import (
     SUPERBLOCK_SIZE,
     pack_superblock,
 )
+from epochal.storage.io.checksum import ALGORITHM_IDS, ALGORITHM_NAMES, checksum_function
 
 
 @dataclass

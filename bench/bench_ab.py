@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _measure import evict, recycle_memory
 
-    from epochal.storage.base import get_db_type
+    from epochal.storage.formats.base import get_db_type
 
     global REPEAT
     REPEAT = args.repeat

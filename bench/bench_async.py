@@ -60,8 +60,8 @@ from epochal import (
     Workspace,
     epoch_limiter,
 )
-from epochal.checkpoint.background import DEFAULT_SWITCH_INTERVAL, process_saver
-from epochal.storage.native import image
+from epochal.checkpoint.tasks.background import DEFAULT_SWITCH_INTERVAL, process_saver
+from epochal.storage.formats.native import image
 
 NARRAYS = 8
 VARIANTS = ("sync", "async", "async-copy", "async-old")
@@ -259,7 +259,7 @@ def _write_from_shm(name: str, shapes: list[tuple[int, ...]], path: str) -> None
     """(In a worker process) write the arrays laid out in shared memory ``name``."""
     from multiprocessing import shared_memory
 
-    from epochal.storage.native.writer import write_native
+    from epochal.storage.formats.native.writer import write_native
 
     shm = shared_memory.SharedMemory(name=name)
     at, blobs = 0, {}
@@ -281,7 +281,7 @@ def gil(arrays: list[np.ndarray], directory: str, rounds: int) -> None:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import shared_memory
 
-    from epochal.checkpoint.background import BackgroundSaver
+    from epochal.checkpoint.tasks.background import BackgroundSaver
 
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "n.1")
@@ -294,7 +294,7 @@ def gil(arrays: list[np.ndarray], directory: str, rounds: int) -> None:
         at += x.nbytes
     pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
     pool.submit(time.sleep, 0).result()  # started before the timing
-    from epochal.storage.native.writer import write_native
+    from epochal.storage.formats.native.writer import write_native
 
     def thread(interval: float) -> float:
         saver = BackgroundSaver(switch_interval=interval)

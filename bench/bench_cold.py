@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _measure import evict, preadv_runs, recycle_memory  # noqa: E402
 
-from epochal.storage.native import NativeFile, write_native  # noqa: E402
+from epochal.storage.formats.native import NativeFile, write_native  # noqa: E402
 
 MiB = 1 << 20
 

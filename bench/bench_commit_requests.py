@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _requests import count_requests  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.checkpoint.manifest import DbEntry, Manifest  # noqa: E402
-from epochal.checkpoint.metadata import DbReport  # noqa: E402
+from epochal.checkpoint.handler.metadata import DbReport  # noqa: E402
+from epochal.checkpoint.location.manifest import DbEntry, Manifest  # noqa: E402
 from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 NODE = "trainer_0"
@@ -151,7 +151,7 @@ def paired(steps: int, rounds: int, latency: float, opts: dict[str, Any]) -> dic
     """``epochal ls``, ``stats`` and a resume at ``steps`` steps with ``latency`` seconds added
     to each request: one request at a time vs ``PARALLEL_REQUESTS`` at a time, alternating
     (the order flips every round); medians of the per-round ratios sequential / parallel."""
-    from epochal.checkpoint import record_cache
+    from epochal.checkpoint.location import record_cache
     from epochal.cli.records import list_prefix, stats_prefix
 
     url = f"s3://bench/paired-{steps}-{os.getpid()}-{time.time_ns()}"

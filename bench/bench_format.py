@@ -53,7 +53,7 @@ from _measure import (  # noqa: E402
     warm,
 )
 
-from epochal.storage.native import NativeBackend, NativeFile  # noqa: E402
+from epochal.storage.formats.native import NativeBackend, NativeFile  # noqa: E402
 
 Blobs = dict[str, np.ndarray]
 

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import evict, fsync_path, warm  # noqa: E402
 
 from epochal.integrations.lightning import EpochalCheckpointIO  # noqa: E402
-from epochal.storage import atomic  # noqa: E402
+from epochal.storage.io import atomic  # noqa: E402
 
 
 class Big(L.LightningModule):

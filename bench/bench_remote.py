@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def _node(conn: Any, opts: dict[str, Any] | None, mib: int, node: int) -> None:
     """A node's process: on each (kind, prefix) message, save then load its own db."""
-    from epochal.storage.base import get_db_type
+    from epochal.storage.formats.base import get_db_type
     from epochal.storage.io.fsspec_store import set_storage_options
 
     backend = get_db_type("native")

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import evict, warm  # noqa: E402
 
 import epochal  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
 
 
 class Block(nn.Module):

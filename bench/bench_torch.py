@@ -62,8 +62,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import direct_write, fsync_path, memcpy_times  # noqa: E402
 
 import epochal  # noqa: E402
-from epochal.storage import tuning  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
+from epochal.storage.io import tuning  # noqa: E402
 
 
 def build(gib: float, width: int, optim: type[torch.optim.Optimizer] = torch.optim.Adam,

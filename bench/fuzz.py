@@ -69,7 +69,7 @@ def base_blobs() -> dict[str, Any]:
 
 
 def write_base(directory: str, db_type: str) -> str:
-    from epochal.storage.base import get_db_type
+    from epochal.storage.formats.base import get_db_type
 
     path = os.path.join(directory, f"base.{db_type}")
     get_db_type(db_type).write(path, base_blobs())
@@ -82,7 +82,7 @@ def regions(raw: bytes, db_type: str) -> list[tuple[str, int, int]]:
     if db_type == "native":
         from _forge import NativeParts
 
-        from epochal.storage.native.layout import INDEX_HEAD, SUPERBLOCK_SIZE
+        from epochal.storage.formats.native.layout import INDEX_HEAD, SUPERBLOCK_SIZE
 
         p = NativeParts.parse(raw)
         out = [("superblock", 0, SUPERBLOCK_SIZE)]
@@ -193,7 +193,7 @@ def load_paths(db_type: str) -> list[str]:
 
 
 def run_load(db_type: str, how: str, path: str) -> Any:
-    from epochal.storage.base import get_db_type
+    from epochal.storage.formats.base import get_db_type
 
     backend = get_db_type(db_type)
     if how == "read":
@@ -201,7 +201,7 @@ def run_load(db_type: str, how: str, path: str) -> Any:
     if how == "partial":
         return backend.read(path, ["layer33.w", "tree"])
     if how == "mmap":
-        from epochal.storage.native import open_native
+        from epochal.storage.formats.native import open_native
 
         with open_native(path) as f:
             return {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in f.read().items()}

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from epochal.storage.native import NativeBackend, write_native
-from epochal.storage.native import index as index_mod
+from epochal.storage.formats.native import NativeBackend, write_native
+from epochal.storage.formats.native import index as index_mod
 
 rng = np.random.default_rng(0)
 sizes = np.exp(rng.uniform(np.log(1024), np.log(65536), 20000)).astype(int) // 4
@@ -38,8 +38,8 @@ for r in range(9):
         (on_t if mode == "on" else off_t).append(dt)
     ratios.append(on_t[-1] / off_t[-1])
 index_mod.Index.disagreeing_groups = real
-from epochal.storage.checksum import checksum_function  # noqa: E402 - after the timing above
-from epochal.storage.native import NativeFile  # noqa: E402
+from epochal.storage.formats.native import NativeFile  # noqa: E402
+from epochal.storage.io.checksum import checksum_function  # noqa: E402 - after the timing above
 
 with NativeFile(path) as f:
     idx = f._index

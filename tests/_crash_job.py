@@ -349,7 +349,7 @@ def _check_directory(directory: str) -> list[str]:
     """After a kill: every db under a checkpoint name is complete, every committed epoch
     verifies; returns problems."""
     from epochal import get_db_type
-    from epochal.checkpoint.view import CheckpointDirectory
+    from epochal.checkpoint.location.view import CheckpointDirectory
     from epochal.errors import CheckpointError
 
     d = CheckpointDirectory(directory)
@@ -367,7 +367,7 @@ def _check_directory(directory: str) -> list[str]:
 
 
 def _temp_files(directory: str) -> list[str]:
-    from epochal.storage.atomic import parse_temp_path
+    from epochal.storage.io.atomic import parse_temp_path
 
     out: list[str] = []
     for folder in (directory, os.path.join(directory, ".epochal")):
@@ -382,7 +382,7 @@ def run_trial(directory: str, job_args: list[str], ref: Reference, seed: int, ki
     """Kill the job ``kills`` times (each rerun resumes), then let it finish; check after each
     kill that the directory is sound and that the rerun loads exactly the state the
     uninterrupted run had after that epoch, and at the end that the result is identical."""
-    from epochal.checkpoint.view import CheckpointDirectory
+    from epochal.checkpoint.location.view import CheckpointDirectory
 
     rng = random.Random(seed)
     res = TrialResult()

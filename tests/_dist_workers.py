@@ -151,7 +151,7 @@ def missing_rank_data(rank: int, world: int, path: str) -> None:
     restore resumes step 1 on both ranks."""
     import epochal
     import epochal.integrations.dcp.storage as storage
-    from epochal.checkpoint.view import CheckpointDirectory
+    from epochal.checkpoint.location.view import CheckpointDirectory
 
     model = tiny_model(0)
     opt = torch.optim.Adam(model.parameters())
@@ -204,7 +204,7 @@ def missing_rank_data(rank: int, world: int, path: str) -> None:
     ck.save(4, state)
     dist.barrier()
     if rank == 1:
-        from epochal.storage.native.reader import NativeFile
+        from epochal.storage.formats.native.reader import NativeFile
 
         db = os.path.join(path, "rank1.4")
         with NativeFile(db) as f:

@@ -85,7 +85,7 @@ def kill_inside_saves(save_no: int, where: str, name: str = "last.ckpt") -> None
     called ``name``: ``"commit"`` once the temp file is written, before its rename; ``"write"``
     (epochal's IO only) after its first bytes. Lightning's torch IO (an fsspec transaction)
     and epochal's (AtomicFile) both put the final name in place with os.rename/os.replace."""
-    from epochal.storage import atomic
+    from epochal.storage.io import atomic
 
     count = {"saves": 0}
     real_replace, real_rename, real_init = os.replace, os.rename, atomic.AtomicFile.__init__

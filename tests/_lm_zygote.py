@@ -40,7 +40,7 @@ def _child(argv: list[str], out: str, fsync_ms: float) -> None:
     code = 1
     try:
         if fsync_ms:
-            from epochal.storage import atomic
+            from epochal.storage.io import atomic
 
             real = atomic.fsync
 

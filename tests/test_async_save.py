@@ -101,7 +101,7 @@ def test_runner_with_async_saves_matches_sync(tmp_path):
 
 def test_async_saves_with_directory_handler_commit_every_epoch(tmp_path):
     from epochal import DirectoryMetadataHandler
-    from epochal.checkpoint.view import CheckpointDirectory
+    from epochal.checkpoint.location.view import CheckpointDirectory
 
     with Cluster():
         with Job() as job:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from epochal.storage import atomic
+from epochal.storage.io import atomic
 
 
 def test_temp_path_format_and_parse(tmp_path: Path) -> None:

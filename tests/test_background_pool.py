@@ -21,13 +21,13 @@ from epochal import (
     get_db_type,
     register_db_type,
 )
-from epochal.checkpoint.background import (
+from epochal.checkpoint.tasks.background import (
     DEFAULT_SWITCH_INTERVAL,
     BackgroundSaver,
     arena_bytes,
     process_saver,
 )
-from epochal.storage.native.backend import NativeBackend
+from epochal.storage.formats.native.backend import NativeBackend
 
 GATE = threading.Event()
 
@@ -86,7 +86,7 @@ def test_the_snapshot_arena_is_reused_and_each_file_has_its_epochs_bits(tmp_path
 def test_an_arena_in_flight_is_never_reused(tmp_path, monkeypatch):
     """Two saves of one node in flight at once: the second gets fresh memory, and changes
     to the live values after each snapshot reach neither file."""
-    from epochal.storage import base
+    from epochal.storage.formats import base
 
     monkeypatch.setattr(base, "_registry", dict(base._registry))  # "gated" for this test only
     register_db_type("gated", GatedNative)

@@ -14,9 +14,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager, Workspace  # noqa: E402
-from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
-from epochal.checkpoint.retention import RetentionPolicy, best_epochs, epochs_to_delete  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory, best_of_directory
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.location.retention import RetentionPolicy, best_epochs, epochs_to_delete  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory, best_of_directory
 
 # a metric per epoch (epoch 0, saved after init, has none): the best are not the newest
 LOSS = [None, 5.0, 3.0, 4.0, 1.0, 6.0, 2.0, 7.0, 2.0, 8.0, float("nan"), 9.0]

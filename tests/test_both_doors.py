@@ -27,7 +27,7 @@ from epochal import (
     epoch_limiter,
     get_db_type,
 )
-from epochal.checkpoint.metadata import DbReport
+from epochal.checkpoint.handler.metadata import DbReport
 from epochal.errors import CheckpointLockedError
 from epochal.jobs.events import RunListener
 

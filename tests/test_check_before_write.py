@@ -22,7 +22,7 @@ from epochal import (  # noqa: E402
     Task,
     Workspace,
 )
-from epochal.checkpoint.steps import LoadBlobs  # noqa: E402
+from epochal.checkpoint.tasks.steps import LoadBlobs  # noqa: E402
 from epochal.errors import NodeLostError  # noqa: E402
 from epochal.integrations.torch import ResumableSampler  # noqa: E402
 from epochal.sessions.base import Session  # noqa: E402

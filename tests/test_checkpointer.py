@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 import epochal  # noqa: E402
 from epochal import Checkpointer, RNGState  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointError, UnsupportedBlobError  # noqa: E402
 from epochal.integrations.torch import ResumableSampler  # noqa: E402
 from epochal.jobs.cadence import parse_interval  # noqa: E402
@@ -132,7 +132,7 @@ def test_async_save_snapshots_then_commits_on_wait_and_close(tmp_path: Path) -> 
     with Checkpointer(tmp_path) as again:
         assert again.restore(got) == 2
     assert torch.equal(got["w"], torch.ones(1000))
-    from epochal.storage.base import get_db_type
+    from epochal.storage.formats.base import get_db_type
 
     assert torch.equal(get_db_type("native").read(str(tmp_path / "local.1"))["w"], torch.zeros(1000))
     with pytest.raises(CheckpointError, match="closed"):

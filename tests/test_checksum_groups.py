@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError, CheckpointVersionError
-from epochal.storage import checksum, tuning
-from epochal.storage.native import NativeBackend, NativeFile, batch, layout, write_native
-from epochal.storage.native import writer as native_writer
+from epochal.storage.formats.native import NativeBackend, NativeFile, batch, layout, write_native
+from epochal.storage.formats.native import writer as native_writer
+from epochal.storage.io import checksum, tuning
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _forge import NativeParts  # noqa: E402

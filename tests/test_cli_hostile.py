@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from epochal.checkpoint.view import CheckpointDirectory
+from epochal.checkpoint.location.view import CheckpointDirectory
 from epochal.cli.main import run
-from epochal.storage.base import get_db_type
+from epochal.storage.formats.base import get_db_type
 
 
 @pytest.fixture

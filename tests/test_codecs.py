@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from epochal import UnsupportedBlobError
-from epochal.storage import codecs
+from epochal.storage.encoding import codecs
 
 
 def roundtrip(value):

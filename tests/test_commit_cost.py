@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _requests import count_requests  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.checkpoint.manifest import DbEntry, Manifest  # noqa: E402
-from epochal.checkpoint.metadata import DbReport  # noqa: E402
-from epochal.checkpoint.record_cache import CachedRecords  # noqa: E402
-from epochal.checkpoint.records import UrlRecords  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
+from epochal.checkpoint.handler.metadata import DbReport  # noqa: E402
+from epochal.checkpoint.location.manifest import DbEntry, Manifest  # noqa: E402
+from epochal.checkpoint.location.record_cache import CachedRecords  # noqa: E402
+from epochal.checkpoint.location.records import UrlRecords  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 NODE = "n"

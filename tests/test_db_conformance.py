@@ -19,7 +19,7 @@ import pytest
 from test_native_format import same
 
 from epochal.errors import CheckpointCorruptError, CheckpointNotFoundError, MissingBlobError
-from epochal.storage.base import (
+from epochal.storage.formats.base import (
     SNIFF_BYTES,
     DbBackend,
     DbStat,
@@ -298,9 +298,9 @@ def _golden_blobs() -> dict[str, Any]:
 def test_file_bytes_unchanged(db_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hashlib
 
-    from epochal.storage import checksum
-    from epochal.storage.native import write_native
-    from epochal.storage.native import writer as native_writer
+    from epochal.storage.formats.native import write_native
+    from epochal.storage.formats.native import writer as native_writer
+    from epochal.storage.io import checksum
 
     p = tmp_path / "g"
     if db_type == "native-1.0":

@@ -24,10 +24,10 @@ from _dist_workers import dcp_load_two_ranks, dcp_two_ranks, full_state, run_ran
 from _torch_bits import bits  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointCorruptError, UnsupportedBlobError  # noqa: E402
 from epochal.integrations.dcp import EpochalStorageReader, EpochalStorageWriter  # noqa: E402
-from epochal.storage.native.reader import NativeFile  # noqa: E402
+from epochal.storage.formats.native.reader import NativeFile  # noqa: E402
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks and the CLI
 

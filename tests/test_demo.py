@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from epochal import get_db_type
-from epochal.checkpoint.view import CheckpointDirectory
+from epochal.checkpoint.location.view import CheckpointDirectory
 from epochal.demo import run_demo
 
 

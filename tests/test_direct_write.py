@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epochal.storage import atomic, tuning
-from epochal.storage.io import direct, local
+from epochal.storage.formats.native import NativeBackend
+from epochal.storage.io import atomic, direct, local, tuning
 from epochal.storage.io.direct import DirectSink
-from epochal.storage.native import NativeBackend
 
 pytestmark = pytest.mark.skipif(not direct.direct_supported(), reason="no O_DIRECT here")
 
@@ -160,7 +159,7 @@ def test_patch_beyond_the_first_buffer(tmp_path, small_direct):
 
 
 def test_safetensors_db_written_directly_reads_back(tmp_path, small_direct):
-    from epochal.storage.base import get_db_type
+    from epochal.storage.formats.base import get_db_type
 
     blobs = _blobs(50, 5)
     st = get_db_type("safetensors")

@@ -21,13 +21,13 @@ from epochal import (  # noqa: E402
     MultiNodeCheckpointManager,
     Workspace,
 )
-from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory
 from epochal.errors import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointNotFoundError,
 )
-from epochal.storage import atomic  # noqa: E402
+from epochal.storage.io import atomic  # noqa: E402
 
 NODES = ("trainer_0", "trainer_1")
 
@@ -83,7 +83,7 @@ def test_fresh_run_commits_every_epoch_with_contract_manifests(tmp_path):
     m = d.manifest(4)
     assert set(m) == {"format", "version", "epoch", "db_type", "created", "final", "nodes", "checksum"}
     assert m["format"] == "epochal-manifest" and m["version"] == 2 and m["epoch"] == 4
-    from epochal.checkpoint.manifest import content_checksum
+    from epochal.checkpoint.location.manifest import content_checksum
 
     assert m["checksum"] == content_checksum(m) and m["checksum"].startswith("crc32c:")
     assert m["db_type"] == "native" and m["final"] is True and d.manifest(3)["final"] is False
@@ -188,7 +188,7 @@ def test_a_legacy_mark_final_only_path_works(tmp_path):
     d = CheckpointDirectory(str(tmp_path))
     m = d.manifest(2)
     m["final"] = False
-    from epochal.checkpoint.manifest import encode_manifest
+    from epochal.checkpoint.location.manifest import encode_manifest
 
     atomic.atomic_write_bytes(d.manifest_path(2), encode_manifest(m))  # re-checksummed: valid
     h = DirectoryMetadataHandler()
@@ -219,7 +219,7 @@ def test_damaged_newest_epoch_falls_back_to_the_previous_one(tmp_path, reference
             f.truncate(20)
         named = manifest
     elif damage == "manifest_digest":  # a consistent manifest whose digest does not match
-        from epochal.checkpoint.manifest import encode_manifest
+        from epochal.checkpoint.location.manifest import encode_manifest
 
         m = json.load(open(manifest))
         m["nodes"]["trainer_1"]["digest"] = "native1:crc32c:00000000:1"
@@ -417,7 +417,7 @@ def test_checkpoint_directory_reports_damage_naming_file_and_blob(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="epoch is 0"):
         d.manifest(8)
     evil = {**d.manifest(0), "epoch": 9, "nodes": {"trainer_0": {"file": "../x", "size": 1, "digest": None}}}
-    from epochal.checkpoint.manifest import encode_manifest
+    from epochal.checkpoint.location.manifest import encode_manifest
 
     (tmp_path / ".epochal" / "manifest.9.json").write_bytes(encode_manifest(evil))  # checksum valid
     with pytest.raises(CheckpointCorruptError, match="'../x' is not the name of its db of epoch 9"):

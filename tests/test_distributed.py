@@ -32,7 +32,7 @@ from _dist_workers import (  # noqa: E402
 from _torch_bits import bits  # noqa: E402
 
 import epochal  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.integrations.distributed import DistributedCheckpointer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks

@@ -1,6 +1,6 @@
 """Full disk: a save that hits ENOSPC (or any OSError) loses nothing committed and training
 goes on. On a real, tiny tmpfs where the machine lets the test mount one, and by injecting
-errors at the write layer (``epochal.storage.atomic.write_all`` / ``fsync``) everywhere."""
+errors at the write layer (``epochal.storage.io.atomic.write_all`` / ``fsync``) everywhere."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _crash_job as cj  # noqa: E402
 
 from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager, Workspace, get_db_type  # noqa: E402
-from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory
-from epochal.storage import atomic  # noqa: E402
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory
+from epochal.storage.io import atomic  # noqa: E402
 
 SIZE = 20000  # ~400 KB per db: a 2 MiB filesystem holds four
 EPOCHS = 8

@@ -13,7 +13,7 @@ st = pytest.importorskip("safetensors.torch", reason="the safetensors extra is n
 
 import epochal  # noqa: E402
 from epochal.errors import CheckpointError, CheckpointNotFoundError, MissingBlobError  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _torch_bits import bits  # noqa: E402

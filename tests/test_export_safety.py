@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from epochal.cli.main import run as cli_run
-from epochal.storage.base import get_db_type
+from epochal.storage.formats.base import get_db_type
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError, CheckpointError, MissingBlobError
-from epochal.storage.base import get_db_type
-from epochal.storage.native import open_native
+from epochal.storage.formats.base import get_db_type
+from epochal.storage.formats.native import open_native
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -287,7 +287,7 @@ def special_files(tmp_path: Path) -> dict[str, Path]:
 def test_special_files_are_refused_naming_them(tmp_path):
     files = special_files(tmp_path)
     code = (
-        "import sys\nfrom epochal.storage.base import get_db_type\nfrom epochal.errors import CheckpointError\n"
+        "import sys\nfrom epochal.storage.formats.base import get_db_type\nfrom epochal.errors import CheckpointError\n"
         "for t in ('native', 'safetensors'):\n"
         "    b = get_db_type(t)\n"
         "    for call in (b.read, b.describe, b.verify, b.stat, b.digest):\n"

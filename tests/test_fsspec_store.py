@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 
 from epochal.errors import CheckpointNotFoundError  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
 from epochal.storage.io import fsspec_store  # noqa: E402
 from epochal.storage.io.seam import store_for  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from epochal import BlobMismatchError, get_db_type  # noqa: E402
-from epochal.checkpoint.steps import LoadBlobs  # noqa: E402
+from epochal.checkpoint.tasks.steps import LoadBlobs  # noqa: E402
 from epochal.execution.workspace import Workspace  # noqa: E402
 
 
@@ -150,7 +150,7 @@ def test_native_checks_live_objects_inside_its_read(tmp_path, monkeypatch):
     """The native read checks every live object itself, with the index it opened (no second
     open to describe the db), and refuses the whole load untouched, naming every blob that
     does not fit; called directly too, without a loader step."""
-    from epochal.storage.native import NativeBackend
+    from epochal.storage.formats.native import NativeBackend
 
     m = mlp(2, seed=1)
     save(tmp_path / "db", "native", a=m, b=stepped_adam(m), c=torch.ones(3))

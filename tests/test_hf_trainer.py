@@ -27,7 +27,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from epochal.errors import CheckpointCorruptError, CheckpointError  # noqa: E402
 from epochal.integrations import hf_folder  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_hf_train.py")

@@ -22,7 +22,7 @@ from epochal import (
     Workspace,
     epoch_limiter,
 )
-from epochal.checkpoint.view import CheckpointDirectory
+from epochal.checkpoint.location.view import CheckpointDirectory
 
 
 class Init:

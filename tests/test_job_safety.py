@@ -24,7 +24,7 @@ from epochal import (
     Workspace,
     epoch_limiter,
 )
-from epochal.checkpoint.view import CheckpointDirectory
+from epochal.checkpoint.location.view import CheckpointDirectory
 
 
 @dataclasses.dataclass
@@ -328,7 +328,7 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path):
 
     code = (
         "import os, sys; sys.path.insert(0, sys.argv[2]);"
-        "from epochal.checkpoint.lock import WriterLock;"
+        "from epochal.checkpoint.location.lock import WriterLock;"
         "os.makedirs(sys.argv[1], exist_ok=True);"
         "WriterLock(os.path.join(sys.argv[1], 'lock')).acquire(); os.kill(os.getpid(), 9)"
     )
@@ -340,7 +340,7 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path):
 
 
 def test_read_only_tools_need_no_lock(tmp_path):
-    from epochal.checkpoint.lock import WriterLock
+    from epochal.checkpoint.location.lock import WriterLock
 
     runner(build(epochs=2), tmp_path).train(LocalSession(Workspace()))
     lock = WriterLock(str(tmp_path / ".epochal" / "lock"))
@@ -355,7 +355,7 @@ def test_read_only_tools_need_no_lock(tmp_path):
 def test_the_lock_without_flock_falls_back_to_the_holder_record(tmp_path, monkeypatch):
     import errno
 
-    from epochal.checkpoint import lock as lockmod
+    from epochal.checkpoint.location import lock as lockmod
     from epochal.errors import CheckpointLockedError
 
     def no_flock(fd, op):
@@ -420,7 +420,7 @@ def json_equal(a: bytes, b: bytes) -> bool:
 def test_retention_never_deletes_a_file_a_manifest_names_that_is_not_its_db(tmp_path):
     import json
 
-    from epochal.checkpoint.manifest import encode_manifest
+    from epochal.checkpoint.location.manifest import encode_manifest
 
     _committed(tmp_path, epochs=2)
     (tmp_path / "README.txt").write_text("keep me")

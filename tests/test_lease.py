@@ -23,11 +23,13 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 from test_url_checkpoints import LAST, _train  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.checkpoint.lease import Lease  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
+from epochal.checkpoint.location.lease import Lease  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointLockedError  # noqa: E402
-from epochal.storage import atomic  # noqa: E402
-from epochal.storage.io import conditional  # noqa: E402
+from epochal.storage.io import (
+    atomic,  # noqa: E402
+    conditional,  # noqa: E402
+)
 from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 
@@ -185,7 +187,7 @@ def test_the_lease_is_renewed_in_the_background_and_released(where: tuple[str, d
 
 
 def test_the_default_lease_is_short(where: tuple[str, dict[str, Any] | None]) -> None:
-    from epochal.checkpoint.lease import DEFAULT_LEASE_SECONDS
+    from epochal.checkpoint.location.lease import DEFAULT_LEASE_SECONDS
 
     url, opts = where
     assert 30 <= DEFAULT_LEASE_SECONDS <= 120

@@ -19,8 +19,10 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 
 import epochal as ep  # noqa: E402
 from epochal.errors import CheckpointLockedError  # noqa: E402
-from epochal.storage import atomic  # noqa: E402
-from epochal.storage.io import fsspec_store  # noqa: E402
+from epochal.storage.io import (
+    atomic,  # noqa: E402
+    fsspec_store,  # noqa: E402
+)
 from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 

@@ -30,9 +30,9 @@ from epochal.integrations.lightning import (  # noqa: E402
     load_checkpoint,
     load_lightning_module,
 )
-from epochal.storage import atomic  # noqa: E402
-from epochal.storage.base import get_db_type, sniff_db_type  # noqa: E402
-from epochal.storage.native import MAGIC  # noqa: E402
+from epochal.storage.formats.base import get_db_type, sniff_db_type  # noqa: E402
+from epochal.storage.formats.native import MAGIC  # noqa: E402
+from epochal.storage.io import atomic  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

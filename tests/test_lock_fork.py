@@ -14,7 +14,7 @@ import pytest
 
 import epochal  # noqa: E402
 from epochal import Checkpointer
-from epochal.checkpoint.lock import WriterLock
+from epochal.checkpoint.location.lock import WriterLock
 from epochal.errors import CheckpointLockedError
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(epochal.__file__)))  # the epochal under test

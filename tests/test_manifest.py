@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import epochal.checkpoint.directory as directory_mod
-from epochal.checkpoint.best import best_of
-from epochal.checkpoint.directory import DirectoryMetadataHandler
-from epochal.checkpoint.manifest import (
+import epochal.checkpoint.handler.directory as directory_mod
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler
+from epochal.checkpoint.handler.metadata import DbReport
+from epochal.checkpoint.location.best import best_of
+from epochal.checkpoint.location.manifest import (
     MANIFEST_FORMAT,
     DbEntry,
     KeepBest,
@@ -23,12 +24,11 @@ from epochal.checkpoint.manifest import (
     decode_manifest,
     encode_manifest,
 )
-from epochal.checkpoint.metadata import DbReport
-from epochal.checkpoint.naming import parse_db_file, split_db_file
-from epochal.checkpoint.view import CheckpointDirectory
+from epochal.checkpoint.location.naming import parse_db_file, split_db_file
+from epochal.checkpoint.location.view import CheckpointDirectory
 from epochal.cli.names import parse_db_name
 from epochal.errors import CheckpointCorruptError
-from epochal.storage.base import get_db_type
+from epochal.storage.formats.base import get_db_type
 
 CREATED = "2026-01-02T03:04:05.678+00:00"
 
@@ -147,7 +147,7 @@ def test_mark_final_keeps_keys_it_does_not_know(tmp_path: Path) -> None:
 
 def test_mirror_gets_the_local_bytes_and_pull_returns_a_manifest(tmp_path: Path, fixed_time: None) -> None:
     pytest.importorskip("fsspec", reason="the s3 extra is not installed")
-    from epochal.checkpoint.mirror import RemoteMirror
+    from epochal.checkpoint.mirroring.mirror import RemoteMirror
 
     url = f"memory://manifest-{secrets.token_hex(4)}/run"
     h = DirectoryMetadataHandler(mirror=url, mirror_background=False)
@@ -184,7 +184,7 @@ def test_db_names_are_parsed_in_one_place(tmp_path: Path) -> None:
 
 
 def test_stats_lines_name_node_and_epoch_through_naming() -> None:
-    from epochal.checkpoint.stats import stats_lines
+    from epochal.checkpoint.location.stats import stats_lines
 
     raw = stats_lines("T", "checkpoint_save", {"d/run-a.1.2": 5, "d/run-a.3": 6, "d/other": 7},
                       {"d/run-a.3": 100}, ["a", "a.1"], "run-")

@@ -14,12 +14,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from epochal import Checkpointer, JobRunner, LocalSession, MultiNodeCheckpointManager, Workspace  # noqa: E402
-from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
-from epochal.checkpoint.manifest import encode_manifest  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory, best_of_directory
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.location.manifest import encode_manifest  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory, best_of_directory
 from epochal.cli.main import run as cli_run  # noqa: E402
 from epochal.errors import MissingBlobError, UnsupportedBlobError  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
 
 
 @pytest.mark.parametrize("bad", [10**400, -(10**400), "0.5", b"1", True, object()],

@@ -17,8 +17,8 @@ fsspec = pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.checkpoint.mirror import RemoteMirror  # noqa: E402
-from epochal.storage import remote  # noqa: E402
+from epochal.checkpoint.mirroring.mirror import RemoteMirror  # noqa: E402
+from epochal.storage.formats import remote  # noqa: E402
 
 NODES = ("trainer_0", "trainer_1")
 LAST = len(EXPECTED_TOTALS)  # epochs 0 (after init) .. LAST
@@ -152,7 +152,7 @@ def test_failed_push_is_retried_after_the_next_commit(
             raise OSError(5, "connection reset")
         return real(local, dest, **kw)
 
-    monkeypatch.setattr("epochal.checkpoint.mirror.upload_file", flaky)
+    monkeypatch.setattr("epochal.checkpoint.mirroring.mirror.upload_file", flaky)
     with caplog.at_level(logging.WARNING, logger="epochal"):
         assert _train(tmp_path / "c", ep.DirectoryMetadataHandler(mirror=url)) == LAST
     assert failed and "Cannot mirror epoch 1" in caplog.text
@@ -249,7 +249,7 @@ def _gated_uploads(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
         assert gate.wait(30), "upload gate never opened"
         return real(local, dest, **kw)
 
-    monkeypatch.setattr("epochal.checkpoint.mirror.upload_file", gated)
+    monkeypatch.setattr("epochal.checkpoint.mirroring.mirror.upload_file", gated)
     return gate, started
 
 
@@ -356,7 +356,7 @@ def test_each_node_pushes_its_own_db_and_the_driver_only_the_manifest(
 
 def test_a_node_push_that_fails_is_pushed_by_the_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    from epochal.storage import remote as remote_mod
+    from epochal.storage.formats import remote as remote_mod
 
     url = _url()
     real = remote_mod.upload_file

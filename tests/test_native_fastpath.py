@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError
-from epochal.storage import codecs as _codecs
-from epochal.storage.native import NativeBackend, NativeFile, batch, write_native
+from epochal.storage.encoding import codecs as _codecs
+from epochal.storage.formats.native import NativeBackend, NativeFile, batch, write_native
 
 
 def _blobs() -> dict[str, object]:
@@ -71,7 +71,7 @@ def test_fast_path_matches_general_path(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_fast_path_used_and_stats(tmp_path: Path) -> None:
-    from epochal.storage.base import ReadStats
+    from epochal.storage.formats.base import ReadStats
 
     blobs = _blobs()
     path = tmp_path / "x.db"
@@ -142,7 +142,7 @@ def test_truncated_file_is_corrupt(tmp_path: Path) -> None:
 
 
 def test_custom_ndarray_codec_disables_fast_path(tmp_path: Path) -> None:
-    from epochal.storage import codecs
+    from epochal.storage.encoding import codecs
 
     blobs = {f"b{i:03d}": np.arange(10, dtype=np.int32) for i in range(100)}
     path = tmp_path / "x.db"
@@ -257,7 +257,7 @@ def test_plain_1d_metas_read_without_json_match_the_general_path(tmp_path: Path,
         for (kind, meta), d, n in zip(f._index.all_entries(), *plain):
             assert kind == "ndarray" and meta == {"dtype": d.decode(), "shape": [n]}
     parsed: list[object] = []
-    from epochal.storage.native import index as native_index
+    from epochal.storage.formats.native import index as native_index
 
     real = native_index.Index.parse_all_metas
     monkeypatch.setattr(native_index.Index, "parse_all_metas", lambda self: parsed.append(1) or real(self))
@@ -312,7 +312,7 @@ def test_metas_scan_and_json_agree_on_random_flips(tmp_path: Path, monkeypatch: 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from _forge import NativeParts
 
-    from epochal.storage.native import index as native_index
+    from epochal.storage.formats.native import index as native_index
 
     blobs = _plain_1d_blobs()
     path = tmp_path / "base.db"

@@ -20,16 +20,16 @@ from epochal.errors import (
     MissingBlobError,
     UnsupportedBlobError,
 )
-from epochal.storage import atomic, checksum, tuning
-from epochal.storage import codecs as C
-from epochal.storage.base import ReadStats, get_db_type
-from epochal.storage.native import (
+from epochal.storage.encoding import codecs as C
+from epochal.storage.formats.base import ReadStats, get_db_type
+from epochal.storage.formats.native import (
     NativeBackend,
     layout,
     open_native,
     stat_native,
     write_native,
 )
+from epochal.storage.io import atomic, checksum, tuning
 
 
 def nan_with_payload(payload: int) -> float:

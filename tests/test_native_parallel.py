@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError
-from epochal.storage import tuning
-from epochal.storage.base import IO_PROGRESS
-from epochal.storage.native import NativeBackend, NativeFile, parallel, write_native
+from epochal.storage.formats.base import IO_PROGRESS
+from epochal.storage.formats.native import NativeBackend, NativeFile, parallel, write_native
+from epochal.storage.io import tuning
 
 
 @pytest.fixture(autouse=True)

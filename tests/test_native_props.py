@@ -17,7 +17,7 @@ from hypothesis.extra import numpy as hnp
 from test_native_format import same
 
 from epochal.errors import CheckpointCorruptError
-from epochal.storage.native import NativeBackend, layout, open_native, write_native
+from epochal.storage.formats.native import NativeBackend, layout, open_native, write_native
 
 DTYPES = [
     "<f2", "<f4", ">f4", "<f8", ">f8", "|i1", "<i2", ">i2", "<i4", "<i8", ">i8", "|u1", "<u2",

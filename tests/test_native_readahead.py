@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError
+from epochal.storage.formats.native import NativeBackend, NativeFile, inplace, write_native
 from epochal.storage.io.local import RWF_NOWAIT
-from epochal.storage.native import NativeBackend, NativeFile, inplace, write_native
 
 pytestmark = pytest.mark.skipif(not RWF_NOWAIT, reason="RWF_NOWAIT is Linux-only")
 

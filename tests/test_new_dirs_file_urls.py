@@ -21,11 +21,11 @@ from epochal import (  # noqa: E402
     MultiNodeCheckpointManager,
     Workspace,
 )
-from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory
 from epochal.cli.main import run as cli_run  # noqa: E402
 from epochal.errors import CheckpointError  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
 
 
 def _train(manager, epochs=2, **kw):
@@ -63,7 +63,7 @@ def test_a_directory_under_a_regular_file_fails_naming_it(tmp_path, multi):
 
 
 def test_the_two_is_url_agree_on_file_urls():
-    from epochal.storage import remote
+    from epochal.storage.formats import remote
     from epochal.storage.io import fsspec_store, seam
 
     for fn in (seam.is_url, remote.is_url, fsspec_store.is_url):

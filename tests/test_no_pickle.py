@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from epochal.integrations.rng import RNGState
-from epochal.storage.base import get_db_type
+from epochal.storage.formats.base import get_db_type
 
 
 class _Stateful:
@@ -109,7 +109,7 @@ def _roundtrip(tmp_path: Path, blobs: dict[str, Any], with_live: bool) -> None:
             if name in blobs:
                 assert out[name] is blobs[name], name
     # the mmap reader path, too
-    from epochal.storage.native import open_native
+    from epochal.storage.formats.native import open_native
 
     with open_native(path, mmap=True) as f:
         assert set(f.read(list(blobs))) == set(blobs)

@@ -21,10 +21,10 @@ from epochal import (  # noqa: E402
     MultiNodeCheckpointManager,
     Workspace,
 )
-from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
-from epochal.checkpoint.metadata import BaseMetadataHandler, with_extensions  # noqa: E402
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.handler.metadata import BaseMetadataHandler, with_extensions  # noqa: E402
 from epochal.errors import CheckpointCorruptError  # noqa: E402
-from epochal.storage.native.backend import NativeBackend  # noqa: E402
+from epochal.storage.formats.native.backend import NativeBackend  # noqa: E402
 
 NODES = ("trainer_0", "trainer_1")
 
@@ -204,7 +204,7 @@ def test_a_damaged_local_epoch_is_restored_from_the_mirror_once(tmp_path, caplog
     said = [r.getMessage() for r in caplog.records]
     assert any("Restored epoch 4 from" in m for m in said), said
     # damaged at both ends: restored once, then skipped for epoch 3 (which is retrained)
-    from epochal.storage import remote
+    from epochal.storage.formats import remote
 
     fs, root = remote.filesystem(url)
     flip_data(tmp_path / "trainer_0.4")

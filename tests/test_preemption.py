@@ -14,9 +14,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _crash_job as cj  # noqa: E402
 
 from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager, Preempted, Workspace  # noqa: E402
-from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory
-from epochal.storage import atomic  # noqa: E402
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory
+from epochal.storage.io import atomic  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 NODES = ("trainer_0", "trainer_1")

@@ -20,7 +20,7 @@ from epochal import (
     epoch_limiter,
 )
 from epochal.progress import TerminalProgress, display_wanted
-from epochal.storage.base import IO_PROGRESS, report_progress
+from epochal.storage.formats.base import IO_PROGRESS, report_progress
 
 
 class FakeTTY(io.StringIO):

@@ -113,7 +113,7 @@ def test_ray_job_with_directory_handler_resumes_after_a_crash(ray_cluster, tmp_p
         mgr = MultiNodeCheckpointManager(str(tmp_path), metadata_handler=handler)
         assert JobRunner(job_with(crash=False), mgr).train(s) == 4
         assert handler.committed_epochs() == [0, 1, 2, 3, 4]
-        from epochal.checkpoint.view import CheckpointDirectory
+        from epochal.checkpoint.location.view import CheckpointDirectory
 
         loads = [(r["epoch"], r["node"]) for r in CheckpointDirectory(str(tmp_path)).stats()
                  if r["action"] == "checkpoint_load"]

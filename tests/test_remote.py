@@ -18,8 +18,8 @@ from epochal import (  # noqa: E402
     LocalSession,
     MultiNodeCheckpointManager,
 )
-from epochal.checkpoint.upload import FsspecUploadBuilder  # noqa: E402
-from epochal.storage.remote import download_file, is_url, read_remote, upload_file  # noqa: E402
+from epochal.checkpoint.tasks.upload import FsspecUploadBuilder  # noqa: E402
+from epochal.storage.formats.remote import download_file, is_url, read_remote, upload_file  # noqa: E402
 
 
 def _train_with_upload(tmp_path, url, opts):

@@ -11,9 +11,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _crash_job as cj  # noqa: E402
 
 from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager, Workspace  # noqa: E402
-from epochal.checkpoint.directory import DirectoryMetadataHandler  # noqa: E402
-from epochal.checkpoint.retention import RetentionPolicy, epochs_to_delete  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
+from epochal.checkpoint.location.retention import RetentionPolicy, epochs_to_delete  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory
 
 NODES = ("trainer_0", "trainer_1")
 

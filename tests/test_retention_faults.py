@@ -1,6 +1,6 @@
 """Issue 23 item 1: retention and leftover cleanup delete only what they know they may delete.
 
-Faults are injected at the record-store seam (:class:`~epochal.checkpoint.records.RecordStore`):
+Faults are injected at the record-store seam (:class:`~epochal.checkpoint.location.records.RecordStore`):
 a manifest that exists but cannot be read at that moment (EMFILE, EIO, a failed GET at a URL)
 or parsed (one flipped bit) keeps its epoch, named in a warning; a resume retries a transient
 read error on the newest manifest instead of rolling back.
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from epochal.checkpoint.directory import DirectoryMetadataHandler
-from epochal.checkpoint.view import CheckpointDirectory
-from epochal.storage.base import get_db_type
+from epochal.checkpoint.handler.directory import DirectoryMetadataHandler
+from epochal.checkpoint.location.view import CheckpointDirectory
+from epochal.storage.formats.base import get_db_type
 
 NODES = ("trainer_0", "trainer_1")
 

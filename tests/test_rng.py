@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from epochal.integrations.rng import RNGState
-from epochal.storage import codecs
+from epochal.storage.encoding import codecs
 
 
 def roundtrip(value: Any, existing: Any = None) -> Any:

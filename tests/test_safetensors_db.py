@@ -12,8 +12,8 @@ import pytest
 from test_native_format import same, sample_blobs
 
 from epochal.errors import CheckpointCorruptError, MissingBlobError, UnsupportedBlobError
-from epochal.storage.base import ReadStats, get_db_type
-from epochal.storage.safetensors_db import SafetensorsBackend
+from epochal.storage.formats.base import ReadStats, get_db_type
+from epochal.storage.formats.safetensors_db import SafetensorsBackend
 
 st_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _lm_zygote  # noqa: E402
 from _torch_bits import same_state  # noqa: E402
 
-from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform == "win32", reason="needs fork and SIGKILL")]
 

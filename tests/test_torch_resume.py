@@ -24,7 +24,7 @@ from epochal import (  # noqa: E402
     Workspace,
 )
 from epochal.errors import BlobMismatchError  # noqa: E402
-from epochal.storage.base import get_db_type  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torch_mlp.py"

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is not installed")
 
 from epochal.errors import BlobMismatchError, UnsupportedBlobError  # noqa: E402
-from epochal.storage import codecs  # noqa: E402
-from epochal.storage.codecs import LOAD_OPTIONS  # noqa: E402
+from epochal.storage.encoding import codecs  # noqa: E402
+from epochal.storage.encoding.codecs import LOAD_OPTIONS  # noqa: E402
 
 
 def roundtrip(value: Any, existing: Any = None, *, tamper: Any = None) -> Any:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from epochal.errors import BlobMismatchError, UnsupportedBlobError
-from epochal.storage import codecs
-from epochal.storage.tree import MAX_DEPTH, TreeCodec
+from epochal.storage.encoding import codecs
+from epochal.storage.encoding.tree import MAX_DEPTH, TreeCodec
 
 
 def roundtrip(value: Any, existing: Any = None) -> Any:
@@ -221,7 +221,7 @@ def test_tree_codec_never_imports_torch() -> None:
 
     code = (
         "import sys, numpy as np\n"
-        "from epochal.storage import codecs\n"
+        "from epochal.storage.encoding import codecs\n"
         "codecs.encode({'a': [np.ones(2), 1.5]})\n"
         "import epochal.integrations.rng as r; codecs.encode(r.RNGState())\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

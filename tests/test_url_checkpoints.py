@@ -20,7 +20,7 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.checkpoint.view import CheckpointDirectory  # noqa: E402
+from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointError, CheckpointLockedError  # noqa: E402
 from epochal.storage.io.fsspec_store import filesystem_for  # noqa: E402
 
@@ -181,7 +181,7 @@ def test_a_url_that_does_not_exist(s3: dict[str, Any], tmp_path: Path, monkeypat
 
 
 def test_db_name_joins_urls_with_a_slash() -> None:
-    from epochal.checkpoint.naming import db_name
+    from epochal.checkpoint.location.naming import db_name
 
     assert db_name(3, "trainer_0", "s3://b/run") == "s3://b/run/trainer_0.3"
     assert db_name(3, "trainer_0", "s3://b/run/") == "s3://b/run/trainer_0.3"

@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epochal.checkpoint import background
-from epochal.checkpoint.background import BackgroundSaver
-from epochal.storage import atomic, tuning
-from epochal.storage.io import direct, local
-from epochal.storage.native import NativeBackend, image
-from epochal.storage.native.writer import plan_file
+from epochal.checkpoint.tasks import background
+from epochal.checkpoint.tasks.background import BackgroundSaver
+from epochal.storage.formats.native import NativeBackend, image
+from epochal.storage.formats.native.writer import plan_file
+from epochal.storage.io import atomic, direct, local, tuning
 
 pytestmark = pytest.mark.skipif(not direct.direct_supported(), reason="no O_DIRECT here")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checkpoint.manager import CheckpointManager, MultiNodeCheckpointManager
-from .checkpoint.metadata import BaseMetadataHandler, MetadataHandler
-from .checkpoint.naming import db_name, get_ckpt_filename
-from .checkpoint.upload import CopyUploadBuilder, UploadTaskGroupBuilder
+from .checkpoint.handler.metadata import BaseMetadataHandler, MetadataHandler
+from .checkpoint.location.naming import db_name, get_ckpt_filename
+from .checkpoint.tasks.manager import CheckpointManager, MultiNodeCheckpointManager
+from .checkpoint.tasks.upload import CopyUploadBuilder, UploadTaskGroupBuilder
 from .errors import (
     BlobMismatchError,
     CheckpointCorruptError,
@@ -36,14 +36,14 @@ from .execution import (
 )
 from .jobs import CheckpointEvent, Job, JobRunner, RunListener, epoch_limiter
 from .sessions import LocalSession, Session
-from .storage.base import DbBackend, available_db_types, get_db_type, register_db_type
+from .storage.formats.base import DbBackend, available_db_types, get_db_type, register_db_type
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "Checkpointer": "epochal.checkpointer",
-    "CheckpointDirectory": "epochal.checkpoint.view",
-    "DirectoryMetadataHandler": "epochal.checkpoint.directory",
+    "CheckpointDirectory": "epochal.checkpoint.location.view",
+    "DirectoryMetadataHandler": "epochal.checkpoint.handler.directory",
     "RNGState": "epochal.integrations.rng",
     "export_safetensors": "epochal.integrations.safetensors_export",
 }

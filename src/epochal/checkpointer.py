@@ -17,7 +17,7 @@
 The same machinery as the Job model, on the same directory layout: a step is an epoch of one
 node (``local``), saved as the db ``<directory>/local.<step>`` by the native backend (temp
 file, fsync, rename; CRC32C on every byte; no pickle) and committed by
-:class:`~epochal.checkpoint.directory.DirectoryMetadataHandler` (``.epochal/manifest.<step>.json``,
+:class:`~epochal.checkpoint.handler.directory.DirectoryMetadataHandler` (``.epochal/manifest.<step>.json``,
 retention, stats), so ``epochal ls`` and ``CheckpointDirectory`` show it like any other, and a
 save interrupted at any instant never damages an earlier checkpoint.
 
@@ -40,12 +40,12 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
-from .checkpoint.background import BackgroundSaver
-from .checkpoint.directory import DirectoryMetadataHandler
 from .checkpoint.engine import CheckpointEngine, Done, Results
-from .checkpoint.handler_calls import HandlerLink
-from .checkpoint.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
-from .checkpoint.view import best_of_directory
+from .checkpoint.handler.directory import DirectoryMetadataHandler
+from .checkpoint.location.view import best_of_directory
+from .checkpoint.tasks.background import BackgroundSaver
+from .checkpoint.tasks.handler_calls import HandlerLink
+from .checkpoint.tasks.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -98,7 +98,7 @@ class Checkpointer:
     takes a snapshot (a copy in memory) and writes it on a background thread; it is committed
     by :meth:`wait`, the next :meth:`save`, :meth:`restore` or :meth:`close`. The snapshot's
     memory is reused from save to save, up to ``max_host_bytes`` (None: one state's worth; see
-    :mod:`epochal.checkpoint.background`).
+    :mod:`epochal.checkpoint.tasks.background`).
     ``storage_options``: for a remote (URL) directory, passed to the handler where it
     supports them. ``max_failed_saves`` (default 1): how many saves in a row may fail before
     :meth:`save` raises. With 1 every failed save raises its own error (OSError, ...), as a

@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .checkpoint.manager import CheckpointManager
+from .checkpoint.tasks.manager import CheckpointManager
 from .execution.task import Node, Task
 from .execution.workspace import Workspace
 from .jobs.events import CheckpointEvent, RunListener
@@ -175,8 +175,8 @@ def run_demo(
     """
     import os
 
-    from .checkpoint.directory import DirectoryMetadataHandler
-    from .checkpoint.view import CheckpointDirectory
+    from .checkpoint.handler.directory import DirectoryMetadataHandler
+    from .checkpoint.location.view import CheckpointDirectory
 
     os.makedirs(directory, exist_ok=True)
     session = LocalSession()

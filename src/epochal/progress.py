@@ -9,7 +9,7 @@ progress=True)``. It shows
 * a progress bar while a save or load moves more than ``threshold`` bytes (64 MiB by default,
   guessed from the previous checkpoint's size; a load with nothing to guess from gets a bar
   once that many bytes have moved), fed by the db backends through
-  :data:`epochal.storage.base.IO_PROGRESS`.
+  :data:`epochal.storage.formats.base.IO_PROGRESS`.
 
 Every line also goes to the ``epochal.progress`` logger (INFO). Rich draws the display when it
 is installed (the ``cli`` extra); without it the lines are plain text and there is no bar.
@@ -26,7 +26,7 @@ import time
 from typing import IO, Any
 
 from .jobs.events import CheckpointEvent, RunListener
-from .storage.base import IO_PROGRESS
+from .storage.formats.base import IO_PROGRESS
 
 logger = logging.getLogger("epochal.progress")
 

@@ -1,14 +1,14 @@
 """Checkpoint managers, naming, metadata handlers and upload builders."""
 
-from .manager import (
+from .handler.metadata import MetadataHandler
+from .location.naming import db_name, get_ckpt_filename
+from .tasks.manager import (
     CheckpointManager,
     InitRequiredError,
     MultiNodeCheckpointManager,
     NodeListMismatchError,
 )
-from .metadata import MetadataHandler
-from .naming import db_name, get_ckpt_filename
-from .upload import CopyUploadBuilder, UploadTaskGroupBuilder
+from .tasks.upload import CopyUploadBuilder, UploadTaskGroupBuilder
 
 __all__ = [
     "CheckpointManager", "CopyUploadBuilder", "InitRequiredError", "MetadataHandler",

@@ -39,9 +39,9 @@ from ..errors import (
     NodeLostError,
     UnsupportedBlobError,
 )
-from .best import metric_number
-from .metadata import DbReport
-from .steps import StepResult
+from .handler.metadata import DbReport
+from .location.best import metric_number
+from .tasks.steps import StepResult
 
 __all__ = ["FATAL_SAVE_ERRORS", "CheckpointEngine", "Done", "EngineEvents", "Records", "SaveHandle"]
 

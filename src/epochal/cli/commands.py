@@ -80,7 +80,7 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
     """
     out = _out(ctx)
     listing = list_prefix(prefix)
-    from ..checkpoint.view import best_of_directory
+    from ..checkpoint.location.view import best_of_directory
 
     best = best_of_directory(prefix)
     ranks = {e: i + 1 for i, e in enumerate(best.epochs)} if best is not None else {}
@@ -432,7 +432,7 @@ def pull_cmd(ctx: click.Context, url: str, directory: str, epoch: int | None,
     --epoch the newest remote epoch that verifies is taken (damaged ones are skipped, with a
     note). Needs the s3 extra for s3:// (fsspec, s3fs).
     """
-    from ..checkpoint.mirror import RemoteMirror
+    from ..checkpoint.mirroring.mirror import RemoteMirror
     from ..errors import CheckpointError
 
     out = _out(ctx)

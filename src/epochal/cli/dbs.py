@@ -1,5 +1,5 @@
 """One db file as the commands see it: which db_type wrote it, its index, its values, its
-problems, all through the db backend interface (:mod:`epochal.storage.base`) alone."""
+problems, all through the db backend interface (:mod:`epochal.storage.formats.base`) alone."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError, MissingBlobError
-from ..storage.base import (
+from ..storage.formats.base import (
     BlobInfo,
     DbBackend,
     DbProblem,
@@ -42,7 +42,7 @@ def _size(path: str) -> int:
 
 def detect_db_type(path: str) -> str:
     """The db_type of the file at ``path``, asked of every registered backend from the file's
-    head (:func:`~epochal.storage.base.sniff_db_type`); :class:`Problem` if none recognises
+    head (:func:`~epochal.storage.formats.base.sniff_db_type`); :class:`Problem` if none recognises
     it or it cannot be read."""
     if os.path.isdir(path):
         raise Problem(f"{path}: is a directory, not a checkpoint file (give a db such as {os.path.join(path, '<node>.<epoch>')})")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..storage import atomic
+from ..storage.io import atomic
 from .dbs import read_blobs
 from .problems import Problem
 from .values import flatten, to_numpy

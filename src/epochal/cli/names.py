@@ -1,11 +1,11 @@
 """Names of db files in a checkpoint directory (``<node>.<epoch>``), as the commands see
-them: parsed by :mod:`epochal.checkpoint.naming`, the one place that knows db names."""
+them: parsed by :mod:`epochal.checkpoint.location.naming`, the one place that knows db names."""
 
 from __future__ import annotations
 
 import os
 
-from ..checkpoint.naming import RECORDS_DIR, split_db_file
+from ..checkpoint.location.naming import RECORDS_DIR, split_db_file
 
 __all__ = ["RECORDS_DIR", "parse_db_name"]
 

@@ -3,7 +3,7 @@ file or blob at fault (exit code 1)."""
 
 from __future__ import annotations
 
-from ..storage.base import error_line as one_line
+from ..storage.formats.base import error_line as one_line
 
 __all__ = ["Problem", "one_line"]
 

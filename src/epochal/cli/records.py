@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint.manifest import DbEntry, Manifest
+from ..checkpoint.location.manifest import DbEntry, Manifest
 from ..errors import CheckpointError
 from .dbs import verify_file
 from .names import RECORDS_DIR, parse_db_name
@@ -19,7 +19,7 @@ __all__ = ["Records", "list_prefix", "stats_prefix", "verify_target"]
 
 class Records:
     """The CLI's view of a checkpoint directory: the records of
-    :class:`epochal.checkpoint.directory.CheckpointDirectory` when that module is present,
+    :class:`epochal.checkpoint.handler.directory.CheckpointDirectory` when that module is present,
     else what the file names alone tell (``<node>.<epoch>``, nothing committed)."""
 
     def __init__(self, prefix: str) -> None:
@@ -34,7 +34,7 @@ class Records:
         self.has_records = os.path.isdir(os.path.join(prefix, RECORDS_DIR))
         self._dir: Any = None
         try:
-            from ..checkpoint.view import CheckpointDirectory
+            from ..checkpoint.location.view import CheckpointDirectory
         except ImportError:
             return
         try:
@@ -44,8 +44,8 @@ class Records:
 
     def _init_url(self, prefix: str) -> None:
         """A URL (s3://bucket/run): its records through the checkpoint module's record store."""
-        from ..checkpoint.record_cache import CachedRecords
-        from ..checkpoint.view import CheckpointDirectory
+        from ..checkpoint.location.record_cache import CachedRecords
+        from ..checkpoint.location.view import CheckpointDirectory
 
         self.prefix = prefix.rstrip("/")
         try:
@@ -241,7 +241,7 @@ def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """``[fn(x) for x in items]``, several at a time (requests to object storage), in order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..checkpoint.record_cache import PARALLEL_REQUESTS
+    from ..checkpoint.location.record_cache import PARALLEL_REQUESTS
 
     if len(items) <= 1 or PARALLEL_REQUESTS <= 1:
         return _serial(fn, items)

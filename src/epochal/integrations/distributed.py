@@ -9,7 +9,7 @@ collective: every rank calls them at the same point with the same step.
 A step is one DCP save through :mod:`epochal.integrations.dcp`: each rank writes the items
 DCP's planner gives it (the shards it owns, a replicated tensor on one rank only) to its db
 ``<dir>/rank<r>.<step>``; rank 0 writes the metadata db and commits the manifest once every
-rank's db is durable, through its :class:`~epochal.checkpoint.directory.DirectoryMetadataHandler`
+rank's db is durable, through its :class:`~epochal.checkpoint.handler.directory.DirectoryMetadataHandler`
 (rank 0 holds the writer lock, applies retention and best-k, and appends the stats). A step
 with any rank's data missing is never committed and never resumed.
 
@@ -59,10 +59,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..checkpoint.best import metric_number
-from ..checkpoint.directory import DirectoryMetadataHandler
-from ..checkpoint.steps import INTERNAL_PREFIX
-from ..checkpoint.view import CheckpointDirectory, best_of_directory
+from ..checkpoint.handler.directory import DirectoryMetadataHandler
+from ..checkpoint.location.best import metric_number
+from ..checkpoint.location.view import CheckpointDirectory, best_of_directory
+from ..checkpoint.tasks.steps import INTERNAL_PREFIX
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard

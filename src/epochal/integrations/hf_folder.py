@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..storage import atomic
-from ..storage.base import get_db_type
-from ..storage.checksum import checksum_function, default_algorithm, format_checksum
+from ..storage.formats.base import get_db_type
+from ..storage.io import atomic
+from ..storage.io.checksum import checksum_function, default_algorithm, format_checksum
 
 __all__ = [
     "FILES_BLOB",

@@ -49,13 +49,13 @@ except ImportError as _ex:  # pragma: no cover - depends on the environment
         f"pip install 'epochal[lightning]' ({_ex})"
     ) from _ex
 
-from ..checkpoint.lock import pid_alive
+from ..checkpoint.location.lock import pid_alive
 from ..errors import CheckpointError, UnsupportedBlobError
-from ..storage import atomic
-from ..storage.base import get_db_type, sniff_db_type
-from ..storage.codecs import LOAD_OPTIONS
+from ..storage.encoding.codecs import LOAD_OPTIONS
+from ..storage.encoding.skeleton import is_stateful, path_str, type_name
+from ..storage.formats.base import get_db_type, sniff_db_type
+from ..storage.io import atomic
 from ..storage.io.seam import store_for
-from ..storage.skeleton import is_stateful, path_str, type_name
 from .rng import RNGState
 
 __all__ = ["EpochalCheckpointIO", "RNGStateCallback", "load_checkpoint", "load_lightning_module"]

@@ -7,7 +7,7 @@ tensors: each group of tensors sharing memory (tied weights) is stored once, und
 does. So ``safetensors.torch.load_model(model, out)`` (strict) restores the model, and
 ``safetensors.torch.load_file(out)`` gives every tensor under its state-dict key, dtype (bf16,
 fp16, float8 ...) and bits. Tied weights are shared again after the load because the
-checkpoint keeps them as one tensor (:mod:`epochal.storage.tree`).
+checkpoint keeps them as one tensor (:mod:`epochal.storage.encoding.tree`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class _StateDictOf:
 def _db_type_of(path: str) -> str:
     """The db type of the file ``path``, sniffed from its head by each backend (which open
     without blocking and refuse a FIFO, a device or a socket, naming it)."""
-    from ..storage.base import sniff_db_type
+    from ..storage.formats.base import sniff_db_type
 
     found = sniff_db_type(path)
     return found if found is not None else "safetensors"
@@ -47,8 +47,8 @@ def _source(ckpt: str, blob: str) -> tuple[str, str]:
         if not os.path.exists(ckpt):
             raise CheckpointNotFoundError(f"{ckpt}: no such checkpoint (a db, or a checkpoint directory)")
         return ckpt, _db_type_of(ckpt)
-    from ..checkpoint.view import CheckpointDirectory
-    from ..storage.base import get_db_type
+    from ..checkpoint.location.view import CheckpointDirectory
+    from ..storage.formats.base import get_db_type
 
     d = CheckpointDirectory(ckpt)
     committed = d.committed_epochs()
@@ -108,8 +108,8 @@ def export_safetensors(
         from safetensors.torch import save_model
     except ImportError:
         raise ImportError("export_safetensors needs safetensors and torch: pip install 'epochal[safetensors,torch]'") from None
-    from ..storage import atomic
-    from ..storage.base import get_db_type
+    from ..storage.formats.base import get_db_type
+    from ..storage.io import atomic
 
     atomic.check_regular_output(os.fspath(out))  # a FIFO would block the writer for ever
     path, db_type = _source(os.fspath(ckpt), blob)

@@ -1,9 +1,9 @@
 """PyTorch support: tensors, dtypes, devices and generators as blobs, raw and pickle-free.
 
-Importing this module registers its codecs; :mod:`epochal.storage.codecs` imports it lazily the
+Importing this module registers its codecs; :mod:`epochal.storage.encoding.codecs` imports it lazily the
 first time it meets a torch value or a ``torch.*`` blob kind, so ``import epochal`` never
 imports torch. Stateful torch objects (``nn.Module``, optimizers, LR schedulers, GradScaler)
-need nothing here beyond tensors: :mod:`epochal.storage.tree` stores their state dicts.
+need nothing here beyond tensors: :mod:`epochal.storage.encoding.tree` stores their state dicts.
 
 Tensors (kind ``torch.tensor``) are stored as their raw bytes, taken through a ``uint8`` view of
 the contiguous CPU tensor, never through numpy dtypes. So every dtype round-trips bit for bit,
@@ -32,8 +32,14 @@ from typing import Any
 import torch
 
 from ..errors import BlobMismatchError, UnsupportedBlobError
-from ..storage import tree as _tree  # state dicts of torch objects need it
-from ..storage.codecs import LOAD_OPTIONS, Encoded, buffer_address, check_shape, register_codec
+from ..storage.encoding import tree as _tree  # state dicts of torch objects need it
+from ..storage.encoding.codecs import (
+    LOAD_OPTIONS,
+    Encoded,
+    buffer_address,
+    check_shape,
+    register_codec,
+)
 
 __all__ = [
     "TensorCodec",
@@ -262,7 +268,7 @@ class TensorCodec:
         self, meta: dict[str, Any], sizes: Sequence[int], existing: Any
     ) -> list[memoryview | None] | None:
         """The live CPU tensor's own memory, when the blob can be read straight into it
-        (see :mod:`epochal.storage.codecs`); BlobMismatchError when it does not fit."""
+        (see :mod:`epochal.storage.encoding.codecs`); BlobMismatchError when it does not fit."""
         if not isinstance(existing, torch.Tensor):
             return None
         dt, shape, nbytes = self._layout(meta)

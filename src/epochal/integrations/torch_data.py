@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..storage import tree as _tree
+from ..storage.encoding import tree as _tree
 
 __all__ = ["ResumableSampler"]
 

@@ -38,9 +38,9 @@ import transformers
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
-from ..checkpoint.steps import LoadBlobs
+from ..checkpoint.tasks.steps import LoadBlobs
 from ..errors import CheckpointError
-from ..storage.base import get_db_type
+from ..storage.formats.base import get_db_type
 from . import hf_folder
 from .rng import RNGState
 

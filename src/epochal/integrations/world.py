@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..checkpoint.view import CheckpointDirectory
+from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointError
 
 __all__ = ["distributed_world", "use_distributed", "written_by_ranks"]

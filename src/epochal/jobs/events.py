@@ -31,7 +31,7 @@ class RunListener:
     def on_epoch_end(self, epoch: int, seconds: float) -> None: ...
 
     def on_checkpoint_start(self, action: str, epoch: int) -> None:
-        """A save or load begins; a display may set ``epochal.storage.base.IO_PROGRESS`` here
+        """A save or load begins; a display may set ``epochal.storage.formats.base.IO_PROGRESS`` here
         (and reset it in ``on_checkpoint``) to follow the bytes as they move."""
 
     def on_checkpoint(self, event: CheckpointEvent) -> None: ...

@@ -25,10 +25,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..checkpoint.background import close_process_saver
 from ..checkpoint.engine import FATAL_SAVE_ERRORS, CheckpointEngine, Results
-from ..checkpoint.handler_calls import NO_RECORDS
-from ..checkpoint.handles import CheckpointManagerLike, CheckpointRun, PartialLoads, SessionSave
+from ..checkpoint.tasks.background import close_process_saver
+from ..checkpoint.tasks.handler_calls import NO_RECORDS
+from ..checkpoint.tasks.handles import (
+    CheckpointManagerLike,
+    CheckpointRun,
+    PartialLoads,
+    SessionSave,
+)
 from ..errors import (
     NodeLostError,
     Preempted,

@@ -2,7 +2,7 @@
 
 DCP's own filesystem storage pickles its ``.metadata``; ours is a JSON text (a str blob of the
 checkpoint's ``dcp`` db, CRC-32C checked like every blob, parsed by
-:func:`epochal.storage.strict_json.loads`). What it holds:
+:func:`epochal.storage.encoding.strict_json.loads`). What it holds:
 
 * ``items``: per FQN either ``{"bytes": {}}`` or ``{"tensor": {"dtype", "size",
   "requires_grad", "memory_format", "chunks": [{"offsets", "sizes"}]}}``;
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CheckpointCorruptError
-from ...storage import strict_json
+from ...storage.encoding import strict_json
 from ..torch import dtype_from_name, dtype_name
 
 __all__ = ["FORMAT", "ItemLocation", "metadata_from_json", "metadata_to_json"]

@@ -13,7 +13,7 @@ DCP's planner gave it (its shards; a replicated tensor is written by one rank on
 one native db, ``<dir>/rank<r>.<step>`` (CRC-32C on every byte; temp file, fsync, rename),
 and reports its size and digest; the coordinator then writes DCP's metadata as strict JSON
 into ``<dir>/dcp.<step>`` and commits the step's manifest through
-:class:`~epochal.checkpoint.directory.DirectoryMetadataHandler` (under the directory's
+:class:`~epochal.checkpoint.handler.directory.DirectoryMetadataHandler` (under the directory's
 writer lock), only after every rank's db is durable. A save killed at any moment leaves no
 manifest, so the step does not exist; earlier steps are untouched.
 
@@ -48,19 +48,19 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ...checkpoint.directory import DirectoryMetadataHandler
-from ...checkpoint.metadata import DbReport
-from ...checkpoint.naming import split_db_file
-from ...checkpoint.view import CheckpointDirectory
+from ...checkpoint.handler.directory import DirectoryMetadataHandler
+from ...checkpoint.handler.metadata import DbReport
+from ...checkpoint.location.naming import split_db_file
+from ...checkpoint.location.view import CheckpointDirectory
 from ...errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     UnsupportedBlobError,
 )
-from ...storage.codecs import LOAD_OPTIONS
-from ...storage.native.reader import NativeFile, stat_native
-from ...storage.native.writer import write_native
+from ...storage.encoding.codecs import LOAD_OPTIONS
+from ...storage.formats.native.reader import NativeFile, stat_native
+from ...storage.formats.native.writer import write_native
 from .. import world as _world
 from ..torch import dtype_name
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json

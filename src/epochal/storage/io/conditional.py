@@ -12,7 +12,7 @@ module gives those three operations for one URL, on every store, with how strong
   write. The version is the SHA-256 of the bytes; the compare and the write are not one
   operation, so two writers within one round trip of each other can both succeed. Within one
   process a lock makes it atomic (``memory://`` in tests); across processes it is best effort.
-  ``atomic`` is False; :mod:`epochal.checkpoint.lease` reads the object back after each write
+  ``atomic`` is False; :mod:`epochal.checkpoint.location.lease` reads the object back after each write
   to catch most such races and documents the rest. (GCS has the same primitive as S3, generation
   preconditions ``ifGenerationMatch``; it is not wired here yet.)
 """

@@ -12,7 +12,7 @@ was 1.6-4.8x the buffered speed and steady; under heavy load from other processe
 was smaller and sometimes a loss (bench/RESULTS.md).
 
 Same contract as :class:`~epochal.storage.io.local.LocalSink` (temp name, fsync, rename,
-directory fsync through :class:`~epochal.storage.atomic.AtomicFile`); the bytes on disk are
+directory fsync through :class:`~epochal.storage.io.atomic.AtomicFile`); the bytes on disk are
 identical. The first buffer is held back until commit so that :meth:`DirectSink.patch` (the
 header filled in at the end) is a copy into memory, not a read-modify-write of the disk.
 The tail is written padded to the alignment and the file truncated to its real size. Where
@@ -21,7 +21,7 @@ first write (EINVAL), the same buffers are written with plain ``pwrite`` instead
 
 :meth:`DirectSink.write_pinned` skips the copy for a buffer that stays unchanged until the
 commit (a background save's snapshot arena, laid out as the file's data area: see
-:mod:`epochal.storage.native.image`): where its address is congruent to its file offset
+:mod:`epochal.storage.formats.native.image`): where its address is congruent to its file offset
 modulo the page size, its whole pages are handed to the same threads straight from its
 memory (4 MiB pieces, at most DIRECT_BUFFERS in flight); only its unaligned ends are copied.
 """
@@ -37,7 +37,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .. import atomic, tuning
+from . import atomic, tuning
 
 __all__ = ["DirectSink", "direct_supported", "stats"]
 

@@ -9,7 +9,7 @@ abort (or a failed upload) removes the temp file and the temp key, so a reader o
 key never sees a partial object. Staging files are named ``epochal-stage.<host>.<pid>.*``: a
 killed process's are removed by the next process of its host that stages a write there
 (:func:`clean_stage_dir`); a killed upload's temp key (:data:`TEMP_KEY_RE`) by the next holder
-of the location's lease (:func:`epochal.checkpoint.cleanup.clean_temp_keys`).
+of the location's lease (:func:`epochal.checkpoint.handler.cleanup.clean_temp_keys`).
 
 Credentials and endpoints: :func:`set_storage_options` records fsspec ``storage_options``
 for a URL prefix in this process (the managers and handlers do it for their ``db_prefix``,
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
-from .. import atomic
+from . import atomic
 
 logger = logging.getLogger("epochal")
 

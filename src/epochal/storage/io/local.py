@@ -2,7 +2,7 @@
 
 Reads are ``preadv`` on one file descriptor (thread-safe, no shared position), with
 ``RWF_NOWAIT`` to learn whether the page cache can serve a read, ``posix_fadvise(WILLNEED)``
-hints and ``mmap``. Writes go through :class:`epochal.storage.atomic.AtomicFile`: a temp
+hints and ``mmap``. Writes go through :class:`epochal.storage.io.atomic.AtomicFile`: a temp
 name in the same directory, write-behind (``sync_file_range``) as the stream goes, then
 fsync, rename and directory fsync at commit; an abort removes the temp file.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CheckpointError, CheckpointNotFoundError
-from .. import atomic, tuning
+from . import atomic, tuning
 from .direct import DirectSink, direct_supported
 
 __all__ = ["RWF_NOWAIT", "LocalSink", "LocalSource", "LocalStore"]
@@ -111,7 +111,7 @@ class LocalSource:
 
 
 class LocalSink:
-    """A new local file through :class:`~epochal.storage.atomic.AtomicFile` (see
+    """A new local file through :class:`~epochal.storage.io.atomic.AtomicFile` (see
     :class:`~epochal.storage.io.seam.ByteSink`)."""
 
     def __init__(self, path: str, size: int | None = None) -> None:

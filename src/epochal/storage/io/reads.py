@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 
 from ...errors import CheckpointCorruptError
-from .. import tuning
+from . import tuning
 from .progress import report_progress
 from .seam import ByteSource
 

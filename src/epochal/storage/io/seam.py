@@ -33,7 +33,7 @@ copied into the views; thread-safe because each call is its own request); ``map`
 None and ``hint`` may prefetch ranges into a cache or do nothing; ``nowait`` is False.
 ``create`` stages the stream to a local temp file (or a multipart upload, buffering the
 first part until ``patch``), and ``commit`` uploads to a temporary key, checks its size and
-moves it into place (what :func:`epochal.storage.remote.upload_file` does today), so a
+moves it into place (what :func:`epochal.storage.formats.remote.upload_file` does today), so a
 reader of the final key never sees a partial object. Register it for its URL schemes with
 :func:`register_store`.
 """

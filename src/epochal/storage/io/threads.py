@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .. import tuning
+from . import tuning
 
 __all__ = ["Worker", "balanced", "contiguous", "cpu_threads", "run_parallel"]
 

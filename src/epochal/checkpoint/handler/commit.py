@@ -1,0 +1,65 @@
+"""What a commit records of each node's db: its file name, size and digest (a
+:class:`~.manifest.DbEntry`), once the db is durable.
+
+A node that reported its db (:class:`~.metadata.DbReport`, through the manager) is taken at
+its word: the driver never opens that file (it may be on another machine, or at a URL). A
+db nobody reported (a handler driven without a manager) is fsynced and measured here, or at
+a URL asked of the store; the directory is synced after, so the dbs are durable before the
+manifest that names them is written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from ...errors import CheckpointNotFoundError
+from ...storage.formats.base import DbBackend
+from ...storage.io import atomic
+from ..location.manifest import DbEntry
+from ..location.view import CheckpointDirectory
+from .metadata import DbReport
+
+__all__ = ["durable_entries"]
+
+
+def durable_entries(
+    d: CheckpointDirectory, backend: DbBackend, epoch: int, node_names: Sequence[str],
+    reported: Mapping[str, DbReport],
+) -> dict[str, DbEntry]:
+    """The manifest entry of each of ``node_names``' db of ``epoch`` in ``d``, every one
+    durable. CheckpointNotFoundError naming the node and file when a db does not exist."""
+    nodes: dict[str, DbEntry] = {}
+    for node in node_names:
+        path = d.db_path(node, epoch)
+        if node in reported or d.records.remote:  # the node said (or the store will)
+            nodes[node] = _entry(d, backend, node, path, reported.get(node))
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"cannot commit epoch {epoch}: the db of node {node!r} ({path}) does not exist"
+            ) from None
+        try:
+            atomic.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        nodes[node] = DbEntry(os.path.basename(path), size, backend.digest(path))
+    d.records.sync_dir(d.db_dir)
+    return nodes
+
+
+def _entry(d: CheckpointDirectory, backend: DbBackend, node: str, path: str, got: DbReport | None) -> DbEntry:
+    """A manifest entry from a node's report; without one, from the store: its size, and the
+    digest read from the db's header."""
+    if got is None:
+        try:
+            size = d.records.size(path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"cannot commit epoch: the db of node {node!r} ({path}) does not exist"
+            ) from None
+        got = DbReport(size, backend.digest(path))
+    return DbEntry(os.path.basename(path), int(got.size), got.digest)

@@ -1,0 +1,274 @@
+"""The read-only view of a checkpoint location (a local directory or a URL) and its records:
+what tools (``epochal ls/stats/verify``), the handler and the mirror read. It never writes.
+
+Layout, for ``db_prefix=D`` (the dbs are the seed's, ``D/<node>.<epoch>``)::
+
+    D/trainer_0.0  D/trainer_0.1 ...          one db per node per epoch
+    D/.epochal/manifest.<epoch>.json          the commit record of an epoch
+    D/.epochal/stats.jsonl                    one JSON line per db saved / loaded
+    D/.epochal/pins.json                      epochs that retention never deletes
+
+An epoch exists (is *committed*) only when its manifest exists and is valid (see
+:mod:`epochal.checkpoint.location.manifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ...storage.formats.base import DbBackend, get_db_type
+from ...storage.io.seam import local_path
+from .best import BestEpochs, best_of
+from .manifest import DbEntry, Manifest, decode_manifest, manifest_name, parse_manifest_name
+from .naming import RECORDS_DIR, db_name, split_db_file
+from .records import STATS_FILE, RecordStore, records_for
+
+logger = logging.getLogger("epochal")
+
+PINS_FILE = "pins.json"
+VERIFY_LEVELS = ("full", "quick", "none")
+#: seconds waited before each new try of a manifest read that failed with an I/O error
+MANIFEST_READ_RETRIES = (0.05, 0.2)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CheckpointDirectory:
+    """Read-only view of a checkpoint directory and its ``.epochal`` records.
+
+    ``path_prefix`` (the seed's, plain concatenation) names the dbs instead of ``db_prefix``
+    when given; the records then live beside those dbs. Either may be an fsspec URL
+    (``storage_options`` then reach fsspec): the records are read through a
+    :class:`~.records.RecordStore` either way.
+    """
+
+    def __init__(self, db_prefix: str | os.PathLike[str], path_prefix: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.db_prefix = local_path(db_prefix)
+        self.path_prefix = local_path(path_prefix) if path_prefix else None
+        if self.path_prefix:
+            self.db_dir = os.path.dirname(self.path_prefix) or "."
+            self._file_prefix = os.path.basename(self.path_prefix)
+        else:
+            self.db_dir = self.db_prefix or "."
+            self._file_prefix = ""
+        self.records_dir = os.path.join(self.db_dir, RECORDS_DIR)
+        self.records: RecordStore = records_for(self.db_dir, storage_options)
+
+    def __repr__(self) -> str:
+        return f"CheckpointDirectory({self.db_dir!r})"
+
+    # -- names
+    @property
+    def file_prefix(self) -> str:
+        """What each db file name starts with before ``<node>.<epoch>`` (the base name of
+        ``path_prefix``; "" without one)."""
+        return self._file_prefix
+
+    def db_path(self, node_name: str, epoch: int) -> str:
+        """Where the db of ``node_name`` at ``epoch`` lives (the seed's ``db_name``)."""
+        return db_name(epoch, node_name, self.db_prefix, self.path_prefix)
+
+    def manifest_path(self, epoch: int) -> str:
+        return os.path.join(self.records_dir, manifest_name(epoch))
+
+    @property
+    def stats_path(self) -> str:
+        return os.path.join(self.records_dir, STATS_FILE)
+
+    @property
+    def pins_path(self) -> str:
+        return os.path.join(self.records_dir, PINS_FILE)
+
+    # -- listing
+    def manifest_epochs(self) -> list[int]:
+        """Epochs that have a manifest file, valid or not, oldest first."""
+        epochs = []
+        for name, _ in self.records.files(self.records_dir):
+            epoch = parse_manifest_name(name)
+            if epoch is not None:
+                epochs.append(epoch)
+        return sorted(epochs)
+
+    def committed_epochs(self) -> list[int]:
+        """Epochs with a valid manifest (the dbs are not read), oldest first."""
+        out = []
+        for epoch in self.manifest_epochs():
+            try:
+                self.manifest(epoch)
+            except CheckpointError:
+                continue
+            out.append(epoch)
+        return out
+
+    def manifest(self, epoch: int) -> dict[str, Any]:
+        """The parsed manifest of ``epoch``.
+
+        CheckpointNotFoundError when the epoch has none (it is not committed);
+        CheckpointCorruptError naming the file when it is not a valid manifest of that epoch,
+        or when reading it fails with an I/O error three times (waits of
+        ``MANIFEST_READ_RETRIES`` between: a transient error does not make an epoch damaged).
+        """
+        path = self.manifest_path(epoch)
+        for wait in (*MANIFEST_READ_RETRIES, None):
+            try:
+                raw = self.records.read(path)
+                break
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"epoch {epoch} is not committed: manifest {path} does not exist"
+                ) from None
+            except OSError as ex:  # EIO, EMFILE, a failed GET: maybe transient, try again
+                if wait is None:
+                    raise CheckpointCorruptError(
+                        path, f"cannot read manifest ({len(MANIFEST_READ_RETRIES) + 1} tries): {ex}"
+                    ) from ex
+                logger.debug("reading %s failed (%s); trying again in %.2f s", path, ex, wait)
+                time.sleep(wait)
+        return decode_manifest(raw, path, epoch)
+
+    def read_manifest(self, epoch: int) -> Manifest:
+        """The manifest of ``epoch`` as a typed :class:`~.manifest.Manifest` (what the handler,
+        the mirror and the tools use; :meth:`manifest` is the same as its JSON dict, with the
+        same errors)."""
+        return Manifest.from_dict(self.manifest(epoch))
+
+    def pins(self) -> set[int]:
+        """Pinned epochs (empty when there is no pins file); CheckpointCorruptError if unreadable."""
+        path = self.pins_path
+        try:
+            raw = self.records.read(path)
+        except FileNotFoundError:
+            return set()
+        except OSError as ex:
+            raise CheckpointCorruptError(path, f"cannot read the pins file: {ex}") from ex
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as ex:
+            raise CheckpointCorruptError(path, f"pins file is not valid JSON ({ex})") from None
+        epochs = data.get("epochs") if isinstance(data, dict) else data
+        if not isinstance(epochs, list) or not all(_is_int(e) and e >= 0 for e in epochs):
+            raise CheckpointCorruptError(path, "pins file does not hold a list of epochs")
+        return set(epochs)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every stats line, parsed, in order; a torn (incomplete) line is skipped."""
+        try:
+            raw = b"\n".join(self.records.read_stats(self.records_dir))
+        except OSError as ex:
+            raise CheckpointCorruptError(self.stats_path, f"cannot read the stats log: {ex}") from ex
+        out = []
+        for line in raw.split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                logger.debug("skipping a torn line of %s", self.stats_path)
+                continue
+            if isinstance(entry, dict):
+                out.append(entry)
+        return out
+
+    def scan(self) -> dict[int, dict[str, str]]:
+        """``{epoch: {node: db path}}`` of every db file present, committed or not (temp files
+        of interrupted saves and the records directory are ignored)."""
+        found: dict[int, dict[str, str]] = {}
+        for name, path in self.records.files(self.db_dir):
+            hit = split_db_file(name, self._file_prefix)
+            if hit is not None:
+                found.setdefault(hit[1], {})[hit[0]] = path
+        return {e: dict(sorted(found[e].items())) for e in sorted(found)}
+
+    # -- checking
+    def verify_epoch(self, epoch: int, full: bool = True, *, nodes: Iterable[str] | None = None) -> list[str]:
+        """Problems with committed ``epoch`` (empty: it is intact), each naming the file (and
+        blob). Checks the manifest, that every db it lists (or every one of ``nodes``) exists
+        with the recorded size and digest, and with ``full`` re-checks every checksum."""
+        return self.check_epoch(epoch, "full" if full else "quick", nodes=nodes)
+
+    def check_epoch(self, epoch: int, level: str = "full", *, nodes: Iterable[str] | None = None) -> list[str]:
+        """:meth:`verify_epoch` with a level: ``"full"`` (checksums), ``"quick"`` (size and
+        digest) or ``"none"`` (the manifest is valid and lists files that exist)."""
+        if level not in VERIFY_LEVELS:
+            raise ValueError(f"verify level must be one of {VERIFY_LEVELS}, got {level!r}")
+        try:
+            manifest = self.read_manifest(epoch)
+        except CheckpointError as ex:
+            return [str(ex)]
+        mpath = self.manifest_path(epoch)
+        listed = manifest.nodes
+        wanted = list(listed) if nodes is None else [str(n) for n in nodes]
+        problems = []
+        try:
+            backend = get_db_type(manifest.db_type)
+        except CheckpointError as ex:
+            return [f"{mpath}: {ex}"]
+        for node in wanted:
+            entry = listed.get(node)
+            if entry is None:
+                problems.append(f"{mpath}: lists no db for node {node!r}")
+                continue
+            path = os.path.join(self.db_dir, entry.file)
+            expected = self.db_path(node, epoch)
+            if os.path.normpath(path) != os.path.normpath(expected):
+                problems.append(f"{mpath}: node {node!r} names {entry.file!r}, expected {expected}")
+                continue
+            problems.extend(_check_db(self.records, backend, path, entry, level))
+        return problems
+
+
+def _check_db(records: RecordStore, backend: DbBackend, path: str, entry: DbEntry, level: str) -> list[str]:
+    try:
+        size = records.size(path)
+    except FileNotFoundError:
+        return [f"{path}: missing (listed in the manifest)"]
+    except OSError as ex:
+        return [f"{path}: cannot stat ({ex})"]
+    if level == "none":
+        return []
+    if size != entry.size:
+        return [f"{path}: size is {size} bytes, the manifest says {entry.size} (truncated or replaced)"]
+    if entry.digest is not None:
+        try:
+            digest = backend.digest(path)
+        except CheckpointError as ex:
+            return [str(ex)]
+        except OSError as ex:
+            return [f"{path}: cannot read ({ex})"]
+        if digest != entry.digest:
+            return [f"{path}: digest is {digest}, the manifest says {entry.digest} (replaced or damaged)"]
+    if level == "full":
+        try:
+            backend.verify(path)
+        except CheckpointError as ex:
+            return [str(ex)]
+        except OSError as ex:
+            return [f"{path}: cannot read ({ex})"]
+    return []
+
+
+def best_of_directory(
+    db_prefix: str | os.PathLike[str],
+    *,
+    metric: str | None = None,
+    mode: str | None = None,
+    k: int | None = None,
+) -> BestEpochs | None:
+    """The best committed epochs of the checkpoint directory ``db_prefix``.
+
+    ``metric``/``mode``/``k`` default to the ``keep_best`` settings recorded in the newest
+    committed manifest that has them; ``k=None`` there means every ranked epoch. None when no
+    metric is given or recorded (the directory's job does not rank its checkpoints)."""
+    return best_of(CheckpointDirectory(db_prefix), metric=metric, mode=mode, k=k)
+
+
+__all__ = ["CheckpointDirectory", "VERIFY_LEVELS", "best_of_directory"]

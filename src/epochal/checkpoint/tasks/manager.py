@@ -1,0 +1,494 @@
+"""Checkpoint managers: build the tasks that save and load one db per node per epoch.
+
+As in the seed, a manager never touches a workspace itself: ``init``, ``save``, ``load`` and
+friends *build* Tasks (or TaskGroups, one task per node) that a session runs where each node
+lives. Timing stats (ns per db) and sizes are task outputs, read when reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import CheckpointError
+from ...execution.task import Node, Task, TaskGroup, TaskOutput, WorkspaceType
+from ...storage.formats.base import get_db_type
+from ...storage.io.seam import local_path
+from ..handler.metadata import DbReport, MetadataHandler, PushTarget
+from ..location.naming import check_node_name, db_name
+from .handler_calls import HandlerCalls
+from .handles import CheckpointGroup, CheckpointTask
+from .steps import (
+    INTERNAL_PREFIX,
+    CheckLive,
+    DbExists,
+    GetBlobNames,
+    JoinSave,
+    LoadBlobs,
+    ResumeBlobNames,
+    SaveBlobs,
+    SnapshotAndSave,
+    StepResult,
+    Timed,
+    use_storage_options,
+)
+
+logger = logging.getLogger("epochal")
+
+
+class InitRequiredError(CheckpointError, AssertionError):
+    """A manager method that needs ``init`` was called before it."""
+
+
+class NodeListMismatchError(CheckpointError, AssertionError):
+    """A multi-node manager was called with other nodes than it was initialized with."""
+
+
+def _fetch_names(output: TaskOutput | None) -> list[str]:
+    if output is None:
+        return []
+    try:
+        value = output.fetch()
+    except (RuntimeError, KeyError):
+        return []
+    return [] if value is None else [str(n) for n in np.asarray(value).tolist()]
+
+
+class CheckpointManager(HandlerCalls):
+    """Checkpoints the global workspace of one node: one db per epoch at
+    ``db_name(epoch, node_name, db_prefix)``.
+
+    ``map_location`` and ``verify`` are epochal's additions: where loaded torch tensors go
+    (default: back to their saved device when it exists), and whether loads check checksums.
+    ``db_prefix`` may be an fsspec URL (``s3://bucket/run``); ``storage_options`` then go to
+    fsspec, here and in the node's process (the steps carry them; see docs/remote.md).
+    """
+
+    BLOB_NAMES = "blob_names"
+
+    def __init__(
+        self,
+        db_prefix: str,
+        node_name: str,
+        db_type: str = "native",
+        metadata_handler: MetadataHandler | None = None,
+        *,
+        map_location: Any = None,
+        verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._db_prefix = db_prefix = local_path(db_prefix)  # file:// is the local disk
+        self._storage_options = dict(storage_options) if storage_options else None
+        use_storage_options(db_name(0, "_", db_prefix), self._storage_options)  # for the driver
+        self._node_name = check_node_name(str(node_name))
+        self._db_type = db_type
+        get_db_type(db_type)  # an unknown db_type fails here, naming it
+        self._metadata_handler = metadata_handler
+        self._map_location, self._verify = map_location, verify
+        self._blob_names = self.BLOB_NAMES
+        self._names_output: TaskOutput | None = None
+        self._added_output: TaskOutput | None = None
+        self._untracked_output: TaskOutput | None = None
+        self._path_prefix: str | None = None
+        self._path_type: str | None = None
+        #: the timed task built last: only the seed's calls that name none read it
+        #: (collect_checkpoint_stats, write_checkpoint_metadata); the runner uses the task's own
+        self._last: CheckpointTask | None = None
+
+    # -- accessors
+    @property
+    def node_name(self) -> str:
+        return self._node_name
+
+    def node_names(self) -> list[str]:
+        return [self._node_name]
+
+    def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
+        """The db path of ``node_name`` at ``epoch``; None for a node this manager lacks."""
+        if str(node_name) != self._node_name:
+            return None
+        return db_name(epoch, self._node_name, self._db_prefix)
+
+    def _db(self, epoch: int, path_prefix: str | None = None) -> str:
+        return db_name(epoch, self._node_name, self._db_prefix, path_prefix)
+
+    # -- tasks
+    def init(
+        self,
+        nodes: Sequence[Any] | None = None,
+        retrieve_from_epoch: int | None = None,
+        path_prefix: str | None = None,
+        path_type: str | None = None,
+        *,
+        exclude: Sequence[str] = (),
+    ) -> Task:
+        """A Task whose output ``blob_names`` fixes the blob list: every blob of the node's
+        global workspace now (run it right after init_group), or the list stored in the
+        checkpoint of ``retrieve_from_epoch`` plus the blobs the workspace holds now that the
+        checkpoint lacks (see :meth:`added_blobs`; ``exclude``: names never added, such as
+        the job's task outputs)."""
+        if nodes and len(nodes) != 1:  # None or [] (a job whose init group has no task)
+            raise AssertionError("CheckpointManager only supports single node.")
+        added = f"{INTERNAL_PREFIX}{self._node_name}/added_blobs"
+        if retrieve_from_epoch is None:
+            step: Any = GetBlobNames(self._blob_names)
+            outputs = [self._blob_names]
+        else:
+            full = self._db(retrieve_from_epoch, path_prefix)
+            logger.info("Initializing checkpoints from = %s", full)
+            step = ResumeBlobNames(
+                full, path_type or self._db_type, self._blob_names, added, exclude=exclude,
+                node=self._node_name, epoch=retrieve_from_epoch, keep_device=True, verify=self._verify,
+                storage_options=self._storage_options,
+            )
+            outputs = [self._blob_names, added]
+        task = Task(step=step, outputs=outputs, node=self._node_name, name="checkpoint_init")
+        self._names_output = task.outputs()[0]
+        self._added_output = task.outputs()[1] if len(outputs) > 1 else None
+        return task
+
+    def reinit(self, epoch: int) -> Task:
+        """The init task again, from the checkpoint of ``epoch``: after a node was lost and
+        placed anew (its workspace is empty), it fixes the blob list from that checkpoint
+        before the load."""
+        return self.init([self._node_name], retrieve_from_epoch=epoch)
+
+    def added_blobs(self) -> dict[str, list[str]]:
+        """``{node: names}`` of the blobs the resume init added to the stored blob list
+        (empty when none, or when the job did not resume)."""
+        return {self._node_name: _fetch_names(self._added_output)} if self._added_output else {}
+
+    def untracked_blobs(self) -> dict[str, list[str]]:
+        """``{node: names}`` of the global-workspace blobs the last save left out (not in the
+        blob list); empty before a save."""
+        return {self._node_name: _fetch_names(self._untracked_output)} if self._untracked_output else {}
+
+    def blob_list(self) -> list[str]:
+        """The current blob list (init must have been built and run)."""
+        if self._names_output is None:
+            raise InitRequiredError(f"node {self._node_name!r}: init must be called first.")
+        try:
+            names = self._names_output.fetch()
+        except RuntimeError:
+            names = None
+        if names is None:
+            raise InitRequiredError(f"node {self._node_name!r}: the init task has not run yet")
+        return [str(n) for n in names.tolist()]
+
+    def _timed_task(self, cp_op_name: str, op: Any, db: str, digest: str | None = None,
+                    pushed: str | None = None) -> CheckpointTask:
+        base = f"{INTERNAL_PREFIX}{self._node_name}/{cp_op_name}"
+        task = CheckpointTask(step=Timed(op, f"{base}.ns", f"{base}.bytes"), node=self._node_name, name=cp_op_name)
+        self._last = task.outputs_of(db, f"{base}.ns", f"{base}.bytes", digest, pushed)
+        return task
+
+    def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
+        """Add ``{db path: ns}`` of the most recently built timed task (and bytes to ``sizes``)."""
+        if self._last is not None:
+            try:
+                result = self._last.result()
+            except (RuntimeError, KeyError):
+                result = None
+            if result is not None:
+                stats[result.db] = result.ns
+                if sizes is not None:
+                    sizes[result.db] = result.nbytes
+                return
+        logger.info("Failed to collect checkpoint stats: %s", self._last.db if self._last else None)
+
+    def report_checkpoint_stats(self, action_name: str) -> None:
+        stats: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        self.collect_checkpoint_stats(stats, sizes)
+        self._report(action_name, stats, sizes)
+
+    def _load_step(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> LoadBlobs:
+        added = set(self.added_blobs().get(self._node_name, ()))  # not in that checkpoint
+        if added:  # and the list itself is the one init extended, not the stored one
+            added.add(self._blob_names)
+        names = [n for n in self.blob_list() if n not in added]
+        return LoadBlobs(
+            self._db(epoch, path_prefix), path_type or self._db_type, names,
+            node=self._node_name, epoch=epoch, keep_device=True,
+            map_location=self._map_location, verify=self._verify, storage_options=self._storage_options,
+        )
+
+    def _partial_step(self, blob_names: Sequence[str], epoch: int) -> LoadBlobs:
+        return LoadBlobs(
+            self._db(epoch), self._db_type, list(blob_names), node=self._node_name,
+            epoch=epoch, allow_incomplete=True, map_location=self._map_location, verify=self._verify,
+            storage_options=self._storage_options,
+        )
+
+    def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> CheckpointTask:
+        """A timed Task loading every blob of the blob list from the db of ``epoch``."""
+        step = self._load_step(epoch, path_prefix, path_type)
+        logger.info("Loading checkpoints from = %s", step.db)
+        return self._timed_task("checkpoint_load", step, step.db)
+
+    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None) -> Task:
+        """A Task that checks, writing nothing, that the db of ``epoch`` fits the node's live
+        objects (what :meth:`load`, or with ``blob_names`` :meth:`load_blobs_from_checkpoint`,
+        would load): a load of several nodes runs it on every node first, so a misfit on one
+        node leaves every node untouched (BlobMismatchError naming each blob)."""
+        step = self._load_step(epoch) if blob_names is None else self._partial_step(blob_names, epoch)
+        return Task(step=CheckLive(step), node=self._node_name, name="checkpoint_check")
+
+    def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> CheckpointTask:
+        """A timed Task loading just ``blob_names`` (those the db has) from ``epoch``."""
+        step = self._partial_step(blob_names, epoch)
+        logger.info("Load from %s", step.db)
+        return self._timed_task("checkpoint_partial_load", step, step.db)
+
+    def check_db_exists(self, epoch: int) -> Task:
+        """A Task whose one output says whether the db of ``epoch`` exists."""
+        path = self._db(epoch)
+        logger.info("Check existence of %s", path)
+        flag = f"{INTERNAL_PREFIX}{self._node_name}/db_exists"
+        return Task(step=DbExists(path, self._db_type, flag, self._storage_options), outputs=[flag], node=self._node_name,
+                    name="check_db_exists")
+
+    def _push_target(self, push: PushTarget | None) -> PushTarget | None:
+        """``push`` when given (a multi-node manager asked its handler), else this manager's
+        handler's (None without one)."""
+        if push is not None or self._handler is None:
+            return push
+        return self._handler.node_push_target()
+
+    def save(self, epoch: int, background: bool = False, *, push: PushTarget | None = None) -> CheckpointTask:
+        """A timed Task saving the blob list, in order, to the db of ``epoch``; after it ran,
+        its :meth:`~.handles.CheckpointTask.results` hold the db's size, digest and time.
+
+        With ``background``, the task only snapshots the blobs and starts the write on a
+        background thread of the node's process; run :meth:`join_save` before committing.
+        """
+        db = self._db(epoch)
+        logger.info("Saving to %s%s", db, " (background)" if background else "")
+        step = SnapshotAndSave if background else SaveBlobs
+        untracked = f"{INTERNAL_PREFIX}{self._node_name}/untracked_blobs"
+        base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
+        digest = None if background else f"{base}.digest"
+        pushed = None if background else f"{base}.pushed"
+        task = self._timed_task("checkpoint_save", step(
+            db, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
+            untracked_output=untracked, digest_output=digest,
+            storage_options=self._storage_options, push=None if background else self._push_target(push),
+            pushed_output=pushed,
+        ), db, digest, pushed)
+        self._untracked_output = task.untracked_output = task.add_output(untracked)
+        return task
+
+    def join_save(self, epoch: int, *, push: PushTarget | None = None) -> CheckpointTask:
+        """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
+        and its results are the whole save's (snapshot until the file is durable)."""
+        db = self._db(epoch)
+        base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
+        task = CheckpointTask(step=JoinSave(db, f"{base}.ns", f"{base}.bytes",
+                                            db_type=self._db_type, digest_output=f"{base}.digest",
+                                            push=self._push_target(push), pushed_output=f"{base}.pushed"),
+                              node=self._node_name, name="checkpoint_join")
+        self._last = task.outputs_of(db, f"{base}.ns", f"{base}.bytes", f"{base}.digest", f"{base}.pushed")
+        return task
+
+    def db_reports(self) -> dict[str, DbReport]:
+        return self._last.db_reports() if self._last is not None else {}
+
+    def set_params(self, nodes: Any, path_prefix: str | None = None, path_type: str | None = None) -> None:
+        self._keep_paths(path_prefix, path_type)
+        self._handler_set_params([self._node_name])
+
+
+class MultiNodeCheckpointManager(HandlerCalls):
+    """One CheckpointManager per node; builds TaskGroups with one task per node.
+
+    Handler calls happen only here, never in the per-node managers.
+    """
+
+    def __init__(
+        self,
+        db_prefix: str,
+        db_type: str = "native",
+        metadata_handler: MetadataHandler | None = None,
+        *,
+        map_location: Any = None,
+        verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._node_managers: list[tuple[str, CheckpointManager]] | None = None
+        self._db_prefix = db_prefix = local_path(db_prefix)  # file:// is the local disk
+        self._storage_options = dict(storage_options) if storage_options else None
+        use_storage_options(db_name(0, "_", db_prefix), self._storage_options)  # for the driver
+        self._db_type = db_type
+        get_db_type(db_type)
+        self._metadata_handler = metadata_handler
+        self._map_location, self._verify = map_location, verify
+        self._path_prefix: str | None = None
+        self._path_type: str | None = None
+        self._node_names: list[str] = []
+
+    def node_names(self) -> list[str]:
+        if self._node_managers is not None:
+            return [n for n, _ in self._node_managers]
+        return list(self._node_names)
+
+    def node_managers(self) -> list[tuple[str, CheckpointManager]]:
+        """``(node name, its CheckpointManager)`` in node order (empty before init)."""
+        return list(self._node_managers or [])
+
+    def _check_nodes(self, nodes: Sequence[Any]) -> None:
+        assert self._node_managers is not None
+        old, new = [n for n, _ in self._node_managers], [str(n) for n in nodes]
+        if old != new:
+            raise NodeListMismatchError(
+                f"node list changed: the manager was initialized with {old}, now called with {new}"
+            )
+
+    def _create_managers(self, nodes: Sequence[Any]) -> None:
+        if not nodes:
+            raise CheckpointError(
+                "no nodes to checkpoint: the job's init group has no task; give the Job "
+                "nodes_to_checkpoint=[...] or add an init task on each node"
+            )
+        self._node_managers = []
+        for node in nodes:
+            name = str(node)
+            self._node_managers.append((name, CheckpointManager(
+                db_prefix=self._db_prefix, node_name=name, db_type=self._db_type,
+                map_location=self._map_location, verify=self._verify, storage_options=self._storage_options,
+            )))
+
+    def _task_group(self, func: Any, *args: Any, **kw: Any) -> CheckpointGroup:
+        if self._node_managers is None:
+            raise InitRequiredError("init must be called first.")
+        with CheckpointGroup(WorkspaceType.GLOBAL) as group:
+            for node, manager in self._node_managers:
+                with Node(node):
+                    func(manager, *args, **kw)
+        return group
+
+    def init(
+        self,
+        nodes: Sequence[Any],
+        retrieve_from_epoch: int | None = None,
+        path_prefix: str | None = None,
+        path_type: str | None = None,
+        *,
+        exclude: Sequence[str] = (),
+    ) -> TaskGroup:
+        """Per-node init tasks; a no-op group if already initialized (the blob lists are kept)."""
+        if self._node_managers is not None:
+            self._check_nodes(nodes)
+            return TaskGroup(WorkspaceType.GLOBAL)
+        self._create_managers(nodes)
+        return self._task_group(
+            CheckpointManager.init, nodes=[nodes[-1]], retrieve_from_epoch=retrieve_from_epoch,
+            path_prefix=path_prefix, path_type=path_type, exclude=exclude,
+        )
+
+    def reinit(self, epoch: int) -> TaskGroup:
+        """Every node's init task again, from the checkpoint of ``epoch`` (after a lost node
+        was placed anew: see :meth:`CheckpointManager.reinit`)."""
+        return self._task_group(CheckpointManager.reinit, epoch)
+
+    def added_blobs(self) -> dict[str, list[str]]:
+        """``{node: names}`` the resume init added to each node's blob list."""
+        return {n: v for _, m in self._node_managers or [] for n, v in m.added_blobs().items()}
+
+    def untracked_blobs(self) -> dict[str, list[str]]:
+        """``{node: names}`` of the global-workspace blobs each node's last save left out."""
+        return {n: v for _, m in self._node_managers or [] for n, v in m.untracked_blobs().items()}
+
+    def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> CheckpointGroup:
+        return self._task_group(CheckpointManager.load, epoch, path_prefix=path_prefix, path_type=path_type)
+
+    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None) -> CheckpointGroup:
+        """Every node's :meth:`CheckpointManager.check_live` (run before a load of all nodes)."""
+        return self._task_group(CheckpointManager.check_live, epoch, blob_names)
+
+    def save(self, epoch: int, background: bool = False) -> CheckpointGroup:
+        push = self._handler.node_push_target() if self._handler is not None else None
+        return self._task_group(CheckpointManager.save, epoch, background=background, push=push)
+
+    def join_save(self, epoch: int) -> CheckpointGroup:
+        push = self._handler.node_push_target() if self._handler is not None else None
+        return self._task_group(CheckpointManager.join_save, epoch, push=push)
+
+    def partial_load(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int,
+                     session: Any) -> tuple[dict[str, StepResult], bool]:
+        """:meth:`load_blobs_locally`, returning what was loaded ({node: result}) and whether
+        every db existed."""
+        if self._node_managers is not None:
+            self._check_nodes(nodes)
+        else:
+            self._create_managers(nodes)
+        assert self._node_managers is not None
+        return _partial_load([m for _, m in self._node_managers], blob_names, epoch, session)
+
+    def load_blobs_locally(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int, session: Any) -> bool:
+        """Load ``blob_names`` from every node's db of ``epoch``, node by node; False (after
+        logging which db) at the first node whose db does not exist. Every node that loads is
+        checked against its live objects before any node loads."""
+        return self.partial_load(nodes, blob_names, epoch, session)[1]
+
+    def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
+        if self._node_managers is None:
+            raise TypeError("init must be called first: the manager has no nodes yet")
+        for node, manager in self._node_managers:
+            if node == str(node_name):
+                return manager.get_ckpt_db_name(node, epoch)
+        return None
+
+    def db_reports(self) -> dict[str, DbReport]:
+        out: dict[str, DbReport] = {}
+        for _, manager in self._node_managers or []:
+            out.update(manager.db_reports())
+        return out
+
+    def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
+        for _, manager in self._node_managers or []:
+            manager.collect_checkpoint_stats(stats, sizes)
+
+    def report_checkpoint_stats(self, action_name: str) -> None:
+        stats: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        self.collect_checkpoint_stats(stats, sizes)
+        self._report(action_name, stats, sizes)
+
+    def set_params(self, nodes: Sequence[Any], path_prefix: str | None = None, path_type: str | None = None) -> None:
+        self._node_names = [check_node_name(str(n)) for n in nodes]
+        self._keep_paths(path_prefix, path_type)
+        self._handler_set_params(self._node_names)
+
+
+def _partial_load(managers: list[CheckpointManager], blob_names: Sequence[str], epoch: int,
+                  session: Any) -> tuple[dict[str, StepResult], bool]:
+    """Load ``blob_names`` from each manager's db of ``epoch``, node by node, up to the first
+    node whose db does not exist (the seed's order: the nodes before it are loaded, and the
+    second value is False). With several nodes, every node that is loaded is checked against
+    its live objects before any loads. ({node: result}, whether every db existed)."""
+    for manager in managers:  # the seed's calls that follow report only what this call loads
+        manager._last = None
+    found: list[CheckpointManager] = []
+    for manager in managers:
+        exists_task = manager.check_db_exists(epoch)
+        session.run(exists_task)
+        if not bool(exists_task.outputs()[0].fetch()):
+            break
+        found.append(manager)
+    if len(managers) > 1:
+        for manager in found:
+            session.run(manager.check_live(epoch, blob_names))
+    results: dict[str, StepResult] = {}
+    for manager in found:
+        task = manager.load_blobs_from_checkpoint(blob_names, epoch)
+        session.run(task)
+        results.update(task.results())
+    if len(found) < len(managers):
+        missing = managers[len(found)]
+        logger.info("DB %s does not exist!", missing.get_ckpt_db_name(missing.node_name, epoch))
+        return results, False
+    logger.info("Successfully loaded from checkpoints.")
+    return results, True

@@ -1,0 +1,172 @@
+"""Read path: loads into live objects, straight into their memory (codecs' ``inplace_targets``).
+
+Order of a load with live targets: :func:`direct_targets` asks the codecs which big segments
+can go straight into live memory (a mismatch is reported before anything is read);
+:func:`verify_direct` checks those segments' checksums and padding without writing any live
+byte (on a read-only map, or streamed through a small ring when the store cannot map); the
+other segments are read by the general path; only then :func:`read_direct` reads the
+verified segments into the live memory, over a few threads for big loads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...encoding import codecs as _codecs
+from ...encoding.codecs import flat_writable
+from ...io import tuning
+from ...io.reads import Prefetcher, merged_ranges, read_bytes, read_exact
+from ...io.threads import Worker, balanced, contiguous, cpu_threads, run_parallel
+from ..base import report_progress
+from .items import Direct, LoadItem, Opened, raise_codec_error
+from .layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
+
+__all__ = ["direct_targets", "read_direct", "verify_direct", "verify_direct_streamed"]
+
+
+def direct_targets(f: Opened, plan: list[LoadItem], existing: Mapping[str, Any]) -> list[Direct]:
+    """Segments to read straight into live memory (codecs' ``inplace_targets``, see
+    :mod:`epochal.storage.encoding.codecs`): big ones whose live target has exactly their size.
+    Asking the codecs also checks that each live object fits (BlobMismatchError before
+    anything is read). None when two targets overlap (the staged path keeps the order
+    in which ``load_state_dict``/``copy_`` would write them)."""
+    idx, path = f.index, f.path
+    big = tuning.BIG_SEGMENT
+    out: list[Direct] = []
+    for pos, item in enumerate(plan):
+        i, name, meta, codec, bufs = item.index, item.name, item.meta, item.codec, item.bufs
+        live = existing.get(name)
+        fn = getattr(codec, "inplace_targets", None) if live is not None else None
+        if fn is None:
+            continue
+        try:
+            targets = fn(meta, [b.nbytes for b in bufs], live)
+        except Exception as e:
+            raise_codec_error(path, item, e)
+        if not targets or len(targets) != len(bufs):
+            continue
+        first = int(idx.recs["seg_first"][i])
+        for j, t in enumerate(targets):
+            if t is None:
+                continue
+            t = flat_writable(t)
+            if t.readonly or t.nbytes != bufs[j].nbytes or t.nbytes < big:
+                continue
+            seg = idx.segs[first + j]
+            out.append(Direct(pos, j, name, int(seg["offset"]), t.nbytes, int(seg["pad"]),
+                               int(seg["crc"]), t, _codecs.buffer_address(t)))
+    spans = sorted((d.addr, d.addr + d.size) for d in out)
+    if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+        return []
+    return out
+
+def verify_direct(f: Opened, direct: list[Direct]) -> None:
+    """Checksums (and padding) of the segments to be read in place, without fresh memory:
+    computed on a read-only map of the file (page-cache pages, no copy), segments spread
+    over a few threads; streamed through a small ring of buffers if mapping fails."""
+    path = f.path
+    mm = f.src.map(sequential=True)
+    if mm is None:
+        return verify_direct_streamed(f, direct)
+    fn = f.index.fn
+    crcs = [0] * len(direct)
+    try:
+        whole = memoryview(mm)
+
+        def job(slots: list[int]) -> Callable[[], None]:
+            def run() -> None:
+                for s_ in slots:
+                    d = direct[s_]
+                    crcs[s_] = fn(whole[d.off : d.off + d.size], 0)
+            return run
+
+        run_parallel([job(g) for g in balanced([d.size for d in direct], cpu_threads())])
+        for d in direct:
+            if d.pad and any(whole[d.off + d.size : d.off + d.size + d.pad]):
+                raise corrupt(path, DAMAGED_PAD, d.name)
+        whole.release()
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a view is still referenced (an exception in flight): GC
+            pass
+    for slot, d in enumerate(direct):
+        if crcs[slot] != d.crc:
+            raise corrupt(path, DAMAGED_DATA, d.name)
+    return None
+
+def verify_direct_streamed(f: Opened, direct: list[Direct]) -> None:
+    """:func:`verify_direct` through a small ring of reusable buffers (one thread reads,
+    a worker checksums)."""
+    path, fn = f.path, f.index.fn
+    chunk, nring = tuning.CHUNK, tuning.RING
+    ring = [memoryview(bytearray(chunk)) for _ in range(nring)]
+    free = threading.Semaphore(nring)
+    crcs = [0] * len(direct)
+    errors: list[BaseException] = []
+
+    def step(slot: int, piece: memoryview) -> None:
+        try:
+            if not errors:
+                crcs[slot] = fn(piece, crcs[slot])
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+        finally:
+            free.release()
+
+    ahead = Prefetcher(f.src, merged_ranges([(d.off, d.off + d.size + d.pad) for d in direct]))
+    worker = Worker()
+    r = 0
+    try:
+        for slot, d in enumerate(direct):
+            for start in range(0, d.size, chunk):
+                n = min(chunk, d.size - start)
+                free.acquire()
+                piece = ring[r][:n]
+                r = (r + 1) % nring
+                try:
+                    ahead.read([piece], d.off + start, d.name, progress=False)
+                except BaseException:
+                    free.release()
+                    raise
+                worker.submit(step, slot, piece)
+            if d.pad and any(read_bytes(f.src, d.pad, d.off + d.size, "padding", d.name)):
+                raise corrupt(path, DAMAGED_PAD, d.name)
+        worker.wait()
+    finally:
+        worker.close()
+    if errors:
+        raise errors[0]
+    for slot, d in enumerate(direct):
+        if crcs[slot] != d.crc:
+            raise corrupt(path, DAMAGED_DATA, d.name)
+
+def read_direct(f: Opened, plan: list[LoadItem], direct: list[Direct]) -> None:
+    """Read the (verified) segments into the live memory, split over a few threads in
+    file order; the codecs' decode gets those views as buffers and sees that the bytes
+    are in place. Progress is reported by the calling thread."""
+    step = tuning.DIRECT_PIECE
+    pieces = [
+        (d.target[start : start + step], d.off + start, d.name)
+        for d in direct
+        for start in range(0, d.size, step)
+    ]
+    total = sum(p[0].nbytes for p in pieces)
+    nthreads = cpu_threads() if total >= tuning.PARALLEL_MIN else 1
+    groups = contiguous([p[0].nbytes for p in pieces], nthreads)
+    done = [0] * len(groups)
+
+    def job(g: int) -> Callable[[], None]:
+        def run() -> None:
+            for k in groups[g]:
+                view, off, name = pieces[k]
+                read_exact(f.src, [view], off, name, progress=g == 0)
+                done[g] += view.nbytes
+        return run
+
+    run_parallel([job(g) for g in range(len(groups))])
+    report_progress(sum(done[1:]))
+    for d in direct:
+        plan[d.pos].bufs[d.seg] = d.target

@@ -1,0 +1,83 @@
+"""Remote storage through fsspec: ship checkpoints to any URL (s3://, gs://, memory://, ...).
+
+Checkpoints are written and committed on local disk first (where atomic renames and fsync
+exist), then uploaded. An upload goes to a temporary key and is moved into place, and its
+size is checked, so a reader of the final key never sees a partial object. Downloads land in
+a temp file and are read with the pickle-free backends, checksums verified.
+
+Requires the ``s3`` extra (fsspec, plus s3fs for S3).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import CheckpointNotFoundError
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as e:  # pragma: no cover - only without the extra
+        raise ImportError("remote storage needs fsspec: pip install 'epochal[s3]'") from e
+    return fsspec
+
+
+def is_url(path: str) -> bool:
+    """True for ``protocol://...`` paths other than ``file://`` (:func:`.io.seam.is_url`)."""
+    from ..io.seam import is_url as seam_is_url
+
+    return seam_is_url(path)
+
+
+def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:
+    """The fsspec filesystem for ``url`` and the path within it."""
+    fs, path = _fsspec().core.url_to_fs(url, **storage_options)
+    return fs, path
+
+
+def upload_file(local: str, url: str, **storage_options: Any) -> int:
+    """Copy the local file ``local`` to ``url``: to a temp key, size-checked, then moved into
+    place. Returns the bytes uploaded."""
+    from ..io.fsspec_store import upload_to_key
+
+    size = os.path.getsize(local)
+    fs, path = filesystem(url, **storage_options)
+    upload_to_key(fs, path, local, size, url)
+    return size
+
+
+def download_file(url: str, local: str, **storage_options: Any) -> int:
+    """Copy ``url`` to the local file ``local`` (through a temp name); the bytes downloaded."""
+    fs, path = filesystem(url, **storage_options)
+    if not fs.exists(path):
+        raise CheckpointNotFoundError(f"remote checkpoint {url} does not exist")
+    tmp = f"{local}.tmp.download.{secrets.token_hex(4)}"
+    try:
+        fs.get_file(path, tmp)
+        os.replace(tmp, local)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return os.path.getsize(local)
+
+
+def read_remote(
+    url: str,
+    names: Sequence[str] | None = None,
+    *,
+    db_type: str = "native",
+    allow_incomplete: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Read blobs of the db at ``url`` (downloaded to a temp file, checksums verified)."""
+    from .base import get_db_type
+
+    with tempfile.TemporaryDirectory(prefix="epochal-dl-") as tmpdir:
+        local = os.path.join(tmpdir, "db")
+        download_file(url, local, **(storage_options or {}))
+        return get_db_type(db_type).read(local, names, allow_incomplete=allow_incomplete)
