@@ -15,11 +15,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _crash_job as cj  # noqa: E402
+from _faults import FaultyStore  # noqa: E402
 
 from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager, Workspace, get_db_type  # noqa: E402
 from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory
 from epochal.storage.io import atomic  # noqa: E402
+from epochal.storage.io.seam import local_store  # noqa: E402
 
 SIZE = 20000  # ~400 KB per db: a 2 MiB filesystem holds four
 EPOCHS = 8
@@ -195,28 +197,33 @@ def inject(monkeypatch, fail_when, err=errno.ENOSPC, target="write_all"):
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO, errno.EDQUOT])
-@pytest.mark.parametrize("target", ["write_all", "fsync"])
-def test_injected_error_in_one_nodes_db(tmp_path, reference, caplog, monkeypatch, err, target):
-    hits = inject(monkeypatch, lambda p: "trainer_1.3.tmp." in p, err, target)
-    with caplog.at_level(logging.WARNING, logger="epochal"):
+@pytest.mark.parametrize("op", ["write", "commit"])
+def test_injected_error_in_one_nodes_db(tmp_path, reference, caplog, err, op):
+    """A disk error in one node's db (injected at the byte-store seam: a write that fails half
+    way, or a commit whose fsync fails): that epoch is not committed, training goes on."""
+    faults = FaultyStore().fail(op, when=lambda p: p.endswith("/trainer_1.3"), err=err)
+    with caplog.at_level(logging.WARNING, logger="epochal"), local_store(faults):
         last, blobs, counts = run(tmp_path, nodes=("trainer_0", "trainer_1"))
-    assert hits and last == EPOCHS and counts.exits == 1
+    assert faults.hits and last == EPOCHS and counts.exits == 1
     cj.assert_same_blobs(blobs, reference["two"])
     committed = assert_sound(tmp_path)
     assert committed == [e for e in range(EPOCHS + 1) if e != 3]
     assert not (tmp_path / "trainer_1.3").exists()  # no file under the failed checkpoint's name
+    assert not [n for n in os.listdir(tmp_path) if atomic.parse_temp_path(n)]  # no temp file left
     assert [w for w in warnings_of(caplog) if "epoch 3" in w and os.strerror(err) in w and "trainer_1.3" in w], warnings_of(caplog)
 
 
-def test_injected_error_keeps_an_older_file_of_the_same_name(tmp_path, monkeypatch):
+def test_injected_error_keeps_an_older_file_of_the_same_name(tmp_path):
     """Overwriting a checkpoint (the seed's resume-from-k rewrites k+1...) and failing keeps the
     old file intact under its name."""
     run(tmp_path, epochs=3, handler=None)
     before = (tmp_path / "trainer_0.2").read_bytes()
-    inject(monkeypatch, lambda p: "trainer_0.2.tmp." in p)
+    faults = FaultyStore().fail("write", when=lambda p: p.endswith("/trainer_0.2"), err=errno.ENOSPC)
     job, _ = cj.build_job(3)
-    JobRunner(job, MultiNodeCheckpointManager(str(tmp_path), "native"), resume_from_epoch=1,
-              progress=False).train(LocalSession(Workspace()))
+    with local_store(faults):
+        JobRunner(job, MultiNodeCheckpointManager(str(tmp_path), "native"), resume_from_epoch=1,
+                  progress=False).train(LocalSession(Workspace()))
+    assert faults.hits
     assert (tmp_path / "trainer_0.2").read_bytes() == before
     assert not [n for n in os.listdir(tmp_path) if atomic.parse_temp_path(n)]
 

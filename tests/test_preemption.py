@@ -12,11 +12,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _crash_job as cj  # noqa: E402
+from _faults import FaultyStore  # noqa: E402
 
 from epochal import JobRunner, LocalSession, MultiNodeCheckpointManager, Preempted, Workspace  # noqa: E402
 from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory
 from epochal.storage.io import atomic  # noqa: E402
+from epochal.storage.io.seam import local_store  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 NODES = ("trainer_0", "trainer_1")
@@ -86,9 +88,9 @@ def test_preemption_raises_by_default_saying_what_is_committed(tmp_path):
     assert counts.downloads == 0 and counts.exits == 0
 
 
-def test_preemption_when_the_save_failed_names_the_last_committed_epoch(tmp_path, monkeypatch):
-    """The preempted epoch's save fails (disk error): Preempted says which epoch is committed."""
-    real = atomic.write_all
+def test_preemption_when_the_save_failed_names_the_last_committed_epoch(tmp_path):
+    """The preempted epoch's save fails (a disk error at the byte-store seam): Preempted says
+    which epoch is committed."""
     state = {}
 
     def hook(e, ws):
@@ -96,15 +98,11 @@ def test_preemption_when_the_save_failed_names_the_last_committed_epoch(tmp_path
             state["fail"] = True
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def write_all(fd, buf):
-        if state.get("fail"):
-            raise OSError(5, "Input/output error")
-        return real(fd, buf)
-
-    monkeypatch.setattr(atomic, "write_all", write_all)
+    faults = FaultyStore().fail("write", when=lambda p: bool(state.get("fail")), err=5)
     runner, _ = make(tmp_path, hook=hook)
-    with pytest.raises(Preempted) as info:
+    with pytest.raises(Preempted) as info, local_store(faults):
         runner.train(LocalSession(Workspace()))
+    assert faults.hits and all(p.endswith(".3") for p, _ in faults.hits)
     assert info.value.epoch == 3 and info.value.committed == 2
     assert "epoch 2 is committed" in str(info.value)
     assert assert_intact(tmp_path) == [0, 1, 2]
@@ -117,8 +115,7 @@ def test_signal_in_the_final_epoch_still_finishes_the_job(tmp_path):
     assert CheckpointDirectory(str(tmp_path)).manifest(3)["final"] is True
 
 
-def test_a_second_signal_mid_save_stops_at_once_without_damage(tmp_path, monkeypatch):
-    real_write_all = atomic.write_all
+def test_a_second_signal_mid_save_stops_at_once_without_damage(tmp_path):
     state = {"writes": 0}
 
     def hook(e, ws):
@@ -126,17 +123,15 @@ def test_a_second_signal_mid_save_stops_at_once_without_damage(tmp_path, monkeyp
             os.kill(os.getpid(), signal.SIGTERM)
             state["armed"] = True
 
-    def write_all(fd, buf):
-        if state.get("armed"):
-            state["writes"] += 1
-            if state["writes"] == 2:  # inside the save of epoch 3
-                os.kill(os.getpid(), signal.SIGINT)
-        return real_write_all(fd, buf)
+    def second_signal(path):
+        state["writes"] += 1
+        if state["writes"] == 2:  # inside the save of epoch 3
+            os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(atomic, "write_all", write_all)
+    faults = FaultyStore().on("write", second_signal, when=lambda p: bool(state.get("armed")), times=None)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     runner, counts = make(tmp_path, hook=hook)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt), local_store(faults):
         runner.train(LocalSession(Workspace()))
     assert {s: signal.getsignal(s) for s in before} == before
     assert assert_intact(tmp_path) == [0, 1, 2]  # epoch 3 never committed, nothing damaged

@@ -185,7 +185,8 @@ class ByteStore(Protocol):
 
 
 _stores: dict[str, Callable[[], ByteStore]] = {}
-_LOCAL = LocalStore()  # stateless: one for the process
+_LOCAL_DISK = LocalStore()  # stateless: one for the process
+_LOCAL: ByteStore = _LOCAL_DISK
 
 
 def register_store(scheme: str, factory: Callable[[], ByteStore]) -> None:
@@ -206,6 +207,26 @@ def store_for(path: str | os.PathLike[str]) -> ByteStore:
     from .fsspec_store import FsspecStore
 
     return FsspecStore()
+
+
+@contextmanager
+def local_store(store: ByteStore) -> Iterator[ByteStore]:
+    """Plain paths use ``store`` inside the ``with`` block, the local disk again after it: the
+    place to inject faults (a full disk, an EIO at the k-th write, a failed commit) or to
+    instrument I/O in tests and benches, at the seam every format goes through, instead of
+    patching ``os`` or a module's internals. Usually ``store`` wraps the local one
+    (:func:`disk_store`). Not for production code: it is process-wide while it lasts."""
+    global _LOCAL
+    previous, _LOCAL = _LOCAL, store
+    try:
+        yield store
+    finally:
+        _LOCAL = previous
+
+
+def disk_store() -> ByteStore:
+    """The local disk's store (what plain paths use outside :func:`local_store`)."""
+    return _LOCAL_DISK
 
 
 @contextmanager
