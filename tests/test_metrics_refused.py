@@ -78,6 +78,8 @@ def test_checkpointer_keep_best_metric_never_reported_raises_naming_it_and_the_k
         text = str(info.value)
         assert "'val_loss'" in text and "'val_los'" in text and "'acc'" in text
         assert ckpt.steps() == []
+        assert not (tmp_path / "local.1").exists()  # refused before anything was written
+        assert not [n for n in os.listdir(tmp_path) if n.startswith("local.1")]
         ckpt.save(2, {"w": np.zeros(2), "val_loss": np.float64(0.25)})  # as a scalar of the state: fine
         assert ckpt.steps() == [2]
         assert CheckpointDirectory(str(tmp_path)).read_manifest(2).metrics == {"val_loss": 0.25}

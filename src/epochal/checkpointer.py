@@ -50,6 +50,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    MissingBlobError,
     UnsupportedBlobError,
 )
 from .jobs.cadence import Cadence, parse_interval
@@ -259,6 +260,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         names = _check_state(state, "save")
+        self._check_ranked(step, state, metrics)
         if not self._saved and not self._restored:
             self._warn_older(step)
         self._saved = True
@@ -271,6 +273,21 @@ class Checkpointer:
             return
         save = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step)
         self._engine.save(step, lambda: Done({NODE: save.run(state)}), metrics=metrics)
+
+    def _check_ranked(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
+        """With ``keep_best``, the metric must come with the save (in ``metrics`` or as a scalar
+        of ``state``): refused before anything is written, naming the metric and the keys
+        given (a typo in ``metric=`` would otherwise keep no best, silently)."""
+        policy = self.handler.policy
+        if policy.keep_best is None or not policy.metric:
+            return
+        if policy.metric in (metrics or {}) or policy.metric in state:
+            return
+        given = ", ".join(sorted(map(repr, map(str, metrics or {})))) or "none"
+        keys = ", ".join(sorted(map(repr, map(str, state))))
+        raise MissingBlobError(
+            f"keep_best ranks by metric {policy.metric!r}, but the save of step {step} has no value "
+            f"of it: metrics given: {given}; state keys: {keys}")
 
     def _warn_older(self, step: int) -> None:
         committed = self.steps()
