@@ -34,6 +34,18 @@ CONFORMANCE_FILES = {
 TIERS = ("unit", "conformance", "system")
 
 
+@pytest.fixture(autouse=True)
+def _torch_not_deterministic():
+    """A test that turns torch's deterministic mode on (Lightning's Trainer(deterministic=True)
+    does, for the whole process) does not leave it on for the next test."""
+    yield
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Give every test exactly one tier marker (see SYSTEM_FILES); ``slow`` tests are
     ``system`` whatever their file."""
