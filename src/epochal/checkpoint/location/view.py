@@ -28,6 +28,7 @@ from .best import BestEpochs, best_of
 from .manifest import DbEntry, Manifest, decode_manifest, manifest_name, parse_manifest_name
 from .naming import RECORDS_DIR, db_name, split_db_file
 from .records import STATS_FILE, RecordStore, records_for
+from .stats import StatsLine
 
 logger = logging.getLogger("epochal")
 
@@ -160,13 +161,20 @@ class CheckpointDirectory:
         return set(epochs)
 
     def stats(self) -> list[dict[str, Any]]:
-        """Every stats line, parsed, in order; a torn (incomplete) line is skipped."""
+        """Every stats line as a dict of the :class:`StatsLine` fields, in order (see
+        :meth:`stats_lines`)."""
+        return [line.as_dict() for line in self.stats_lines()]
+
+    def stats_lines(self) -> list[StatsLine]:
+        """Every stats line, typed, in order. A torn (incomplete) line is skipped, as is one
+        that is JSON but not an object; a field of the wrong type raises
+        :class:`~epochal.errors.CheckpointCorruptError` naming the log and the line."""
         try:
             raw = b"\n".join(self.records.read_stats(self.records_dir))
         except OSError as ex:
             raise CheckpointCorruptError(self.stats_path, f"cannot read the stats log: {ex}") from ex
         out = []
-        for line in raw.split(b"\n"):
+        for number, line in enumerate(raw.split(b"\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -175,7 +183,7 @@ class CheckpointDirectory:
                 logger.debug("skipping a torn line of %s", self.stats_path)
                 continue
             if isinstance(entry, dict):
-                out.append(entry)
+                out.append(StatsLine.from_json(entry, self.stats_path, number))
         return out
 
     def scan(self) -> dict[int, dict[str, str]]:
