@@ -9,6 +9,7 @@ from typing import Any
 
 from ..checkpoint.location.manifest import DbEntry, Manifest
 from ..checkpoint.location.stats import StatsLine
+from ..checkpoint.location.view import EpochProblem
 from ..errors import CheckpointError
 from .dbs import verify_file
 from .names import RECORDS_DIR, parse_db_name
@@ -122,9 +123,9 @@ class Records:
                 out[int(e)] = one_line(ex, self.prefix)
         return out
 
-    def verify_epoch(self, epoch: int) -> list[str]:
+    def verify_epoch(self, epoch: int) -> list[EpochProblem]:
         """Problems of a committed epoch's records (missing files, sizes, digests)."""
-        return [str(p) for p in self._call("verify_epoch", epoch, False, default=[]) or []]
+        return list(self._call("epoch_problems", epoch, "quick", default=[]) or [])
 
 
 def _file_record(path: str | None) -> dict[str, Any]:
@@ -229,7 +230,7 @@ def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
     damaged = rec.damaged_manifests()
     chosen = sorted(set(rec.committed()) | set(damaged))
     found = each(lambda e: [f"manifest damaged, so the epoch is not committed: {damaged[e]}"] if e in damaged
-                 else rec.verify_epoch(e), chosen)
+                 else [p.text for p in rec.verify_epoch(e)], chosen)
     epochs = [{"epoch": e, "ok": not probs, "problems": probs} for e, probs in zip(chosen, found)]
     ok = all(f["ok"] for f in files) and all(e["ok"] for e in epochs)
     return {"target": target, "ok": ok, "files": files, "epochs": epochs}
