@@ -7,7 +7,7 @@ update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run
 - ``sync``: ``async_save=False``;
 - ``async``: ``async_save=True`` as shipped (snapshot arenas reused, switch interval lowered
   while a write is in flight);
-- ``async-copy``: ``async`` with the zero-copy write off (``native.image.ZERO_COPY``): the
+- ``async-copy``: ``async`` with the zero-copy write off (the ``zero_copy`` knob, ``epochal.knobs``): the
   O_DIRECT sink copies the arena into its staging buffers, as before the zero-copy write;
 - ``async-old``: ``async_save=True`` with the pool bound at 0 (fresh memory for every
   snapshot) and the switch interval left alone: the behaviour before issue 17.2.
@@ -60,6 +60,7 @@ from epochal import (
     Workspace,
     epoch_limiter,
 )
+from epochal import knobs
 from epochal.checkpoint.tasks.background import DEFAULT_SWITCH_INTERVAL, process_saver
 from epochal.storage.formats.native import image
 
@@ -192,7 +193,6 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     saver.pool.max_host_bytes = 0 if old else None
     saver.switch_interval = None if old else DEFAULT_SWITCH_INTERVAL
     saver.recent.clear()
-    image.ZERO_COPY = variant != "async-copy"
     image.stats.reset()
     with Node("n"):
         with Job() as job:
@@ -202,7 +202,7 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     rss = PeakRSS()
     base = rss.rss()
     start = time.perf_counter()
-    with rss:
+    with rss, knobs.override(zero_copy=variant != "async-copy"):
         JobRunner(job, CheckpointManager(directory, "n"), listeners=[times], progress=False,
                   async_save=variant != "sync").train(LocalSession(ws))
     wall = time.perf_counter() - start

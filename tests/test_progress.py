@@ -99,7 +99,7 @@ def test_silent_when_not_wanted(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("CI", "true")
     assert not display_wanted(FakeTTY())
     monkeypatch.delenv("CI")
-    monkeypatch.setenv("EPOCHAL_QUIET", "1")  # what `epochal --quiet` sets
+    monkeypatch.setenv("EPOCHAL_QUIET", "1")  # what a user may set
     assert not display_wanted(FakeTTY())
     quiet_tty = FakeTTY()
     display = TerminalProgress(stream=quiet_tty)

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is 
 
 from epochal.errors import BlobMismatchError, UnsupportedBlobError  # noqa: E402
 from epochal.storage.encoding import codecs  # noqa: E402
-from epochal.storage.encoding.codecs import LOAD_OPTIONS  # noqa: E402
+from epochal.storage.encoding.codecs import LOAD_OPTIONS, LoadOptions, load_options  # noqa: E402
 
 
 def roundtrip(value: Any, existing: Any = None, *, tamper: Any = None) -> Any:
@@ -161,15 +161,13 @@ def test_map_location_option() -> None:
     def to_cuda7(meta: dict[str, Any]) -> None:
         meta["device"] = "cuda:7"
 
-    for opts in ({"map_location": "cpu"}, {"map_location": {"cuda:7": "cpu"}},
-                 {"keep_device": False}):
-        token = LOAD_OPTIONS.set(opts)
-        try:
+    for opts in (LoadOptions(map_location="cpu"), LoadOptions(map_location={"cuda:7": "cpu"}),
+                 LoadOptions(keep_device=False)):
+        with load_options(opts):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 out = roundtrip(torch.ones(2), tamper=to_cuda7)
-        finally:
-            LOAD_OPTIONS.reset(token)
+        assert LOAD_OPTIONS.get() == LoadOptions()  # put back after the block
         assert out.device.type == "cpu"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from epochal import knobs
 from epochal.checkpoint.tasks import background
 from epochal.checkpoint.tasks.background import BackgroundSaver
 from epochal.storage.formats.native import NativeBackend, image
@@ -145,10 +146,10 @@ def test_a_sync_save_of_live_arrays_is_unchanged(tmp_path, monkeypatch):
 
 
 def test_zero_copy_off_takes_the_copying_path(tmp_path, monkeypatch):
-    monkeypatch.setattr(image, "ZERO_COPY", False)
     blobs = _random(20, 5)
     snap = BackgroundSaver().snapshot("n", blobs)
-    NativeBackend().write(str(tmp_path / "z.db"), snap.blobs)
+    with knobs.override(zero_copy=False):
+        NativeBackend().write(str(tmp_path / "z.db"), snap.blobs)
     assert (image.stats.taken, direct.stats.pinned) == (0, 0) and direct.stats.copied
     assert (tmp_path / "z.db").read_bytes() == _buffered(tmp_path / "b.db", blobs, monkeypatch)
 

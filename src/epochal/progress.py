@@ -25,6 +25,7 @@ import threading
 import time
 from typing import IO, Any
 
+from . import knobs
 from .jobs.events import CheckpointEvent, RunListener
 from .storage.formats.base import IO_PROGRESS
 
@@ -59,8 +60,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 def display_wanted(stream: IO[str] | None = None) -> bool:
     """Whether a progress display belongs on ``stream`` (stderr by default): it is a
-    terminal, and neither ``CI`` nor ``EPOCHAL_QUIET`` is set."""
-    if os.environ.get("CI") or os.environ.get("EPOCHAL_QUIET"):
+    terminal, ``CI`` is unset and the ``quiet`` knob is off (:func:`epochal.knobs.is_quiet`:
+    by default, ``EPOCHAL_QUIET`` unset)."""
+    if os.environ.get("CI") or knobs.is_quiet():
         return False
     stream = sys.stderr if stream is None else stream
     try:

@@ -15,6 +15,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
+from .. import knobs
 from .common import (
     CONTEXT,
     FileArg,
@@ -51,9 +52,7 @@ def cli(ctx: click.Context, quiet: bool, verbose: int, color: bool | None) -> No
     Look at a directory of checkpoints (a job's db_prefix, one file per node and epoch named
     NODE.EPOCH) without writing code. Exit codes: 0 ok, 1 problem found, 2 usage error.
     """
-    ctx.obj = Out(color)
-    if quiet:
-        os.environ["EPOCHAL_QUIET"] = "1"
+    ctx.obj = Out(color, quiet=quiet)
     if verbose:
         import logging
 
@@ -485,7 +484,7 @@ def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, more: int |
         from ..demo import run_demo
     except ImportError as e:
         raise Problem(f"the demo is not available in this installation: {e}") from None
-    kwargs: dict[str, Any] = {"quiet": quiet or bool(os.environ.get("EPOCHAL_QUIET"))}
+    kwargs: dict[str, Any] = {"quiet": quiet or _out(ctx).quiet or knobs.is_quiet()}
     if epochs is not None:
         kwargs["epochs"] = epochs
     if more is not None:

@@ -23,7 +23,10 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 class Out:
     """Where a command writes: a rich console on stdout (and one on stderr for notes)."""
 
-    def __init__(self, color: bool | None) -> None:
+    def __init__(self, color: bool | None, quiet: bool = False) -> None:
+        #: ``epochal -q``: commands that run a job show no progress (passed on, never put
+        #: into the environment)
+        self.quiet = quiet
         width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
         no_color = color is False or bool(os.environ.get("NO_COLOR"))
         self.console = Console(width=width, no_color=no_color, highlight=False, soft_wrap=False)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint.location.manifest import DbEntry, Manifest
+from ..checkpoint.location.stats import StatsLine
+from ..checkpoint.location.view import EpochProblem
 from ..errors import CheckpointError
 from .dbs import verify_file
 from .names import RECORDS_DIR, parse_db_name
@@ -106,8 +108,9 @@ class Records:
     def pins(self) -> set[int]:
         return {int(e) for e in self._call("pins", default=set()) or set()}
 
-    def stats(self) -> list[dict[str, Any]]:
-        return list(self._call("stats", default=[]) or [])
+    def stats(self) -> list[StatsLine]:
+        """The stats log's lines, typed (a line of the wrong types: a Problem naming it)."""
+        return list(self._call("stats_lines", default=[]) or [])
 
     def damaged_manifests(self) -> dict[int, str]:
         """Epochs whose manifest file exists but does not read (damaged or forged, so the
@@ -120,9 +123,9 @@ class Records:
                 out[int(e)] = one_line(ex, self.prefix)
         return out
 
-    def verify_epoch(self, epoch: int) -> list[str]:
+    def verify_epoch(self, epoch: int) -> list[EpochProblem]:
         """Problems of a committed epoch's records (missing files, sizes, digests)."""
-        return [str(p) for p in self._call("verify_epoch", epoch, False, default=[]) or []]
+        return list(self._call("epoch_problems", epoch, "quick", default=[]) or [])
 
 
 def _file_record(path: str | None) -> dict[str, Any]:
@@ -227,7 +230,7 @@ def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
     damaged = rec.damaged_manifests()
     chosen = sorted(set(rec.committed()) | set(damaged))
     found = each(lambda e: [f"manifest damaged, so the epoch is not committed: {damaged[e]}"] if e in damaged
-                 else rec.verify_epoch(e), chosen)
+                 else [p.text for p in rec.verify_epoch(e)], chosen)
     epochs = [{"epoch": e, "ok": not probs, "problems": probs} for e, probs in zip(chosen, found)]
     ok = all(f["ok"] for f in files) and all(e["ok"] for e in epochs)
     return {"target": target, "ok": ok, "files": files, "epochs": epochs}
@@ -249,42 +252,21 @@ def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         return list(pool.map(fn, items))
 
 
-#: the fields of a stats record and the types they may have (None: absent)
-_STATS_TYPES: dict[str, tuple[type, ...]] = {
-    "time": (str,), "action": (str,), "epoch": (int,), "node": (str,), "db": (str,),
-    "ns": (int,), "bytes": (int,),
-}
-
-
-def _check_stats_record(prefix: str, k: int, r: dict[str, Any]) -> None:
-    """Problem naming the stats log and record when a field has the wrong type."""
-    for key, types in _STATS_TYPES.items():
-        v = r.get(key)
-        counted = key in ("ns", "bytes")
-        if v is None or (isinstance(v, types) and not isinstance(v, bool)
-                         and not (counted and isinstance(v, int) and v < 0)):
-            continue
-        path = os.path.join(prefix, RECORDS_DIR, "stats.jsonl")
-        want = ("a non-negative " if counted else "a ") + types[0].__name__
-        raise Problem(f"{path}: record {k}: field {key!r} is {v!r}, not {want}")
-
-
 def stats_prefix(prefix: str) -> dict[str, Any]:
     """``epochal stats PREFIX``: every save/load record of the stats log with seconds and
     throughput, and a summary per (action, node)."""
     rec = Records(prefix)
-    rows = []
-    for k, r in enumerate(rec.stats(), 1):
-        _check_stats_record(prefix, k, r)
-        ns = int(r.get("ns") or 0)
-        nbytes = r.get("bytes")
+    rows: list[dict[str, Any]] = []
+    for line in rec.stats():
+        ns = line.ns or 0
+        nbytes = line.bytes
         seconds = ns / 1e9
         rows.append({
-            "time": r.get("time"),
-            "action": str(r.get("action")),
-            "epoch": r.get("epoch"),
-            "node": r.get("node"),
-            "db": r.get("db"),
+            "time": line.time,
+            "action": str(line.action),
+            "epoch": line.epoch,
+            "node": line.node,
+            "db": line.db,
             "seconds": seconds,
             "bytes": nbytes,
             "mb_per_s": (nbytes / 1e6 / seconds) if nbytes and seconds > 0 else None,

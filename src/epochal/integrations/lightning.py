@@ -51,7 +51,7 @@ except ImportError as _ex:  # pragma: no cover - depends on the environment
 
 from ..checkpoint.location.lock import pid_alive
 from ..errors import CheckpointError, UnsupportedBlobError
-from ..storage.encoding.codecs import LOAD_OPTIONS
+from ..storage.encoding.codecs import LoadOptions, load_options
 from ..storage.encoding.skeleton import is_stateful, path_str, type_name
 from ..storage.formats.base import get_db_type, sniff_db_type
 from ..storage.io import atomic
@@ -169,14 +169,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None) -
             "TorchCheckpointIO); resume it without this plugin"
         )
     # (any other head: the native reader names the damage, e.g. a damaged superblock)
-    opts: dict[str, Any] = {"where": f"Lightning checkpoint {p}"}
-    if map_location is not None:
-        opts["map_location"] = map_location
-    token = LOAD_OPTIONS.set(opts)
-    try:
+    with load_options(LoadOptions(map_location=map_location, where=f"Lightning checkpoint {p}")):
         return dict(get_db_type(DB_TYPE).read(p))
-    finally:
-        LOAD_OPTIONS.reset(token)
 
 
 #: the first bytes of a torch.save file: a zip archive, or a legacy pickle stream

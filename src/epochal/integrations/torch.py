@@ -16,7 +16,7 @@ Where a loaded tensor goes, in order:
 1. a live tensor in the workspace under the blob's name receives the data in place
    (``copy_``): a model that shares its parameters with the workspace sees the restored
    values. Shape and dtype must match, else :class:`~epochal.errors.BlobMismatchError`;
-2. ``LOAD_OPTIONS["map_location"]`` (a device, a device string, or a dict mapping saved device
+2. the ``map_location`` of the load's :class:`~epochal.storage.encoding.codecs.LoadOptions` (a device, a device string, or a dict mapping saved device
    strings to targets), when set, maps the tensor there;
 3. with ``keep_device`` (the default, as in the seed's Load), back to the device it was saved
    from when that device exists here; otherwise to the CPU with a warning.
@@ -36,6 +36,7 @@ from ..storage.encoding import tree as _tree  # state dicts of torch objects nee
 from ..storage.encoding.codecs import (
     LOAD_OPTIONS,
     Encoded,
+    LoadOptions,
     buffer_address,
     check_shape,
     register_codec,
@@ -105,17 +106,18 @@ def _device_available(dev: torch.device) -> bool:
     return _available[key]
 
 
-def resolve_device(saved: str, options: dict[str, Any] | None = None) -> torch.device:
-    """The device a tensor saved from ``saved`` goes to under ``options`` (see module doc)."""
+def resolve_device(saved: str, options: LoadOptions | None = None) -> torch.device:
+    """The device a tensor saved from ``saved`` goes to under ``options`` (those of the load
+    in progress when None; see the module doc)."""
     opts = LOAD_OPTIONS.get() if options is None else options
-    ml = opts.get("map_location")
+    ml = opts.map_location
     if isinstance(ml, dict):
         ml = ml.get(saved)
     if ml is not None:
         if not isinstance(ml, (str, torch.device)):
             raise TypeError(f"map_location must be a device, a string or a dict, not {ml!r}")
         return torch.device(ml)
-    if not opts.get("keep_device", True):
+    if not opts.keep_device:
         return torch.device("cpu")
     try:
         dev = torch.device(saved)

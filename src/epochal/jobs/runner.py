@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .. import knobs
 from ..checkpoint.engine import FATAL_SAVE_ERRORS, CheckpointEngine, Results
 from ..checkpoint.tasks.background import close_process_saver
 from ..checkpoint.tasks.handler_calls import NO_RECORDS
@@ -55,12 +56,12 @@ __all__ = ["DEFAULT_DISPLAY", "FATAL_SAVE_ERRORS", "JobRunner"]
 
 
 def _quiet() -> bool:
-    return bool(os.environ.get("EPOCHAL_QUIET"))
+    return knobs.is_quiet()
 
 
 def _auto_progress(force: bool = False) -> RunListener | None:
     """The terminal progress display: when forced, or when stderr is a terminal outside CI and
-    EPOCHAL_QUIET is unset."""
+    the ``quiet`` knob is off (:func:`epochal.knobs.is_quiet`: by default, EPOCHAL_QUIET unset)."""
     if not force and (os.environ.get("CI") or _quiet() or not sys.stderr.isatty()):
         return None
     module, _, name = DEFAULT_DISPLAY.partition(":")

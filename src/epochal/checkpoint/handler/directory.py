@@ -41,7 +41,13 @@ from ..location.record_cache import CachedRecords
 from ..location.records import RecordLock
 from ..location.retention import RetentionPolicy
 from ..location.stats import stats_lines
-from ..location.view import VERIFY_LEVELS, CheckpointDirectory, best_of_directory
+from ..location.view import (
+    VERIFY_LEVELS,
+    CheckpointDirectory,
+    EpochProblem,
+    VerifyLevel,
+    best_of_directory,
+)
 from ..mirroring.sync import MirrorSync
 from . import cleanup, room
 from .commit import durable_entries
@@ -59,6 +65,10 @@ _validate_manifest = validate_manifest
 
 def _utcnow() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _lines(problems: list[EpochProblem]) -> str:
+    return "; ".join(p.text for p in problems)
 
 
 class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
@@ -106,7 +116,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         keep_best: int | None = None,
         metric: str | None = None,
         mode: str = "min",
-        verify: str = "full",
+        verify: VerifyLevel = "full",
         clean_temp: bool = True,
         space_margin: float = 0.05,
         mirror: Any = None,
@@ -121,7 +131,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         self.policy = RetentionPolicy(
             keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric, mode=mode
         )
-        self.verify = verify
+        self.verify: VerifyLevel = verify
         self.clean_temp = clean_temp
         self.space_margin = float(space_margin)
         self.directory: CheckpointDirectory | None = None
@@ -219,14 +229,14 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         self._rejected.add(epoch)
         return True
 
-    def _load_level(self) -> str:
+    def _load_level(self) -> VerifyLevel:
         """The check a candidate gets when its load verifies: "full" becomes "quick" for db
         types whose loads check every checksum."""
         if self.verify == "full" and get_db_type(self.db_type).load_verifies:
             return "quick"
         return self.verify
 
-    def _choose(self, user_epoch: int | None, level: str) -> int | None:
+    def _choose(self, user_epoch: int | None, level: VerifyLevel) -> int | None:
         d = self._dir()
         self.flush()  # our own pushes first: the mirror's listing must include them
         if user_epoch is not None:
@@ -235,9 +245,9 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
                 problems = self._problems(int(user_epoch), level)
             if problems:
                 if not d.records.exists(d.manifest_path(user_epoch)):
-                    raise CheckpointNotFoundError(problems[0])
+                    raise CheckpointNotFoundError(problems[0].text)
                 raise CheckpointCorruptError(
-                    d.manifest_path(user_epoch), f"epoch {user_epoch} cannot be resumed: " + "; ".join(problems)
+                    d.manifest_path(user_epoch), f"epoch {user_epoch} cannot be resumed: " + _lines(problems)
                 )
             return int(user_epoch)
         skipped: list[int] = []
@@ -256,7 +266,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
                 local = epoch
                 break
             skipped.append(epoch)
-            logger.warning("Checkpoint of epoch %d is damaged, not resuming from it: %s", epoch, "; ".join(problems))
+            logger.warning("Checkpoint of epoch %d is damaged, not resuming from it: %s", epoch, _lines(problems))
         if self.mirror is not None:
             newer = self._newest_from_mirror(local)
             if newer is not None:
@@ -435,19 +445,20 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         """``{epoch: recorded value of the retention metric}`` (None when not keeping best)."""
         return recorded_metrics(self._dir(), self.policy, epochs)
 
-    def _problems(self, epoch: int, level: str) -> list[str]:
+    def _problems(self, epoch: int, level: VerifyLevel) -> list[EpochProblem]:
         d = self._dir()
         # at a URL the driver checks sizes and digests only: reading every byte of every
         # node's db is each node's own load's job (it verifies every checksum)
         if d.records.remote and level == "full":
             level = "quick"
-        problems = d.check_epoch(epoch, level, nodes=self.node_names or None)
+        problems = d.epoch_problems(epoch, level, nodes=self.node_names or None)
         if problems:
             return problems
         if self.node_names:
             db_type = d.read_manifest(epoch).db_type
             if db_type != self.db_type:
-                return [f"{d.manifest_path(epoch)}: written with db_type {db_type!r}, this job uses {self.db_type!r}"]
+                mpath = d.manifest_path(epoch)
+                return [EpochProblem(epoch, mpath, f"{mpath}: written with db_type {db_type!r}, this job uses {self.db_type!r}")]
         return []
 
     def _space_needed(self) -> tuple[int, int]:

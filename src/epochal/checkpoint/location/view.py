@@ -19,7 +19,8 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ...storage.formats.base import DbBackend, get_db_type
@@ -28,11 +29,42 @@ from .best import BestEpochs, best_of
 from .manifest import DbEntry, Manifest, decode_manifest, manifest_name, parse_manifest_name
 from .naming import RECORDS_DIR, db_name, split_db_file
 from .records import STATS_FILE, RecordStore, records_for
+from .stats import StatsLine
 
 logger = logging.getLogger("epochal")
 
 PINS_FILE = "pins.json"
-VERIFY_LEVELS = ("full", "quick", "none")
+#: how much of a committed epoch is checked: ``"full"`` (every checksum), ``"quick"`` (each
+#: db's size and digest against the manifest), ``"none"`` (the manifest is valid and lists
+#: files that exist). The one definition; the public API takes these strings.
+VerifyLevel = Literal["full", "quick", "none"]
+VERIFY_LEVELS: tuple[VerifyLevel, ...] = get_args(VerifyLevel)
+
+
+@dataclass(frozen=True)
+class EpochProblem:
+    """One problem with a committed epoch's records (beside a db's own
+    :class:`~epochal.storage.formats.base.DbProblem`): the epoch, the file at fault (its
+    manifest, or a db it lists), the node whose db it is (None: the manifest as a whole),
+    the blob at fault when a checksum named one, and ``text``: the one line that says it,
+    naming the file (and blob). ``str()`` is that line."""
+
+    epoch: int
+    path: str
+    text: str
+    node: str | None = None
+    blob: str | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+    @classmethod
+    def of(cls, epoch: int, e: BaseException, path: str, node: str | None = None) -> EpochProblem:
+        """The problem an exception describes (a corrupt file's own path and blob when it
+        names them)."""
+        if isinstance(e, CheckpointCorruptError):
+            return cls(epoch, e.path, str(e), node, e.blob)
+        return cls(epoch, path, str(e), node)
 #: seconds waited before each new try of a manifest read that failed with an I/O error
 MANIFEST_READ_RETRIES = (0.05, 0.2)
 
@@ -160,13 +192,20 @@ class CheckpointDirectory:
         return set(epochs)
 
     def stats(self) -> list[dict[str, Any]]:
-        """Every stats line, parsed, in order; a torn (incomplete) line is skipped."""
+        """Every stats line as a dict of the :class:`StatsLine` fields, in order (see
+        :meth:`stats_lines`)."""
+        return [line.as_dict() for line in self.stats_lines()]
+
+    def stats_lines(self) -> list[StatsLine]:
+        """Every stats line, typed, in order. A torn (incomplete) line is skipped, as is one
+        that is JSON but not an object; a field of the wrong type raises
+        :class:`~epochal.errors.CheckpointCorruptError` naming the log and the line."""
         try:
             raw = b"\n".join(self.records.read_stats(self.records_dir))
         except OSError as ex:
             raise CheckpointCorruptError(self.stats_path, f"cannot read the stats log: {ex}") from ex
         out = []
-        for line in raw.split(b"\n"):
+        for number, line in enumerate(raw.split(b"\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -175,7 +214,7 @@ class CheckpointDirectory:
                 logger.debug("skipping a torn line of %s", self.stats_path)
                 continue
             if isinstance(entry, dict):
-                out.append(entry)
+                out.append(StatsLine.from_json(entry, self.stats_path, number))
         return out
 
     def scan(self) -> dict[int, dict[str, str]]:
@@ -192,67 +231,81 @@ class CheckpointDirectory:
     def verify_epoch(self, epoch: int, full: bool = True, *, nodes: Iterable[str] | None = None) -> list[str]:
         """Problems with committed ``epoch`` (empty: it is intact), each naming the file (and
         blob). Checks the manifest, that every db it lists (or every one of ``nodes``) exists
-        with the recorded size and digest, and with ``full`` re-checks every checksum."""
+        with the recorded size and digest, and with ``full`` re-checks every checksum. The
+        lines of :meth:`epoch_problems`."""
         return self.check_epoch(epoch, "full" if full else "quick", nodes=nodes)
 
-    def check_epoch(self, epoch: int, level: str = "full", *, nodes: Iterable[str] | None = None) -> list[str]:
-        """:meth:`verify_epoch` with a level: ``"full"`` (checksums), ``"quick"`` (size and
-        digest) or ``"none"`` (the manifest is valid and lists files that exist)."""
+    def check_epoch(self, epoch: int, level: VerifyLevel = "full", *, nodes: Iterable[str] | None = None) -> list[str]:
+        """:meth:`verify_epoch` with a level (:data:`VerifyLevel`): the lines of
+        :meth:`epoch_problems`."""
+        return [p.text for p in self.epoch_problems(epoch, level, nodes=nodes)]
+
+    def epoch_problems(self, epoch: int, level: VerifyLevel = "full", *,
+                       nodes: Iterable[str] | None = None) -> list[EpochProblem]:
+        """The problems of committed ``epoch``, typed (empty: it is intact) at ``level``:
+        ``"full"`` (checksums), ``"quick"`` (size and digest) or ``"none"`` (the manifest is
+        valid and lists files that exist)."""
         if level not in VERIFY_LEVELS:
             raise ValueError(f"verify level must be one of {VERIFY_LEVELS}, got {level!r}")
+        epoch = int(epoch)
+        mpath = self.manifest_path(epoch)
         try:
             manifest = self.read_manifest(epoch)
         except CheckpointError as ex:
-            return [str(ex)]
-        mpath = self.manifest_path(epoch)
+            return [EpochProblem.of(epoch, ex, mpath)]
         listed = manifest.nodes
         wanted = list(listed) if nodes is None else [str(n) for n in nodes]
         problems = []
         try:
             backend = get_db_type(manifest.db_type)
         except CheckpointError as ex:
-            return [f"{mpath}: {ex}"]
+            return [EpochProblem(epoch, mpath, f"{mpath}: {ex}")]
         for node in wanted:
             entry = listed.get(node)
             if entry is None:
-                problems.append(f"{mpath}: lists no db for node {node!r}")
+                problems.append(EpochProblem(epoch, mpath, f"{mpath}: lists no db for node {node!r}", node))
                 continue
             path = os.path.join(self.db_dir, entry.file)
             expected = self.db_path(node, epoch)
             if os.path.normpath(path) != os.path.normpath(expected):
-                problems.append(f"{mpath}: node {node!r} names {entry.file!r}, expected {expected}")
+                problems.append(EpochProblem(epoch, mpath, f"{mpath}: node {node!r} names {entry.file!r}, "
+                                                           f"expected {expected}", node))
                 continue
-            problems.extend(_check_db(self.records, backend, path, entry, level))
+            problems.extend(_check_db(self.records, backend, path, entry, level, epoch, node))
         return problems
 
 
-def _check_db(records: RecordStore, backend: DbBackend, path: str, entry: DbEntry, level: str) -> list[str]:
+def _check_db(records: RecordStore, backend: DbBackend, path: str, entry: DbEntry, level: VerifyLevel,
+              epoch: int, node: str) -> list[EpochProblem]:
+    def problem(text: str) -> list[EpochProblem]:
+        return [EpochProblem(epoch, path, text, node)]
+
     try:
         size = records.size(path)
     except FileNotFoundError:
-        return [f"{path}: missing (listed in the manifest)"]
+        return problem(f"{path}: missing (listed in the manifest)")
     except OSError as ex:
-        return [f"{path}: cannot stat ({ex})"]
+        return problem(f"{path}: cannot stat ({ex})")
     if level == "none":
         return []
     if size != entry.size:
-        return [f"{path}: size is {size} bytes, the manifest says {entry.size} (truncated or replaced)"]
+        return problem(f"{path}: size is {size} bytes, the manifest says {entry.size} (truncated or replaced)")
     if entry.digest is not None:
         try:
             digest = backend.digest(path)
         except CheckpointError as ex:
-            return [str(ex)]
+            return [EpochProblem.of(epoch, ex, path, node)]
         except OSError as ex:
-            return [f"{path}: cannot read ({ex})"]
+            return problem(f"{path}: cannot read ({ex})")
         if digest != entry.digest:
-            return [f"{path}: digest is {digest}, the manifest says {entry.digest} (replaced or damaged)"]
+            return problem(f"{path}: digest is {digest}, the manifest says {entry.digest} (replaced or damaged)")
     if level == "full":
         try:
             backend.verify(path)
         except CheckpointError as ex:
-            return [str(ex)]
+            return [EpochProblem.of(epoch, ex, path, node)]
         except OSError as ex:
-            return [f"{path}: cannot read ({ex})"]
+            return problem(f"{path}: cannot read ({ex})")
     return []
 
 
@@ -271,4 +324,4 @@ def best_of_directory(
     return best_of(CheckpointDirectory(db_prefix), metric=metric, mode=mode, k=k)
 
 
-__all__ = ["CheckpointDirectory", "VERIFY_LEVELS", "best_of_directory"]
+__all__ = ["CheckpointDirectory", "EpochProblem", "VERIFY_LEVELS", "VerifyLevel", "best_of_directory"]

@@ -8,7 +8,10 @@ transfers themselves are :class:`~epochal.checkpoint.mirroring.mirror.RemoteMirr
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
+import weakref
 from typing import Any
 
 from ...errors import CheckpointError
@@ -18,7 +21,44 @@ from ..location.view import CheckpointDirectory
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["MirrorSync"]
+__all__ = ["EXIT_FLUSH", "ExitFlush", "MirrorSync"]
+
+
+class ExitFlush:
+    """The process's one ``atexit`` hook for background mirrors: at exit it flushes every
+    handler registered here that is still alive, so pushes queued before the interpreter
+    stops reach the mirror. Handlers are held by weak reference: a handler collected before
+    exit is forgotten (no per-handler hook keeps it, and its state, alive for good)."""
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._hooked = False
+
+    def add(self, handler: Any) -> None:
+        """Flush ``handler`` (anything with ``flush()``) at exit while it lives."""
+        with self._lock:
+            self._live.add(handler)
+            if not self._hooked:
+                atexit.register(self.flush_all)
+                self._hooked = True
+
+    def live(self) -> list[Any]:
+        """The handlers registered and not yet collected."""
+        with self._lock:
+            return list(self._live)
+
+    def flush_all(self) -> None:
+        """Flush every live handler; one that fails is logged and the others still run."""
+        for handler in self.live():
+            try:
+                handler.flush()
+            except Exception as ex:  # noqa: BLE001 - at exit: flush the others too
+                logger.warning("Cannot flush the mirror pushes of %r at exit: %s", handler, ex)
+
+
+#: the registry of this process
+EXIT_FLUSH = ExitFlush()
 
 
 class MirrorSync:
@@ -52,12 +92,10 @@ class MirrorSync:
             fn(*args)
             return
         if self._mirror_queue is None:
-            import atexit
-
             from .mirror import MirrorQueue
 
             self._mirror_queue = MirrorQueue()
-            atexit.register(self.flush)
+            EXIT_FLUSH.add(self)
         self._mirror_queue.submit(lambda: fn(*args))
 
     def _push_final(self, epoch: int) -> None:

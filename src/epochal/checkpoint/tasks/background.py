@@ -21,7 +21,8 @@ goes (issue 17.2):
   running Python, each take waits up to the interpreter's switch interval (5 ms), which made
   background writes several times slower than a sync save (bench/RESULTS.md, "Background
   saves"). While a write is in flight the saver lowers the switch interval to
-  ``switch_interval`` (0.5 ms) and puts it back after the last one.
+  ``switch_interval`` (0.5 ms; the knob of that name, :mod:`epochal.knobs`) and puts it back
+  after the last one.
 
 State is per process: :func:`process_saver` gives this process's :class:`BackgroundSaver`
 (the steps in :mod:`.steps` use it from whichever node process runs them);
@@ -40,10 +41,11 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from ... import knobs
 from ...errors import CheckpointError
 from ...storage.encoding.codecs import Encoded, Frozen, copy_segments, encode
 from ...storage.formats.base import get_db_type
@@ -58,8 +60,9 @@ __all__ = [
     "process_saver",
 ]
 
-#: the switch interval (seconds) while a background write is in flight; None leaves it alone
-DEFAULT_SWITCH_INTERVAL = 0.0005
+#: the switch interval (seconds) while a background write is in flight: the default of the
+#: ``switch_interval`` knob (:mod:`epochal.knobs`), which a saver built without one follows
+DEFAULT_SWITCH_INTERVAL = knobs.DEFAULT_SWITCH_INTERVAL
 #: segments start at multiples of this in an arena (cache lines; aligned copies): the
 #: native format's alignment, so an arena is laid out as a native file's data area
 _ALIGN = 64
@@ -216,8 +219,8 @@ class _Switch:
     """Lowers the interpreter's switch interval while writes are in flight (see the module
     docstring) and puts the old value back after the last one, unless someone changed it."""
 
-    def __init__(self, interval: float | None) -> None:
-        self.interval = interval
+    def __init__(self, interval: float | None | Literal["knob"]) -> None:
+        self.interval = interval  # "knob": the switch_interval knob's value at each first write
         self._count = 0
         self._old: float | None = None
         self._set = 0.0
@@ -226,9 +229,10 @@ class _Switch:
     def enter(self) -> None:
         with self._lock:
             self._count += 1
-            if self._count == 1 and self.interval is not None and sys.getswitchinterval() > self.interval:
+            interval = knobs.get().switch_interval if self.interval == "knob" else self.interval
+            if self._count == 1 and interval is not None and sys.getswitchinterval() > interval:
                 self._old = sys.getswitchinterval()
-                sys.setswitchinterval(self.interval)
+                sys.setswitchinterval(interval)
                 self._set = sys.getswitchinterval()
 
     def exit(self) -> None:
@@ -246,7 +250,7 @@ class BackgroundSaver:
     the module docstring (None: leave the interpreter's alone)."""
 
     def __init__(self, *, max_host_bytes: int | None = None,
-                 switch_interval: float | None = DEFAULT_SWITCH_INTERVAL) -> None:
+                 switch_interval: float | None | Literal["knob"] = "knob") -> None:
         self.pool = SnapshotPool(max_host_bytes)
         self._switch = _Switch(switch_interval)
         #: reports of the newest writes joined, oldest first (for benches and diagnostics)
@@ -258,7 +262,7 @@ class BackgroundSaver:
     @property
     def switch_interval(self) -> float | None:
         """The switch interval in force while a write is in flight (None: left alone)."""
-        return self._switch.interval
+        return knobs.get().switch_interval if self._switch.interval == "knob" else self._switch.interval
 
     @switch_interval.setter
     def switch_interval(self, value: float | None) -> None:

@@ -21,7 +21,7 @@ from ...errors import (
     MissingBlobError,
     UnsupportedBlobError,
 )
-from ...storage.encoding.codecs import LOAD_OPTIONS, PLAIN_VALUES, check_all_live
+from ...storage.encoding.codecs import PLAIN_VALUES, LoadOptions, check_all_live, load_options
 from ...storage.formats.base import ReadStats, get_db_type
 from ...storage.io.seam import is_url
 from ..handler.metadata import DbReport
@@ -194,15 +194,12 @@ class LoadBlobs:
         if not backend.checks_live:
             self._check_live(backend, existing, where)
         stats = ReadStats()
-        opts = {"keep_device": self.keep_device, "map_location": self.map_location, "where": where}
-        token = LOAD_OPTIONS.set(opts)
-        try:
+        opts = LoadOptions(map_location=self.map_location, keep_device=self.keep_device, where=where)
+        with load_options(opts):
             values = backend.read(
                 self.db, names, allow_incomplete=self.allow_incomplete, existing=existing,
                 verify=self.verify, stats=stats,
             )
-        finally:
-            LOAD_OPTIONS.reset(token)
         for name, value in values.items():
             ws[name] = value
         self.missing = [n for n in names or [] if n not in values]

@@ -58,7 +58,7 @@ from ...errors import (
     CheckpointNotFoundError,
     UnsupportedBlobError,
 )
-from ...storage.encoding.codecs import LOAD_OPTIONS
+from ...storage.encoding.codecs import LoadOptions, load_options
 from ...storage.formats.native.reader import NativeFile, stat_native
 from ...storage.formats.native.writer import write_native
 from .. import world as _world
@@ -321,8 +321,7 @@ class EpochalStorageReader(StorageReader):
                 raise CheckpointCorruptError(self.path, f"the DCP metadata has no storage for item "
                                              f"{item.storage_index.fqn!r} at {item.storage_index.offset}")
             wanted[loc.db][loc.blob].append(item)
-        token = LOAD_OPTIONS.set({"map_location": "cpu", "where": f"DCP checkpoint {self.path}"})
-        try:
+        with load_options(LoadOptions(map_location="cpu", where=f"DCP checkpoint {self.path}")):
             for file in sorted(wanted):
                 path = os.path.join(self.path, file)
                 if not os.path.exists(path):
@@ -331,8 +330,6 @@ class EpochalStorageReader(StorageReader):
                 with NativeFile(path, mmap=False) as f:
                     for blob, items in wanted[file].items():
                         _read_blob(f, blob, items, planner)
-        finally:
-            LOAD_OPTIONS.reset(token)
         return _done(None)
 
 

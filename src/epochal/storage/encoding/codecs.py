@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import importlib
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -43,10 +43,36 @@ from .dtypes import check_shape, dtype_from_json, dtype_to_json, expected_nbytes
 
 Buffer = memoryview
 
-#: Options for codecs while loading, set by the checkpoint manager around a load, e.g.
-#: ``{"map_location": "cpu"}`` for torch tensors, and ``"where"``: how errors name the load
-#: ("checkpoint DB (node N, epoch E)"). Codecs read it with ``LOAD_OPTIONS.get()``.
-LOAD_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("epochal_load_options", default=MappingProxyType({}))
+@dataclass(frozen=True)
+class LoadOptions:
+    """How values are loaded, for the codecs that need to know.
+
+    - ``map_location``: where torch tensors go: a device, a device string, or a dict from
+      the saved device string to a target (None: see ``keep_device``);
+    - ``keep_device``: back to the device a tensor was saved from when this process has it
+      (the seed's Load), else to the CPU;
+    - ``where``: how errors name the load ("checkpoint DB (node N, epoch E)"; None: the file).
+    """
+
+    map_location: Any = None
+    keep_device: bool = True
+    where: str | None = None
+
+
+#: The :class:`LoadOptions` of the load in progress, set around a load with
+#: :func:`load_options` (the codec hooks, called deep inside a format's reader, read it with
+#: ``LOAD_OPTIONS.get()``); outside a load: the defaults.
+LOAD_OPTIONS: ContextVar[LoadOptions] = ContextVar("epochal_load_options", default=LoadOptions())  # noqa: B039 - frozen
+
+
+@contextmanager
+def load_options(options: LoadOptions) -> Iterator[LoadOptions]:
+    """Make ``options`` the load options of this context for the ``with`` block."""
+    token = LOAD_OPTIONS.set(options)
+    try:
+        yield options
+    finally:
+        LOAD_OPTIONS.reset(token)
 
 
 @dataclass

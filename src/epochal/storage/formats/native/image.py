@@ -11,7 +11,7 @@ memory, no staging copy) while the segment and group checksums are computed on t
 checksum thread exactly as the streaming path does: one call per segment and one per
 group (its range is contiguous here). The bytes on disk are those of
 :func:`~epochal.storage.formats.stream.stream_segments`; when any condition fails the writer takes
-that path instead. A sync save's views of live arrays are separate allocations, not laid
+that path instead (always, with the ``zero_copy`` knob off: :mod:`epochal.knobs`). A sync save's views of live arrays are separate allocations, not laid
 out this way (were they, the same bytes would be read from the same memory the streaming
 path reads, during the same call).
 """
@@ -29,10 +29,7 @@ from ...io.progress import report_progress
 from ...io.seam import PinnedSink
 from .layout import SUPERBLOCK_SIZE
 
-__all__ = ["ZERO_COPY", "data_image", "stats", "write_image"]
-
-#: False: never write from a snapshot's memory (benches compare both ways in one run)
-ZERO_COPY = True
+__all__ = ["data_image", "stats", "write_image"]
 
 
 class _Stats:

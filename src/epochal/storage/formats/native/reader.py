@@ -242,7 +242,7 @@ class NativeFile:
         idx = self._index
         wanted = set(ids)
         found = [(n, i) for n in live if (i := idx.find(n)) is not None and i in wanted]
-        where = _codecs.LOAD_OPTIONS.get().get("where") or f"checkpoint {self.path}"
+        where = _codecs.LOAD_OPTIONS.get().where or f"checkpoint {self.path}"
         _codecs.check_all_live(((n, *idx.entry(i), live[n]) for n, i in sorted(found, key=lambda p: p[1])), where)
 
     def _resolve(self, names: Sequence[str] | None, allow_incomplete: bool) -> list[int]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .... import knobs
 from ....errors import UnsupportedBlobError
 from ...encoding import codecs as _codecs
 from ...encoding.codecs import flat_segment
@@ -251,11 +252,11 @@ def write_data(out: ByteSink, plan: Plan, algorithm: str) -> list[int]:
     thread while the kernel copies each batch). When the views already lie in memory laid
     out as the data area (a background save's snapshot arena) and ``out`` writes from
     callers' memory (``O_DIRECT``), the data area is written from there without a copy
-    (:mod:`.image`); the bytes are the same."""
+    (:mod:`.image`; off with the ``zero_copy`` knob, :mod:`epochal.knobs`); the bytes are the same."""
     g = plan.groups
     groups = list(zip(g["seg_first"].tolist(), g["seg_count"].tolist()))
     fn = checksum_function(algorithm)
-    if image.ZERO_COPY and isinstance(out, PinnedSink) and out.pin_align:
+    if knobs.get().zero_copy and isinstance(out, PinnedSink) and out.pin_align:
         data = image.data_image(plan.views, plan.segs, out.pin_align)
         if data is not None:
             return image.write_image(out, fn, data, plan.segs, head=[_ZEROS],
