@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CheckpointNotFoundError
+from ..io.seam import is_url as is_url  # the one notion of local vs URL (re-exported here)
 
 
 def _fsspec() -> Any:
@@ -25,13 +26,6 @@ def _fsspec() -> Any:
     except ImportError as e:  # pragma: no cover - only without the extra
         raise ImportError("remote storage needs fsspec: pip install 'epochal[s3]'") from e
     return fsspec
-
-
-def is_url(path: str) -> bool:
-    """True for ``protocol://...`` paths other than ``file://`` (:func:`.io.seam.is_url`)."""
-    from ..io.seam import is_url as seam_is_url
-
-    return seam_is_url(path)
 
 
 def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:
