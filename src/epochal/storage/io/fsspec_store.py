@@ -43,7 +43,6 @@ from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from . import atomic
-from .seam import is_url
 
 logger = logging.getLogger("epochal")
 
@@ -54,7 +53,6 @@ __all__ = [
     "TEMP_KEY_RE",
     "clean_stage_dir",
     "filesystem_for",
-    "is_url",
     "scoped_storage_options",
     "set_storage_options",
     "stage_dir",
