@@ -20,18 +20,11 @@ from ...errors import CheckpointNotFoundError
 from ..io.seam import is_url as is_url  # the one notion of local vs URL (re-exported here)
 
 
-def _fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as e:  # pragma: no cover - only without the extra
-        raise ImportError("remote storage needs fsspec: pip install 'epochal[s3]'") from e
-    return fsspec
-
-
 def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:
     """The fsspec filesystem for ``url`` and the path within it."""
-    fs, path = _fsspec().core.url_to_fs(url, **storage_options)
-    return fs, path
+    from ..io.fsspec_store import filesystem_for  # one way to reach a URL (loaded lazily)
+
+    return filesystem_for(url, storage_options)
 
 
 def upload_file(local: str, url: str, **storage_options: Any) -> int:
