@@ -55,7 +55,7 @@ from .errors import (
 )
 from .jobs.cadence import Cadence, parse_interval
 from .jobs.preemption import SignalGuard
-from .storage.io.seam import local_path
+from .storage.io.seam import is_url, local_path
 
 __all__ = ["Checkpointer"]
 
@@ -64,10 +64,6 @@ logger = logging.getLogger("epochal")
 #: the node name of a Checkpointer's dbs (``<directory>/local.<step>``)
 NODE = "local"
 DB_TYPE = "native"
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path
 
 
 def _check_state(state: Mapping[str, Any], what: str) -> list[str]:
@@ -141,8 +137,10 @@ class Checkpointer:
         max_failed_saves: int | None = 1,
     ) -> None:
         self.directory = local_path(directory)  # file:// is the local disk
+        #: the fsspec options every step of this Checkpointer carries (a URL directory)
+        self._storage_options = dict(storage_options) if storage_options else None
         kw: dict[str, Any] = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "mode": mode}
-        remote = _is_url(self.directory)
+        remote = is_url(self.directory)
         if remote or storage_options is not None:
             if "storage_options" not in inspect.signature(DirectoryMetadataHandler).parameters:
                 raise CheckpointError(
@@ -231,7 +229,8 @@ class Checkpointer:
         if step is None:
             return
         db = self.db_path(step)
-        load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True)
+        load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True,
+                         storage_options=self._storage_options)
 
         def run() -> Results:
             try:
@@ -267,11 +266,12 @@ class Checkpointer:
         db = self.db_path(step)
         self._last_save = time.monotonic()
         if self.async_save:
-            snapshot = SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver)
+            snapshot = SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver,
+                                       storage_options=self._storage_options)
             self._engine.save(step, lambda: _Background(snapshot, state, self._saver), background=True,
                               metrics=metrics)
             return
-        save = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step)
+        save = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step, storage_options=self._storage_options)
         self._engine.save(step, lambda: Done({NODE: save.run(state)}), metrics=metrics)
 
     def _check_ranked(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
@@ -361,7 +361,8 @@ class _Background:
 
     def __init__(self, snapshot: SnapshotAndSave, state: Mapping[str, Any], saver: BackgroundSaver) -> None:
         snapshot.run(state)
-        self.joiner = JoinSave(snapshot.db, "", "", db_type=DB_TYPE, saver=saver)
+        self.joiner = JoinSave(snapshot.db, "", "", db_type=DB_TYPE, saver=saver,
+                               storage_options=snapshot.location.storage_options or None)
 
     def join(self) -> Results:
         return {NODE: self.joiner.join()}

@@ -126,15 +126,15 @@ class Location(click.ParamType):
         self.path = click.Path(exists=True, dir_okay=True, file_okay=file_okay)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and value.startswith("file://"):
+        if isinstance(value, str):
+            from ..storage.io.location import location_for
             from ..storage.io.seam import local_path
 
+            where = location_for(value, _cli_storage_options)
+            if where.is_url:
+                where.remember()  # for this command's whole process (nothing without -o)
+                return value
             value = local_path(value)  # file:// is the local disk
-        if isinstance(value, str) and "://" in value:
-            from ..storage.io.fsspec_store import set_storage_options
-
-            set_storage_options(value, _cli_storage_options or None)
-            return value
         return self.path.convert(value, param, ctx)
 
 

@@ -11,6 +11,7 @@ from ..checkpoint.location.manifest import DbEntry, Manifest
 from ..checkpoint.location.stats import StatsLine
 from ..checkpoint.location.view import EpochProblem
 from ..errors import CheckpointError
+from ..storage.io.seam import is_url
 from .dbs import verify_file
 from .names import RECORDS_DIR, parse_db_name
 from .problems import Problem, one_line
@@ -25,7 +26,7 @@ class Records:
     else what the file names alone tell (``<node>.<epoch>``, nothing committed)."""
 
     def __init__(self, prefix: str) -> None:
-        if "://" in prefix:
+        if is_url(prefix):
             self._init_url(prefix)
             return
         if not os.path.isdir(prefix):
@@ -63,7 +64,7 @@ class Records:
 
     def file_record(self, path: str | None) -> dict[str, Any]:
         """Presence, size and time of one db file (a URL's has no time here)."""
-        if path is None or "://" not in path:
+        if path is None or not is_url(path):
             return _file_record(path)
         try:
             size = self._dir.records.size(path)
@@ -197,7 +198,7 @@ LOOSE_SUFFIXES = (".ckpt",)
 
 def loose_checkpoints(prefix: str) -> list[str]:
     """The ``*.ckpt`` files directly in the local directory ``prefix`` (none at a URL)."""
-    if "://" in prefix:
+    if is_url(prefix):
         return []
     out = []
     for entry in sorted(os.listdir(prefix)):
@@ -209,7 +210,7 @@ def loose_checkpoints(prefix: str) -> list[str]:
 
 def _is_prefix(target: str) -> bool:
     """A checkpoint directory (or URL prefix), not one db file."""
-    if "://" not in target:
+    if not is_url(target):
         return os.path.isdir(target)
     from ..storage.io.seam import store_for
 
@@ -224,7 +225,7 @@ def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
         return {"target": target, "ok": f["ok"], "files": [f], "epochs": []}
     rec = Records(target)
     present = rec.scan()
-    each = _parallel if "://" in target else _serial  # a URL's requests go out in parallel
+    each = _parallel if is_url(target) else _serial  # a URL's requests go out in parallel
     files = each(lambda p: verify_file(p, db_type), [present[e][n] for e in sorted(present) for n in sorted(present[e])])
     files.extend(verify_file(path, db_type) for path in loose_checkpoints(target))
     damaged = rec.damaged_manifests()

@@ -66,6 +66,7 @@ from ..checkpoint.tasks.steps import INTERNAL_PREFIX
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
+from ..storage.io.seam import is_url, local_path
 from .dcp import EpochalStorageReader, EpochalStorageWriter, Whole
 
 __all__ = ["DistributedCheckpointer", "process_world"]
@@ -134,8 +135,8 @@ class DistributedCheckpointer:
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
     ) -> None:
-        self.directory = os.fspath(directory)
-        if async_save or storage_options is not None or "://" in self.directory:
+        self.directory = local_path(directory)  # file:// is the local disk
+        if async_save or storage_options is not None or is_url(self.directory):
             raise CheckpointError(
                 f"Checkpointer({self.directory!r}) under torch.distributed: async_save, URLs and "
                 "storage_options are not supported yet (docs/distributed.md)"

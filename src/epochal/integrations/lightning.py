@@ -55,7 +55,7 @@ from ..storage.encoding.codecs import LoadOptions, load_options
 from ..storage.encoding.skeleton import is_stateful, path_str, type_name
 from ..storage.formats.base import get_db_type, sniff_db_type
 from ..storage.io import atomic
-from ..storage.io.seam import store_for
+from ..storage.io.seam import is_url, local_path, store_for
 from .rng import RNGState
 
 __all__ = ["EpochalCheckpointIO", "RNGStateCallback", "load_checkpoint", "load_lightning_module"]
@@ -68,10 +68,6 @@ DB_TYPE = "native"
 #: place to change when a Lightning release moves them.
 _LOAD_STATE = ("lightning.pytorch.core.saving", "_load_state")
 _MIGRATE = ("lightning.pytorch.utilities.migration.utils", "_pl_migrate_checkpoint")
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path
 
 
 def _check_plain(value: Any, path: tuple[Any, ...]) -> None:
@@ -210,9 +206,9 @@ class EpochalCheckpointIO(CheckpointIO):
                 "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
                 f"`{type(self).__name__}`"
             )
-        p = os.fspath(path)
+        p = local_path(path)  # file:// is the local disk
         blobs = _blobs(checkpoint)
-        if not _is_url(p):
+        if not is_url(p):
             folder = os.path.dirname(os.path.abspath(p))
             os.makedirs(folder, exist_ok=True)
             if folder not in self._cleaned:

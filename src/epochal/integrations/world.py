@@ -13,6 +13,7 @@ import sys
 
 from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointError
+from ..storage.io.seam import is_url
 
 __all__ = ["distributed_world", "use_distributed", "written_by_ranks"]
 
@@ -32,7 +33,7 @@ def distributed_world() -> int:
 def written_by_ranks(directory: str | os.PathLike[str]) -> bool:
     """Whether the newest committed step of a local ``directory`` was written by ranks."""
     path = os.fspath(directory)
-    if "://" in path or not os.path.isdir(path):
+    if is_url(path) or not os.path.isdir(path):
         return False
     try:
         d = CheckpointDirectory(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from ...storage.io.atomic import parse_temp_path
+from ...storage.io.seam import is_url
 
 #: the directory, beside the dbs, that holds a checkpoint directory's records (manifests,
 #: stats, pins, the writer lock)
@@ -30,7 +31,7 @@ def db_name(epoch: int, node_name: str, db_prefix: str, path_prefix: str | None 
     """
     if path_prefix:
         return path_prefix + get_ckpt_filename(node_name, epoch)
-    if "://" in db_prefix:
+    if is_url(db_prefix):
         return db_prefix.rstrip("/") + "/" + get_ckpt_filename(node_name, epoch)
     return os.path.join(db_prefix, get_ckpt_filename(node_name, epoch))
 
@@ -82,7 +83,7 @@ def epochs_on_disk(db_prefix: str, node_names: list[str], path_prefix: str | Non
     """Epochs for which a db file of any of ``node_names`` exists in a local directory, oldest
     first ([] for a URL or a missing directory). Only names exactly as :func:`db_name` builds
     them count; temp files of interrupted saves do not."""
-    if "://" in (path_prefix or db_prefix):
+    if is_url(path_prefix or db_prefix):
         return []
     if path_prefix:
         folder, prefix = os.path.dirname(path_prefix) or ".", os.path.basename(path_prefix)

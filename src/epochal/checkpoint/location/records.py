@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from ...storage.io import atomic
-from ...storage.io.seam import is_url
+from ...storage.io.location import Location, location_for
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -219,13 +219,15 @@ class UrlRecords:
 
     remote = True
 
-    def __init__(self) -> None:
+    def __init__(self, location: Location | None = None) -> None:
         from ...storage.io.fsspec_store import filesystem_for
 
         self._fs_for = filesystem_for
+        #: the options every request carries (None: this process's defaults for each URL)
+        self._options = (location.storage_options or None) if location is not None else None
 
     def _fs(self, url: str) -> tuple[Any, str]:
-        return self._fs_for(url)
+        return self._fs_for(url, self._options)
 
     def read(self, path: str) -> bytes:
         """One ranged GET (no HEAD first): at most one byte more than a record may hold."""
@@ -285,7 +287,6 @@ class UrlRecords:
             entries = fs.ls(p, detail=True, refresh=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        scheme = folder.split("://", 1)[0]
         out = []
         base = folder.rstrip("/")
         for entry in entries:
@@ -293,7 +294,7 @@ class UrlRecords:
                 continue
             name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
             size = entry.get("size")
-            out.append((name, f"{base}/{name}" if scheme else name, int(size) if size is not None else None))
+            out.append((name, f"{base}/{name}" if folder else name, int(size) if size is not None else None))
         return out
 
     def makedirs(self, folder: str) -> None:
@@ -325,7 +326,7 @@ class UrlRecords:
         from .lease import Lease
 
         lease_path = path.rsplit("/", 1)[0] + "/lease.json"
-        return Lease(conditional_for(lease_path), lease_path, seconds)
+        return Lease(conditional_for(lease_path, self._options), lease_path, seconds)
 
 
 def _named(ex: OSError, path: str) -> OSError:
@@ -338,14 +339,14 @@ def _named(ex: OSError, path: str) -> OSError:
     return OSError(ex.errno, text)
 
 
-def records_for(location: str, storage_options: dict[str, Any] | None = None) -> RecordStore:
-    """The record store of ``location`` (a local directory or a URL). For a URL,
-    ``storage_options`` are recorded for it (see
-    :func:`epochal.storage.io.fsspec_store.set_storage_options`)."""
-    if not is_url(location):
+def records_for(location: Location | str, storage_options: dict[str, Any] | None = None) -> RecordStore:
+    """The record store of ``location`` (a :class:`~epochal.storage.io.location.Location`, or
+    a local directory or URL with ``storage_options``). At a URL its requests carry the
+    location's options, which are also remembered as this process's default for the URL
+    (:meth:`~epochal.storage.io.location.Location.remember`: the dbs the handler reads by
+    path, and tools built without options, reach it as before)."""
+    loc = location_for(location, storage_options)
+    if loc.is_local:
         return LocalRecords()
-    from ...storage.io.fsspec_store import set_storage_options
-
-    if storage_options:
-        set_storage_options(location, storage_options)
-    return UrlRecords()
+    loc.remember()
+    return UrlRecords(loc)

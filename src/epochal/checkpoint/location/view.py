@@ -24,6 +24,7 @@ from typing import Any, Literal, get_args
 
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ...storage.formats.base import DbBackend, get_db_type
+from ...storage.io.location import Location, location_for
 from ...storage.io.seam import local_path
 from .best import BestEpochs, best_of
 from .manifest import DbEntry, Manifest, decode_manifest, manifest_name, parse_manifest_name
@@ -93,7 +94,9 @@ class CheckpointDirectory:
             self.db_dir = self.db_prefix or "."
             self._file_prefix = ""
         self.records_dir = os.path.join(self.db_dir, RECORDS_DIR)
-        self.records: RecordStore = records_for(self.db_dir, storage_options)
+        #: where the dbs and records live, with the options to reach them
+        self.location: Location = location_for(self.db_dir, storage_options)
+        self.records: RecordStore = records_for(self.location)
 
     def __repr__(self) -> str:
         return f"CheckpointDirectory({self.db_dir!r})"

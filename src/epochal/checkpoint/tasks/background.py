@@ -33,6 +33,7 @@ State is per process: :func:`process_saver` gives this process's :class:`Backgro
 from __future__ import annotations
 
 import atexit
+import contextvars
 import os
 import sys
 import threading
@@ -302,7 +303,8 @@ class BackgroundSaver:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochal-save")
             self._switch.enter()
             try:
-                future = self._executor.submit(self._write, db_type, db, snap)
+                # in the caller's context: the write reaches a URL with its step's Location
+                future = self._executor.submit(contextvars.copy_context().run, self._write, db_type, db, snap)
             except BaseException:
                 self._switch.exit()
                 self.pool.release(snap.arena)

@@ -33,7 +33,7 @@ from .steps import (
     SnapshotAndSave,
     StepResult,
     Timed,
-    use_storage_options,
+    db_location,
 )
 
 logger = logging.getLogger("epochal")
@@ -82,7 +82,8 @@ class CheckpointManager(HandlerCalls):
     ) -> None:
         self._db_prefix = db_prefix = local_path(db_prefix)  # file:// is the local disk
         self._storage_options = dict(storage_options) if storage_options else None
-        use_storage_options(db_name(0, "_", db_prefix), self._storage_options)  # for the driver
+        # the driver's handler and tools may be built without options: they find these
+        db_location(db_name(0, "_", db_prefix), self._storage_options).remember()
         self._node_name = check_node_name(str(node_name))
         self._db_type = db_type
         get_db_type(db_type)  # an unknown db_type fails here, naming it
@@ -288,7 +289,8 @@ class CheckpointManager(HandlerCalls):
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
         task = CheckpointTask(step=JoinSave(db, f"{base}.ns", f"{base}.bytes",
                                             db_type=self._db_type, digest_output=f"{base}.digest",
-                                            push=self._push_target(push), pushed_output=f"{base}.pushed"),
+                                            push=self._push_target(push), pushed_output=f"{base}.pushed",
+                                            storage_options=self._storage_options),
                               node=self._node_name, name="checkpoint_join")
         self._last = task.outputs_of(db, f"{base}.ns", f"{base}.bytes", f"{base}.digest", f"{base}.pushed")
         return task
@@ -320,7 +322,8 @@ class MultiNodeCheckpointManager(HandlerCalls):
         self._node_managers: list[tuple[str, CheckpointManager]] | None = None
         self._db_prefix = db_prefix = local_path(db_prefix)  # file:// is the local disk
         self._storage_options = dict(storage_options) if storage_options else None
-        use_storage_options(db_name(0, "_", db_prefix), self._storage_options)  # for the driver
+        # the driver's handler and tools may be built without options: they find these
+        db_location(db_name(0, "_", db_prefix), self._storage_options).remember()
         self._db_type = db_type
         get_db_type(db_type)
         self._metadata_handler = metadata_handler

@@ -23,6 +23,7 @@ from ...errors import (
 )
 from ...storage.encoding.codecs import PLAIN_VALUES, LoadOptions, check_all_live, load_options
 from ...storage.formats.base import ReadStats, get_db_type
+from ...storage.io.location import Location, location_for
 from ...storage.io.seam import is_url
 from ..handler.metadata import DbReport
 from .background import BackgroundSaver, process_saver
@@ -33,13 +34,12 @@ logger = logging.getLogger("epochal")
 INTERNAL_PREFIX = "__epochal__/"
 
 
-def use_storage_options(db: str, storage_options: dict[str, Any] | None) -> None:
-    """In this (node's) process, reach the URL ``db`` with fsspec ``storage_options`` (the
-    manager's; see :func:`epochal.storage.io.fsspec_store.set_storage_options`)."""
-    if storage_options and "://" in db:
-        from ...storage.io.fsspec_store import set_storage_options
-
-        set_storage_options(db.rsplit("/", 1)[0], storage_options)
+def db_location(db: str, storage_options: dict[str, Any] | None) -> Location:
+    """The :class:`~epochal.storage.io.location.Location` of the folder of ``db`` with the
+    manager's fsspec ``storage_options``: a step carries it to the node's process and
+    activates it around its format calls (never registered process-wide)."""
+    folder = db.rsplit("/", 1)[0] if is_url(db) else (os.path.dirname(db) or ".")
+    return location_for(folder, storage_options)
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class LoadBlobs:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.db, self.db_type = db, db_type
-        self.storage_options = storage_options
+        self.location = db_location(db, storage_options)
         self.names = list(names) if names is not None else None
         self.node, self.epoch = node, epoch
         self.allow_incomplete, self.keep_device = allow_incomplete, keep_device
@@ -171,7 +171,6 @@ class LoadBlobs:
         return f"checkpoint {self.db} (node {self.node!r}, epoch {self.epoch})"
 
     def _open(self) -> Any:
-        use_storage_options(self.db, self.storage_options)
         backend = get_db_type(self.db_type)
         if not backend.exists(self.db):
             raise CheckpointNotFoundError(
@@ -182,11 +181,16 @@ class LoadBlobs:
     def check(self, ws: Any) -> None:
         """Only the check of :meth:`__call__` (the db's index against the live objects),
         writing nothing: a load of several nodes checks every node before any node loads."""
-        backend = self._open()
-        existing = {n: ws[n] for n in (self.names or []) if n in ws}
-        self._check_live(backend, existing, self._where())
+        with self.location.active():
+            backend = self._open()
+            existing = {n: ws[n] for n in (self.names or []) if n in ws}
+            self._check_live(backend, existing, self._where())
 
     def __call__(self, ws: Any) -> int:
+        with self.location.active():
+            return self._load(ws)
+
+    def _load(self, ws: Any) -> int:
         backend = self._open()
         names = self.names
         existing = {n: ws[n] for n in (names or []) if n in ws}
@@ -254,7 +258,7 @@ class SaveBlobs:
         self.db, self.db_type, self.names = db, db_type, list(names)
         self.node, self.epoch = node, epoch
         self.untracked_output, self.digest_output = untracked_output, digest_output
-        self.storage_options = storage_options
+        self.location = db_location(db, storage_options)
         self.push, self.pushed_output = push, pushed_output
 
     def _where(self) -> str:
@@ -284,15 +288,15 @@ class SaveBlobs:
     def run(self, ws: Any) -> StepResult:
         """Save, and say what was written: bytes, ns, the db's digest, whether pushed."""
         start = time.perf_counter_ns()
-        use_storage_options(self.db, self.storage_options)
         ensure_directory(self.db)
         blobs = self._gather(ws)
         self._note_untracked(ws)
-        try:
-            nbytes = int(get_db_type(self.db_type).write(self.db, blobs))
-        except UnsupportedBlobError as ex:  # a value no format stores: name where it is
-            raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
-        digest = db_digest(self.db_type, self.db)
+        with self.location.active():
+            try:
+                nbytes = int(get_db_type(self.db_type).write(self.db, blobs))
+            except UnsupportedBlobError as ex:  # a value no format stores: name where it is
+                raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
+            digest = db_digest(self.db_type, self.db)
         pushed = push_db(self.push, self.db) if self.pushed_output is not None else False
         return StepResult(self.db, nbytes, time.perf_counter_ns() - start, digest, pushed)
 
@@ -307,12 +311,12 @@ class DbExists:
 
     def __init__(self, db: str, db_type: str, output: str, storage_options: dict[str, Any] | None = None) -> None:
         self.db, self.db_type, self.output = db, db_type, output
-        self.storage_options = storage_options
+        self.location = db_location(db, storage_options)
 
     def __call__(self, ws: Any) -> int:
-        use_storage_options(self.db, self.storage_options)
         ws[self.output] = np.bool_(False)
-        ws[self.output] = np.bool_(get_db_type(self.db_type).exists(self.db))
+        with self.location.active():
+            ws[self.output] = np.bool_(get_db_type(self.db_type).exists(self.db))
         return 0
 
 
@@ -351,7 +355,6 @@ class SnapshotAndSave(SaveBlobs):
         return StepResult(self.db, nbytes, time.perf_counter_ns() - start)
 
     def __call__(self, ws: Any) -> int:
-        use_storage_options(self.db, self.storage_options)
         ensure_directory(self.db)
         saver = self.saver or process_saver()
         if saver.pending(self.db):
@@ -362,7 +365,8 @@ class SnapshotAndSave(SaveBlobs):
             snap = saver.snapshot(f"{self.node}@{self.db.rpartition('/')[0]}", blobs)
         except UnsupportedBlobError as ex:
             raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
-        saver.start(self.db, self.db_type, snap)
+        with self.location.active():  # the saver's thread writes with this location's options
+            saver.start(self.db, self.db_type, snap)
         return snap.nbytes
 
 
@@ -372,8 +376,9 @@ class JoinSave:
 
     def __init__(self, db: str, ns_blob: str, bytes_blob: str, *, db_type: str = "native",
                  digest_output: str | None = None, push: Any = None, pushed_output: str | None = None,
-                 saver: BackgroundSaver | None = None) -> None:
+                 saver: BackgroundSaver | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.db, self.ns_blob, self.bytes_blob = db, ns_blob, bytes_blob
+        self.location = db_location(db, storage_options)
         self.saver = saver
         self.db_type, self.digest_output = db_type, digest_output
         self.push, self.pushed_output = push, pushed_output
@@ -383,8 +388,9 @@ class JoinSave:
         """Wait for the write; what the whole save did (re-raises its error)."""
         done = (self.saver or process_saver()).join(self.db)
         pushed = push_db(self.push, self.db) if self.pushed_output is not None else False
-        return StepResult(self.db, done.nbytes, done.done_ns - done.started_ns,
-                          db_digest(self.db_type, self.db), pushed)
+        with self.location.active():
+            digest = db_digest(self.db_type, self.db)
+        return StepResult(self.db, done.nbytes, done.done_ns - done.started_ns, digest, pushed)
 
     def __call__(self, ws: Any) -> None:
         result = self.join()

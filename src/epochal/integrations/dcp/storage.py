@@ -61,6 +61,7 @@ from ...errors import (
 from ...storage.encoding.codecs import LoadOptions, load_options
 from ...storage.formats.native.reader import NativeFile, stat_native
 from ...storage.formats.native.writer import write_native
+from ...storage.io.seam import is_url, local_path
 from .. import world as _world
 from ..torch import dtype_name
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
@@ -122,7 +123,7 @@ class EpochalStorageWriter(StorageWriter):
                  metrics: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.metrics = metrics
-        self.path = os.fspath(path)
+        self.path = local_path(path)  # file:// is the local disk
         self.step = None if step is None else int(step)
         self.handler = handler
         self.lock = bool(lock)
@@ -138,13 +139,13 @@ class EpochalStorageWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._step = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -253,7 +254,7 @@ class EpochalStorageReader(StorageReader):
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = local_path(path)  # file:// is the local disk
         self.step = None if step is None else int(step)
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         #: after read_metadata: the step being loaded
@@ -265,12 +266,12 @@ class EpochalStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         self.storage_data = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
 
     def _choose_step(self, d: CheckpointDirectory) -> int:
         if self.step is not None:

@@ -17,27 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CheckpointNotFoundError
-
-
-def _fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as e:  # pragma: no cover - only without the extra
-        raise ImportError("remote storage needs fsspec: pip install 'epochal[s3]'") from e
-    return fsspec
-
-
-def is_url(path: str) -> bool:
-    """True for ``protocol://...`` paths other than ``file://`` (:func:`.io.seam.is_url`)."""
-    from ..io.seam import is_url as seam_is_url
-
-    return seam_is_url(path)
+from ..io.seam import is_url as is_url  # the one notion of local vs URL (re-exported here)
 
 
 def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:
     """The fsspec filesystem for ``url`` and the path within it."""
-    fs, path = _fsspec().core.url_to_fs(url, **storage_options)
-    return fs, path
+    from ..io.fsspec_store import filesystem_for  # one way to reach a URL (loaded lazily)
+
+    return filesystem_for(url, storage_options)
 
 
 def upload_file(local: str, url: str, **storage_options: Any) -> int:

@@ -77,8 +77,10 @@ def _precondition_failed(ex: BaseException) -> bool:
 class ConditionalObjects:
     """Compare-and-swap on the objects of one fsspec filesystem (see the module doc)."""
 
-    def __init__(self, url: str) -> None:
-        self.fs, _ = filesystem_for(url)
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        #: the options every request carries (None: this process's defaults for each URL)
+        self.storage_options = storage_options
+        self.fs, _ = filesystem_for(url, storage_options)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         #: True when the store checks conditions itself (S3); False: read-compare-write
         self.atomic = bool({"s3", "s3a"} & set(protocols)) and hasattr(self.fs, "_call_s3")
@@ -86,7 +88,7 @@ class ConditionalObjects:
     # -- reads
     def get(self, url: str) -> Versioned | None:
         """The object's bytes and version; None when it does not exist."""
-        _, path = filesystem_for(url)
+        _, path = filesystem_for(url, self.storage_options)
         if self.atomic:
             return self._s3_get(path)
         try:
@@ -98,7 +100,7 @@ class ConditionalObjects:
     # -- writes: each returns the new version, or None when the condition did not hold
     def create(self, url: str, data: bytes) -> str | None:
         """Write ``url`` only if it does not exist."""
-        _, path = filesystem_for(url)
+        _, path = filesystem_for(url, self.storage_options)
         if self.atomic:
             try:
                 return self._s3_put(path, data, {"IfNoneMatch": "*"})
@@ -112,7 +114,7 @@ class ConditionalObjects:
 
     def replace(self, url: str, data: bytes, version: str) -> str | None:
         """Write ``url`` only if it is still at ``version``."""
-        _, path = filesystem_for(url)
+        _, path = filesystem_for(url, self.storage_options)
         if self.atomic:
             try:
                 return self._s3_put(path, data, {"IfMatch": version})
@@ -129,7 +131,7 @@ class ConditionalObjects:
 
     def delete(self, url: str, version: str) -> bool:
         """Delete ``url`` only if it is still at ``version``; False when it is not (or gone)."""
-        _, path = filesystem_for(url)
+        _, path = filesystem_for(url, self.storage_options)
         if self.atomic:
             bucket, key, _ = self.fs.split_path(path)
             try:
@@ -222,6 +224,6 @@ def _named(ex: OSError, url: str) -> OSError:
     return OSError(ex.errno, text)
 
 
-def conditional_for(url: str) -> ConditionalObjects:
-    """The conditional operations of the store at ``url``."""
-    return ConditionalObjects(url)
+def conditional_for(url: str, storage_options: dict[str, Any] | None = None) -> ConditionalObjects:
+    """The conditional operations of the store at ``url`` (reached with ``storage_options``)."""
+    return ConditionalObjects(url, storage_options)

@@ -11,10 +11,15 @@ killed process's are removed by the next process of its host that stages a write
 (:func:`clean_stage_dir`); a killed upload's temp key (:data:`TEMP_KEY_RE`) by the next holder
 of the location's lease (:func:`epochal.checkpoint.handler.cleanup.clean_temp_keys`).
 
-Credentials and endpoints: :func:`set_storage_options` records fsspec ``storage_options``
-for a URL prefix in this process (the managers and handlers do it for their ``db_prefix``,
-and the checkpoint steps again in each node's process); a URL with none uses fsspec's own
-configuration (``FSSPEC_S3_ENDPOINT_URL``, ``AWS_*`` environment variables, ...).
+Credentials and endpoints (fsspec ``storage_options``) for a URL come, first found:
+from the caller (a :class:`~epochal.storage.io.location.Location`'s store, ``FsspecStore(
+storage_options)``, ``filesystem_for(url, options)``); from the Location active in this
+thread / context (:func:`scoped_storage_options`: the checkpoint steps carry their Location
+to each node's process and activate it around the format's calls); from this process's
+defaults per URL prefix (:func:`set_storage_options`: the one process-wide registry, for
+code that has only a URL: a handler or tool built without options for a URL a manager or
+the CLI's ``--storage-options`` gave them for); else fsspec's own configuration
+(``FSSPEC_S3_ENDPOINT_URL``, ``AWS_*`` environment variables, ...).
 
 Imported only for URLs (the seam loads it lazily): the core needs numpy alone. Needs the
 ``s3`` extra (fsspec, plus s3fs for S3).
@@ -31,7 +36,9 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -46,7 +53,7 @@ __all__ = [
     "TEMP_KEY_RE",
     "clean_stage_dir",
     "filesystem_for",
-    "is_url",
+    "scoped_storage_options",
     "set_storage_options",
     "stage_dir",
     "storage_options_for",
@@ -54,12 +61,8 @@ __all__ = [
 
 _options: dict[str, dict[str, Any]] = {}
 _options_lock = threading.Lock()
-
-
-def is_url(path: str) -> bool:
-    """True for ``scheme://...`` paths other than ``file://`` (one notion everywhere: see
-    :func:`epochal.storage.io.seam.is_url`; a ``file://`` checkpoint is the local disk)."""
-    return "://" in path and not path.startswith("file://")  # (seam imports this module)
+#: the options of the Locations active in this thread / context: ((url prefix, options), ...)
+_scoped: ContextVar[tuple[tuple[str, dict[str, Any]], ...]] = ContextVar("epochal_storage_options", default=())
 
 
 def _fsspec() -> Any:
@@ -81,19 +84,45 @@ def set_storage_options(url_prefix: str, options: dict[str, Any] | None) -> None
             _options.pop(key, None)
 
 
+@contextmanager
+def scoped_storage_options(url_prefix: str, options: dict[str, Any]) -> Iterator[None]:
+    """Use ``options`` for every URL under ``url_prefix`` opened by path inside this block,
+    in this thread / context only (before this process's defaults); the innermost longest
+    prefix wins. :meth:`epochal.storage.io.location.Location.active` uses it."""
+    token = _scoped.set((*_scoped.get(), (url_prefix.rstrip("/"), dict(options))))
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
+
+
+def _under(url: str, prefix: str) -> bool:
+    return url == prefix or url.startswith(prefix if prefix.endswith("/") else prefix + "/")
+
+
 def storage_options_for(url: str) -> dict[str, Any]:
-    """The options recorded for the longest prefix of ``url`` (``{}``: none)."""
+    """The options of ``url`` when the caller has none: those of the Location active in this
+    context for the longest prefix of ``url``, else this process's defaults for its longest
+    prefix (:func:`set_storage_options`), else ``{}`` (fsspec's own configuration)."""
+    best, found = "", None
+    for prefix, options in reversed(_scoped.get()):
+        if _under(url, prefix) and (found is None or len(prefix) > len(best)):
+            best, found = prefix, options
+    if found is not None:
+        return dict(found)
     with _options_lock:
         best = ""
         for prefix in _options:
-            if (url == prefix or url.startswith(prefix + "/")) and len(prefix) > len(best):
+            if _under(url, prefix) and len(prefix) > len(best):
                 best = prefix
         return dict(_options[best]) if best else {}
 
 
-def filesystem_for(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``url`` (with its recorded options) and the path within it."""
-    fs, path = _fsspec().core.url_to_fs(url, **storage_options_for(url))
+def filesystem_for(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path within it, reached with
+    ``storage_options`` (None: :func:`storage_options_for` ``url``)."""
+    options = storage_options_for(url) if storage_options is None else storage_options
+    fs, path = _fsspec().core.url_to_fs(url, **options)
     return fs, path
 
 
@@ -172,9 +201,9 @@ class FsspecSource:
 
     nowait = False
 
-    def __init__(self, url: str, what: str = "db") -> None:
+    def __init__(self, url: str, what: str = "db", storage_options: dict[str, Any] | None = None) -> None:
         self.name = url
-        self.fs, self.path = filesystem_for(url)
+        self.fs, self.path = filesystem_for(url, storage_options)
         try:
             info = self.fs.info(self.path)
         except Exception as ex:
@@ -225,9 +254,9 @@ class FsspecSource:
 class FsspecSink:
     """A new object: staged in a local temp file, uploaded on commit (see the module doc)."""
 
-    def __init__(self, url: str, size: int | None = None) -> None:
+    def __init__(self, url: str, size: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.name = url
-        self.fs, self.path = filesystem_for(url)
+        self.fs, self.path = filesystem_for(url, storage_options)
         folder = stage_dir()
         if size is not None:
             free = shutil.disk_usage(folder).free
@@ -303,16 +332,22 @@ def upload_to_key(fs: Any, path: str, local: str, size: int, name: str) -> None:
 
 
 class FsspecStore:
-    """Objects under fsspec URLs (see :class:`~epochal.storage.io.seam.ByteStore`)."""
+    """Objects under fsspec URLs (see :class:`~epochal.storage.io.seam.ByteStore`), reached
+    with ``storage_options`` (None: :func:`storage_options_for` each URL)."""
+
+    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+        self.storage_options = None if storage_options is None else dict(storage_options)
 
     def open_read(self, path: str, *, what: str = "db") -> FsspecSource:
-        return FsspecSource(path, what)
+        if self.storage_options is None:  # (a spy on FsspecSource(url, what) keeps working)
+            return FsspecSource(path, what)
+        return FsspecSource(path, what, self.storage_options)
 
     def create(self, path: str, size: int | None = None) -> FsspecSink:
-        return FsspecSink(path, size)
+        return FsspecSink(path, size, self.storage_options)
 
     def exists(self, path: str) -> bool:
-        fs, p = filesystem_for(path)
+        fs, p = filesystem_for(path, self.storage_options)
         try:
             return bool(fs.isfile(p))
         except Exception as ex:

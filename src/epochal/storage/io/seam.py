@@ -57,6 +57,7 @@ __all__ = [
     "local_path",
     "register_store",
     "store_for",
+    "url_scheme",
 ]
 
 
@@ -74,11 +75,18 @@ def local_path(path: str | os.PathLike[str]) -> str:
     return rest or "."
 
 
+def url_scheme(path: str | os.PathLike[str]) -> str:
+    """The scheme of a URL (``"s3"`` for ``s3://b/k``); ``""`` for a local path and for a
+    ``file://`` URL (the local disk). The one place that parses ``scheme://``; a
+    :class:`~epochal.storage.io.location.Location` carries its result."""
+    scheme, sep, _ = os.fspath(path).partition("://")
+    return scheme if sep and scheme != "file" else ""
+
+
 def is_url(path: str | os.PathLike[str]) -> bool:
     """True for ``scheme://...`` locations other than ``file://`` (the one notion of local vs
     remote: a ``file://`` URL is a local path, see :func:`local_path`)."""
-    text = os.fspath(path)
-    return "://" in text and not text.startswith("file://")
+    return bool(url_scheme(path))
 
 
 @runtime_checkable
@@ -194,9 +202,11 @@ def register_store(scheme: str, factory: Callable[[], ByteStore]) -> None:
     _stores[scheme] = factory
 
 
-def store_for(path: str | os.PathLike[str]) -> ByteStore:
+def store_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> ByteStore:
     """The store of ``path``: a registered one for its ``scheme://``, the fsspec store for
-    any other URL, the local disk for a plain path."""
+    any other URL (reached with ``storage_options``; None: the options of the active
+    :class:`~epochal.storage.io.location.Location`, else this process's defaults), the
+    local disk for a plain path. (A ``file://`` URL: see :func:`local_path`.)"""
     scheme, sep, _ = os.fspath(path).partition("://")
     if not sep:
         return _LOCAL
@@ -206,7 +216,7 @@ def store_for(path: str | os.PathLike[str]) -> ByteStore:
     # with numpy alone); never a local relative folder named "s3:"
     from .fsspec_store import FsspecStore
 
-    return FsspecStore()
+    return FsspecStore(storage_options)
 
 
 @contextmanager
