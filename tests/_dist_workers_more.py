@@ -137,3 +137,35 @@ def two_ranks(rank: int, world: int, fsdp_path: str, expect: str, mesh_path: str
             state = mesh_state(shape, LOAD_INTO[shape], zero=True)
             assert ck.restore(state) == 1
             check_mesh_state(state, [2, 2])
+
+
+def async_saves(rank: int, world: int, path: str) -> None:
+    """async_save=True on 2 ranks (FSDP2): save returns with the rank's part snapshotted; the
+    live model trains on (in place) while the thread writes; the step is committed at the next
+    save / wait; a restore is bit-equal to the gathered state at the save."""
+    import epochal
+    from epochal.checkpoint.location.view import CheckpointDirectory
+
+    model, opt = fsdp_model(world, 0)
+    at: dict[int, dict[str, str]] = {}
+    with epochal.Checkpointer(path, async_save=True) as ck:
+        assert ck.async_save
+        for step in (1, 2):
+            train_one(model, opt, step)
+            at[step] = gathered(model, opt)
+            ck.save(step, {"model": model, "opt": opt, "step": step})
+            # step - 1 is committed by now (this save waited for it), step not yet
+            assert CheckpointDirectory(path).committed_epochs() == list(range(1, step)), step
+            train_one(model, opt, 10 + step)  # changes the live tensors the save took
+        ck.wait()
+        assert CheckpointDirectory(path).committed_epochs() == [1, 2]
+        fresh, fopt = fsdp_model(world, 5)
+        state: dict[str, Any] = {"model": fresh, "opt": fopt, "step": 0}
+        assert ck.restore(state) == 2 and state["step"] == 2
+        got = gathered(fresh, fopt)
+        if rank == 0:
+            assert got == at[2], sorted(k for k in at[2] if got.get(k) != at[2][k])
+            assert got != at[1]
+        ck.save(3, {"model": model, "opt": opt, "step": 3})
+    # close() committed step 3
+    assert CheckpointDirectory(path).committed_epochs() == [1, 2, 3]

@@ -27,6 +27,7 @@ file and the item. Non-tensor items are encoded by epochal's codecs, never pickl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import uuid
@@ -98,7 +99,7 @@ class _Written:
     """A rank's WriteResult storage_data: where the item went and what the rank says of its db."""
 
     location: ItemLocation
-    report: DbReport
+    report: DbReport | None  # None: a deferred write (the db is written later, in the background)
 
 
 def _done(value: Any) -> Future:
@@ -119,9 +120,16 @@ class EpochalStorageWriter(StorageWriter):
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
                  handler: DirectoryMetadataHandler | None = None, lock: bool = True,
-                 metrics: dict[str, Any] | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, deferred: bool = False) -> None:
         super().__init__()
         self.metrics = metrics
+        #: write_data snapshots the rank's items into host memory and returns; the db is
+        #: written by :meth:`write_deferred` and the step committed by :meth:`commit_deferred`
+        #: (the coordinator, once every rank's write_deferred returned): an async save
+        self.deferred = bool(deferred)
+        self.pending_db: str | None = None
+        self.pending_blobs: dict[str, Any] = {}
+        self._pending_finish: tuple[Metadata, list[list[WriteResult]]] | None = None
         self.path = os.fspath(path)
         self.step = None if step is None else int(step)
         self.handler = handler
@@ -194,9 +202,13 @@ class EpochalStorageWriter(StorageWriter):
         if not blobs:
             return _done([])
         db = CheckpointDirectory(self.path).db_path(target.node, target.step)
-        write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
-        st = stat_native(db)
-        report = DbReport(st.file_bytes, st.digest)
+        report: DbReport | None = None
+        if self.deferred:
+            self.pending_db, self.pending_blobs = db, snapshot(blobs)
+        else:
+            write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
+            st = stat_native(db)
+            report = DbReport(st.file_bytes, st.digest)
         file = os.path.basename(db)
         return _done([
             WriteResult(index=idx, size_in_bytes=nbytes,
@@ -206,7 +218,32 @@ class EpochalStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's write_data returned (its db durable): write
-        the metadata db and commit the step's manifest."""
+        the metadata db and commit the step's manifest (deferred: kept for commit_deferred)."""
+        if self.deferred:
+            self._pending_finish = (metadata, results)
+            return
+        self._commit(metadata, results)
+
+    def write_deferred(self) -> None:
+        """Write this rank's snapshot of a deferred save to its db (temp file, fsync, rename);
+        any thread. The snapshot is let go after."""
+        db, blobs = self.pending_db, self.pending_blobs
+        self.pending_db, self.pending_blobs = None, {}
+        if db is not None:
+            write_native(db, blobs)
+
+    def commit_deferred(self) -> int | None:
+        """On the coordinator, once every rank's :meth:`write_deferred` returned: the metadata
+        db and the manifest of the deferred save (the dbs' sizes and digests are read from
+        their files). Returns the step committed (None when this rank is not the coordinator)."""
+        if self._pending_finish is None:
+            return None
+        metadata, results = self._pending_finish
+        self._pending_finish = None
+        self._commit(metadata, results)
+        return self.committed
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage: dict[MetadataIndex, ItemLocation] = {}
         reports: dict[str, DbReport] = {}
         step = self._step
@@ -216,7 +253,11 @@ class EpochalStorageWriter(StorageWriter):
                 assert isinstance(w, _Written)
                 storage[r.index] = w.location
                 node, ep = split_db_file(w.location.db) or ("", -1)
-                reports[node] = w.report
+                if w.report is not None:
+                    reports[node] = w.report
+                elif node not in reports:  # a deferred write: the db as it now is on disk
+                    st = stat_native(CheckpointDirectory(self.path).db_path(node, ep))
+                    reports[node] = DbReport(st.file_bytes, st.digest)
                 step = ep
         if step is None:
             raise CheckpointError("EpochalStorageWriter.finish: no step was planned")
@@ -228,6 +269,26 @@ class EpochalStorageWriter(StorageWriter):
         reports[META_NODE] = DbReport(st.file_bytes, st.digest)
         commit_step(self.path, step, reports, self.handler, self.lock, self.metrics)
         self.committed = step
+
+
+def snapshot(blobs: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a rank's items in host memory, which the live objects can change after: a
+    tensor copied to CPU (a CUDA one through pinned memory), any other value deep-copied."""
+    out: dict[str, Any] = {}
+    cuda = False
+    for name, value in blobs.items():
+        if isinstance(value, torch.Tensor):
+            if value.is_cuda:
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                out[name] = host.copy_(value, non_blocking=True)
+                cuda = True
+            else:
+                out[name] = value.detach().clone()
+        else:
+            out[name] = copy.deepcopy(value)
+    if cuda:
+        torch.cuda.synchronize()
+    return out
 
 
 def commit_step(path: str, step: int, reports: dict[str, DbReport],
