@@ -1,11 +1,14 @@
 """epochal.Checkpointer under torch.distributed with 4 gloo ranks on CPU: FSDP2 state saved by
 2 ranks restored into 4 and saved by 4 restored into 2, bit-equal to the gathered full state;
 DTensors on a 2-D (2, 2) mesh (Shard/Replicate on each mesh dim) restored into the same mesh
-with other placements, into a 1-D mesh of 4, and into (1, 2) and (2, 1) meshes of 2 ranks."""
+with other placements, into a 1-D mesh of 4, and into (1, 2) and (2, 1) meshes of 2 ranks;
+``epochal export --blob model`` of the 4-rank step: the gathered model, bit for bit."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 from _dist_workers import fsdp_save, run_ranks  # noqa: E402
 from _dist_workers_more import four_ranks, two_ranks  # noqa: E402
+from _torch_bits import bits  # noqa: E402
 
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 
@@ -35,3 +39,15 @@ def test_fsdp2_two_to_four_to_two_and_a_2d_mesh_resharded(tmp_path: Path) -> Non
     assert m.committed_epochs() == [1] and "dcp" in m.read_manifest(1).nodes
     run_ranks(two_ranks, 2, str(fsdp), str(full4), str(meshes))  # 4 -> 2; (2, 2) -> (1, 2), (2, 1)
     assert not d.check_epoch(6, "full") and not m.check_epoch(1, "full")
+
+    # epochal export --blob of a step written by 4 ranks: the model gathered whole
+    out = tmp_path / "model.safetensors"
+    cli = [sys.executable, "-m", "epochal", "export", str(fsdp), str(out), "--to", "safetensors"]
+    r = subprocess.run([*cli, "--blob", "model"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    from safetensors.torch import load_file
+
+    want = {k: v for k, v in json.loads(full4.read_text()).items() if k.startswith("model.")}
+    assert {f"model.{k}": bits(v).hex() for k, v in load_file(str(out)).items()} == want
+    r = subprocess.run([*cli, "--blob", "nope"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "step 6 holds no tensor of 'nope'" in r.stderr + r.stdout, r
