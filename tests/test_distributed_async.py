@@ -66,3 +66,32 @@ def test_ranks_killed_before_a_background_write_finished_never_commit_that_step(
     want = json.loads(out.read_text())
     for k, v in model.state_dict().items():
         assert torch.equal(v, torch.tensor(want[k])), k
+
+
+@pytest.mark.parametrize("max_host_bytes", [None, 1])
+def test_async_snapshots_reuse_one_host_buffer_within_the_bound(tmp_path: Path, max_host_bytes: int | None) -> None:
+    """One process, no process group: three async saves of one state take one host buffer,
+    reused (None: one state's worth kept); over the bound, each save its own memory. Every
+    step restores bit-equal to the state at its save, though the live tensors moved on."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5)
+    extra = torch.randn(7, 3, dtype=torch.float64)
+    at = {}
+    with DistributedCheckpointer(tmp_path, async_save=True, max_host_bytes=max_host_bytes) as ck:
+        for step in (1, 2, 3):
+            at[step] = [t.clone() for t in (*model.state_dict().values(), extra)]
+            ck.save(step, {"model": model, "extra": extra, "step": step})
+            with torch.no_grad():
+                model.weight.add_(1.0)
+                extra.mul_(2.0)
+        staging = ck._staging
+    assert (staging.allocated, staging.reused) == ((1, 2) if max_host_bytes is None else (3, 0))
+    assert CheckpointDirectory(str(tmp_path)).committed_epochs() == [1, 2, 3]
+    for step in (1, 2, 3):
+        fresh, into = torch.nn.Linear(8, 5), torch.zeros(7, 3, dtype=torch.float64)
+        state = {"model": fresh, "extra": into, "step": 0}
+        with DistributedCheckpointer(tmp_path) as ck:
+            ck._load(step, state)
+        assert state["step"] == step
+        got = [*fresh.state_dict().values(), into]
+        assert all(torch.equal(a, b) for a, b in zip(got, at[step])), step

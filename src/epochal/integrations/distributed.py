@@ -68,6 +68,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
 from .dcp import EpochalStorageReader, EpochalStorageWriter, Whole
+from .dcp.staging import HostStaging
 
 __all__ = ["DistributedCheckpointer", "process_world"]
 
@@ -145,6 +146,7 @@ class DistributedCheckpointer:
                 "storage_options are not supported yet (docs/distributed.md)"
             )
         self.async_save = bool(async_save)
+        self._staging = HostStaging(max_host_bytes)  # async snapshots: one host buffer, reused
         self._pending: _Pending | None = None
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank, self.world = process_world()
@@ -235,7 +237,8 @@ class DistributedCheckpointer:
         self._check_replicated(sd)
         self.wait()  # the previous background save is committed (or has failed) first
         writer = EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
-                                      metrics=recorded or None, deferred=self.async_save)
+                                      metrics=recorded or None, deferred=self.async_save,
+                                      staging=self._staging)
         try:
             with _quiet():
                 dcp_save(sd, storage_writer=writer, process_group=self._group, no_dist=not self._dist)

@@ -27,7 +27,6 @@ file and the item. Non-tensor items are encoded by epochal's codecs, never pickl
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import uuid
@@ -66,6 +65,7 @@ from .. import world as _world
 from ..torch import dtype_name
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
 from .planners import item_value, set_value
+from .staging import HostStaging
 
 __all__ = ["META_BLOB", "META_NODE", "EpochalStorageReader", "EpochalStorageWriter", "rank_node"]
 
@@ -120,7 +120,8 @@ class EpochalStorageWriter(StorageWriter):
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
                  handler: DirectoryMetadataHandler | None = None, lock: bool = True,
-                 metrics: dict[str, Any] | None = None, deferred: bool = False) -> None:
+                 metrics: dict[str, Any] | None = None, deferred: bool = False,
+                 staging: HostStaging | None = None) -> None:
         super().__init__()
         self.metrics = metrics
         #: write_data snapshots the rank's items into host memory and returns; the db is
@@ -129,6 +130,9 @@ class EpochalStorageWriter(StorageWriter):
         self.deferred = bool(deferred)
         self.pending_db: str | None = None
         self.pending_blobs: dict[str, Any] = {}
+        #: where deferred snapshots go (a reused host buffer; None: a fresh one per save)
+        self.staging = staging if staging is not None else HostStaging(max_host_bytes=0)
+        self._pooled = False
         self._pending_finish: tuple[Metadata, list[list[WriteResult]]] | None = None
         self.path = os.fspath(path)
         self.step = None if step is None else int(step)
@@ -204,7 +208,8 @@ class EpochalStorageWriter(StorageWriter):
         db = CheckpointDirectory(self.path).db_path(target.node, target.step)
         report: DbReport | None = None
         if self.deferred:
-            self.pending_db, self.pending_blobs = db, snapshot(blobs)
+            self.pending_blobs, self._pooled = self.staging.snapshot(blobs)
+            self.pending_db = db
         else:
             write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
             st = stat_native(db)
@@ -229,8 +234,14 @@ class EpochalStorageWriter(StorageWriter):
         any thread. The snapshot is let go after."""
         db, blobs = self.pending_db, self.pending_blobs
         self.pending_db, self.pending_blobs = None, {}
-        if db is not None:
-            write_native(db, blobs)
+        try:
+            if db is not None:
+                write_native(db, blobs)
+        finally:
+            del blobs
+            if self._pooled:
+                self._pooled = False
+                self.staging.release()
 
     def commit_deferred(self) -> int | None:
         """On the coordinator, once every rank's :meth:`write_deferred` returned: the metadata
@@ -269,26 +280,6 @@ class EpochalStorageWriter(StorageWriter):
         reports[META_NODE] = DbReport(st.file_bytes, st.digest)
         commit_step(self.path, step, reports, self.handler, self.lock, self.metrics)
         self.committed = step
-
-
-def snapshot(blobs: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a rank's items in host memory, which the live objects can change after: a
-    tensor copied to CPU (a CUDA one through pinned memory), any other value deep-copied."""
-    out: dict[str, Any] = {}
-    cuda = False
-    for name, value in blobs.items():
-        if isinstance(value, torch.Tensor):
-            if value.is_cuda:
-                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                out[name] = host.copy_(value, non_blocking=True)
-                cuda = True
-            else:
-                out[name] = value.detach().clone()
-        else:
-            out[name] = copy.deepcopy(value)
-    if cuda:
-        torch.cuda.synchronize()
-    return out
 
 
 def commit_step(path: str, step: int, reports: dict[str, DbReport],
