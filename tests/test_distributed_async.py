@@ -95,3 +95,19 @@ def test_async_snapshots_reuse_one_host_buffer_within_the_bound(tmp_path: Path, 
         assert state["step"] == step
         got = [*fresh.state_dict().values(), into]
         assert all(torch.equal(a, b) for a, b in zip(got, at[step])), step
+
+
+def test_leaving_on_an_error_does_not_commit_the_background_save(tmp_path: Path) -> None:
+    """An exception out of the ``with`` block: the pending write is joined, not committed (on
+    ranks, the others may never reach the commit's collective); the step before stays."""
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with DistributedCheckpointer(tmp_path, async_save=True) as ck:
+            ck.save(1, {"model": model})
+            ck.wait()
+            ck.save(2, {"model": model})
+            raise RuntimeError("boom")
+    assert CheckpointDirectory(str(tmp_path)).committed_epochs() == [1]
+    assert (tmp_path / "rank0.2").exists()  # written, never committed
+    with DistributedCheckpointer(tmp_path) as ck:  # and the lock was let go
+        assert ck.restore({"model": torch.nn.Linear(3, 2)}) == 1

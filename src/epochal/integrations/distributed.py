@@ -342,10 +342,19 @@ class DistributedCheckpointer:
     def close(self) -> None:
         """Finish the background save (collective, as :meth:`wait`), let rank 0's lock go and
         restore the previous SIGTERM handler."""
+        self._close(commit=True)
+
+    def _close(self, commit: bool) -> None:
         if self._closed:
             return
         try:
-            self.wait()
+            if commit:
+                self.wait()
+            elif self._pending is not None:
+                # leaving on an error: the other ranks may not reach a collective, so the
+                # background save is joined here but not committed
+                pending, self._pending = self._pending, None
+                pending.thread.join()
         finally:
             self._closed = True
             self._guard.__exit__(None, None, None)
@@ -362,12 +371,7 @@ class DistributedCheckpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if exc and exc[0] is not None and self._pending is not None:
-            # leaving on an error: the other ranks may not reach a collective, so the
-            # background save is joined here but not committed
-            pending, self._pending = self._pending, None
-            pending.thread.join()
-        self.close()
+        self._close(commit=not (exc and exc[0] is not None and self.async_save))
 
     # -- internals
     def _check_open(self) -> None:
