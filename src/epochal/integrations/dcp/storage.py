@@ -116,7 +116,10 @@ class EpochalStorageWriter(StorageWriter):
     already committed is refused. ``handler``: the :class:`DirectoryMetadataHandler` that
     commits (its retention applies); None: a default one, keeping every step. ``lock``: the
     coordinator takes the directory's writer lock for the commit (False when the caller
-    holds it already, as a Checkpointer does). ``metrics``: numbers recorded in the manifest."""
+    holds it already, as a Checkpointer does). ``metrics``: numbers recorded in the manifest.
+    ``deferred``: an async save (write_data only snapshots; see :meth:`write_deferred` and
+    :meth:`commit_deferred`). ``staging``: the host buffer snapshots and CUDA tensors go
+    through (a :class:`~epochal.integrations.dcp.staging.HostStaging`; None: fresh memory)."""
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
                  handler: DirectoryMetadataHandler | None = None, lock: bool = True,
@@ -211,7 +214,15 @@ class EpochalStorageWriter(StorageWriter):
             self.pending_blobs, self._pooled = self.staging.snapshot(blobs)
             self.pending_db = db
         else:
-            write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
+            pooled = False
+            if any(isinstance(v, torch.Tensor) and v.is_cuda for v in blobs.values()):
+                # CUDA tensors come to host memory through the (pinned, reused) staging buffer
+                blobs, pooled = self.staging.snapshot(blobs)
+            try:
+                write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
+            finally:
+                if pooled:
+                    self.staging.release()
             st = stat_native(db)
             report = DbReport(st.file_bytes, st.digest)
         file = os.path.basename(db)
