@@ -41,6 +41,7 @@ import functools
 import logging
 import os
 import signal
+import threading
 import time
 import warnings
 import zlib
@@ -68,6 +69,7 @@ from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
 from ..storage.io.seam import is_url, local_path
 from .dcp import EpochalStorageReader, EpochalStorageWriter, Whole
+from .dcp.staging import HostStaging
 
 __all__ = ["DistributedCheckpointer", "process_world"]
 
@@ -119,7 +121,10 @@ class DistributedCheckpointer:
 
     Arguments as the Checkpointer's; ``per_rank``: names of ``state`` entries that differ
     from rank to rank beyond the default ones (RNG, samplers, data loaders); ``group``: the
-    process group (the default one). ``async_save`` and URLs are not supported here yet."""
+    process group (the default one). ``async_save``: :meth:`save` snapshots this rank's part
+    into host memory and returns; a thread writes it, and the step is committed (by rank 0,
+    once every rank's write is durable) at the next ``save``, ``wait``, ``restore`` or
+    ``close``, which are collective. URLs are not supported here yet."""
 
     def __init__(
         self,
@@ -136,11 +141,14 @@ class DistributedCheckpointer:
         group: Any = None,
     ) -> None:
         self.directory = local_path(directory)  # file:// is the local disk
-        if async_save or storage_options is not None or is_url(self.directory):
+        if storage_options is not None or is_url(self.directory):
             raise CheckpointError(
-                f"Checkpointer({self.directory!r}) under torch.distributed: async_save, URLs and "
+                f"Checkpointer({self.directory!r}) under torch.distributed: URLs and "
                 "storage_options are not supported yet (docs/distributed.md)"
             )
+        self.async_save = bool(async_save)
+        self._staging = HostStaging(max_host_bytes)  # async snapshots: one host buffer, reused
+        self._pending: _Pending | None = None
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank, self.world = process_world()
         if self._dist and group is not None:  # ranks of that group
@@ -228,13 +236,22 @@ class DistributedCheckpointer:
         start = time.perf_counter_ns()
         sd, _ = self._dcp_state(state, None)
         self._check_replicated(sd)
+        self.wait()  # the previous background save is committed (or has failed) first
         writer = EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
-                                      metrics=recorded or None)
+                                      metrics=recorded or None, deferred=self.async_save,
+                                      staging=self._staging)
         try:
             with _quiet():
                 dcp_save(sd, storage_writer=writer, process_group=self._group, no_dist=not self._dist)
         except CheckpointException as ex:
             raise _unwrap(ex, f"save step {step}") from None
+        if self.async_save:  # this rank's snapshot is in host memory: write it in a thread
+            self._pending = _Pending(step, writer, start)
+            self._pending.thread.start()
+            return
+        self._committed(step, start)
+
+    def _committed(self, step: int, start: int) -> None:
         self.last_step = step
         if self.handler is not None:
             d = CheckpointDirectory(self.directory)
@@ -247,6 +264,7 @@ class DistributedCheckpointer:
         """Restore ``state`` from the newest step every rank can read (collective) and return
         it; None (``state`` untouched) on a fresh start."""
         self._check_open()
+        self.wait()
         self._last_save = time.monotonic()
         touched = False
         while True:
@@ -298,14 +316,52 @@ class DistributedCheckpointer:
         return best.epochs if best is not None else []
 
     def wait(self) -> None:
-        """Saves are synchronous here: nothing to wait for."""
+        """Finish the background save, if any (collective): every rank's write is joined;
+        when all are durable rank 0 commits the step, else the step is not committed and
+        this raises on every rank (naming the ranks that failed). Nothing to do after a
+        synchronous save."""
+        if not self.async_save:
+            return
+        pending, self._pending = self._pending, None
+        if self._dist:
+            # every rank takes part, whether or not it had a save pending (all or none do)
+            any_pending = self._all_max([int(pending is not None)])[0]
+            if any_pending and pending is None:
+                raise CheckpointError(f"{self!r}: another rank has a background save pending and this one not")
+        if pending is None:
+            return
+        pending.thread.join()
+        self._agree(pending.error, f"write step {pending.step} in the background")
+        problem: BaseException | None = None
+        try:
+            pending.writer.commit_deferred()
+        except Exception as ex:
+            problem = ex
+        self._agree(problem, f"commit step {pending.step}")
+        self._committed(pending.step, pending.start)
 
     def close(self) -> None:
-        """Let rank 0's lock go and restore the previous SIGTERM handler."""
+        """Finish the background save (collective, as :meth:`wait`), let rank 0's lock go and
+        restore the previous SIGTERM handler."""
+        self._close(commit=True)
+
+    def _close(self, commit: bool) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._guard.__exit__(None, None, None)
+        try:
+            if commit:
+                self.wait()
+            elif self._pending is not None:
+                # leaving on an error: the other ranks may not reach a collective, so the
+                # background save is joined here but not committed
+                pending, self._pending = self._pending, None
+                pending.thread.join()
+        finally:
+            self._closed = True
+            self._guard.__exit__(None, None, None)
+            self._close_handler()
+
+    def _close_handler(self) -> None:
         if self.handler is not None:
             try:
                 self.handler.flush()
@@ -316,7 +372,7 @@ class DistributedCheckpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._close(commit=not (exc and exc[0] is not None and self.async_save))
 
     # -- internals
     def _check_open(self) -> None:
@@ -392,6 +448,21 @@ class DistributedCheckpointer:
             dcp_load(sd, storage_reader=reader, process_group=self._group, no_dist=not self._dist)
         for key, apply in after.items():
             apply(sd[key])
+
+
+class _Pending:
+    """A background save of this rank: the thread writing its snapshot, and what it raised."""
+
+    def __init__(self, step: int, writer: EpochalStorageWriter, start: int) -> None:
+        self.step, self.writer, self.start = step, writer, start
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"epochal-dist-save-{step}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.writer.write_deferred()
+        except BaseException as ex:  # handed to wait(), which raises it on every rank
+            self.error = ex
 
 
 class RankSignalGuard(SignalGuard):

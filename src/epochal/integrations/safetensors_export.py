@@ -99,7 +99,8 @@ def export_safetensors(
     """Write the state dict stored as ``blob`` in ``ckpt`` to the safetensors file ``out``.
 
     ``ckpt``: a db file (native or safetensors), or a checkpoint directory (its newest
-    committed epoch, the db of the node holding ``blob``). ``metadata``: extra string
+    committed epoch, the db of the node holding ``blob``; a step written by ranks: ``blob``'s
+    tensors gathered whole from every rank's chunks). ``metadata``: extra string
     entries for the file's header. Returns the keys written (a shared tensor's other names
     are left out, and listed in the metadata, as ``save_model`` does). The db is verified
     before anything is written; ``out`` is replaced atomically.
@@ -110,11 +111,19 @@ def export_safetensors(
         raise ImportError("export_safetensors needs safetensors and torch: pip install 'epochal[safetensors,torch]'") from None
     from ..storage.formats.base import get_db_type
     from ..storage.io import atomic
+    from .world import written_by_ranks
 
     atomic.check_regular_output(os.fspath(out))  # a FIFO would block the writer for ever
-    path, db_type = _source(os.fspath(ckpt), blob)
-    value = get_db_type(db_type).read(path, [blob])[blob]
-    tensors = _tensors(value, f"{path}, blob {blob!r}")
+    if os.path.isdir(os.fspath(ckpt)) and written_by_ranks(ckpt):
+        # a step written by ranks: each tensor gathered whole from every rank's chunks
+        from .dcp.gather import gather_state_dict
+
+        step, tensors = gather_state_dict(ckpt, blob)
+        path = os.path.join(os.fspath(ckpt), f"dcp.{step}")
+    else:
+        path, db_type = _source(os.fspath(ckpt), blob)
+        value = get_db_type(db_type).read(path, [blob])[blob]
+        tensors = _tensors(value, f"{path}, blob {blob!r}")
     meta = {"format": "pt", "source": os.path.basename(path), "blob": blob, "exported_by": "epochal"}
     meta.update(metadata or {})
     target = os.fspath(out)

@@ -66,6 +66,7 @@ from .. import world as _world
 from ..torch import dtype_name
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
 from .planners import item_value, set_value
+from .staging import HostStaging
 
 __all__ = ["META_BLOB", "META_NODE", "EpochalStorageReader", "EpochalStorageWriter", "rank_node"]
 
@@ -99,7 +100,7 @@ class _Written:
     """A rank's WriteResult storage_data: where the item went and what the rank says of its db."""
 
     location: ItemLocation
-    report: DbReport
+    report: DbReport | None  # None: a deferred write (the db is written later, in the background)
 
 
 def _done(value: Any) -> Future:
@@ -116,13 +117,27 @@ class EpochalStorageWriter(StorageWriter):
     already committed is refused. ``handler``: the :class:`DirectoryMetadataHandler` that
     commits (its retention applies); None: a default one, keeping every step. ``lock``: the
     coordinator takes the directory's writer lock for the commit (False when the caller
-    holds it already, as a Checkpointer does). ``metrics``: numbers recorded in the manifest."""
+    holds it already, as a Checkpointer does). ``metrics``: numbers recorded in the manifest.
+    ``deferred``: an async save (write_data only snapshots; see :meth:`write_deferred` and
+    :meth:`commit_deferred`). ``staging``: the host buffer snapshots and CUDA tensors go
+    through (a :class:`~epochal.integrations.dcp.staging.HostStaging`; None: fresh memory)."""
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
                  handler: DirectoryMetadataHandler | None = None, lock: bool = True,
-                 metrics: dict[str, Any] | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, deferred: bool = False,
+                 staging: HostStaging | None = None) -> None:
         super().__init__()
         self.metrics = metrics
+        #: write_data snapshots the rank's items into host memory and returns; the db is
+        #: written by :meth:`write_deferred` and the step committed by :meth:`commit_deferred`
+        #: (the coordinator, once every rank's write_deferred returned): an async save
+        self.deferred = bool(deferred)
+        self.pending_db: str | None = None
+        self.pending_blobs: dict[str, Any] = {}
+        #: where deferred snapshots go (a reused host buffer; None: a fresh one per save)
+        self.staging = staging if staging is not None else HostStaging(max_host_bytes=0)
+        self._pooled = False
+        self._pending_finish: tuple[Metadata, list[list[WriteResult]]] | None = None
         self.path = local_path(path)  # file:// is the local disk
         self.step = None if step is None else int(step)
         self.handler = handler
@@ -195,9 +210,22 @@ class EpochalStorageWriter(StorageWriter):
         if not blobs:
             return _done([])
         db = CheckpointDirectory(self.path).db_path(target.node, target.step)
-        write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
-        st = stat_native(db)
-        report = DbReport(st.file_bytes, st.digest)
+        report: DbReport | None = None
+        if self.deferred:
+            self.pending_blobs, self._pooled = self.staging.snapshot(blobs)
+            self.pending_db = db
+        else:
+            pooled = False
+            if any(isinstance(v, torch.Tensor) and v.is_cuda for v in blobs.values()):
+                # CUDA tensors come to host memory through the (pinned, reused) staging buffer
+                blobs, pooled = self.staging.snapshot(blobs)
+            try:
+                write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
+            finally:
+                if pooled:
+                    self.staging.release()
+            st = stat_native(db)
+            report = DbReport(st.file_bytes, st.digest)
         file = os.path.basename(db)
         return _done([
             WriteResult(index=idx, size_in_bytes=nbytes,
@@ -207,7 +235,38 @@ class EpochalStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's write_data returned (its db durable): write
-        the metadata db and commit the step's manifest."""
+        the metadata db and commit the step's manifest (deferred: kept for commit_deferred)."""
+        if self.deferred:
+            self._pending_finish = (metadata, results)
+            return
+        self._commit(metadata, results)
+
+    def write_deferred(self) -> None:
+        """Write this rank's snapshot of a deferred save to its db (temp file, fsync, rename);
+        any thread. The snapshot is let go after."""
+        db, blobs = self.pending_db, self.pending_blobs
+        self.pending_db, self.pending_blobs = None, {}
+        try:
+            if db is not None:
+                write_native(db, blobs)
+        finally:
+            del blobs
+            if self._pooled:
+                self._pooled = False
+                self.staging.release()
+
+    def commit_deferred(self) -> int | None:
+        """On the coordinator, once every rank's :meth:`write_deferred` returned: the metadata
+        db and the manifest of the deferred save (the dbs' sizes and digests are read from
+        their files). Returns the step committed (None when this rank is not the coordinator)."""
+        if self._pending_finish is None:
+            return None
+        metadata, results = self._pending_finish
+        self._pending_finish = None
+        self._commit(metadata, results)
+        return self.committed
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage: dict[MetadataIndex, ItemLocation] = {}
         reports: dict[str, DbReport] = {}
         step = self._step
@@ -217,7 +276,11 @@ class EpochalStorageWriter(StorageWriter):
                 assert isinstance(w, _Written)
                 storage[r.index] = w.location
                 node, ep = split_db_file(w.location.db) or ("", -1)
-                reports[node] = w.report
+                if w.report is not None:
+                    reports[node] = w.report
+                elif node not in reports:  # a deferred write: the db as it now is on disk
+                    st = stat_native(CheckpointDirectory(self.path).db_path(node, ep))
+                    reports[node] = DbReport(st.file_bytes, st.digest)
                 step = ep
         if step is None:
             raise CheckpointError("EpochalStorageWriter.finish: no step was planned")

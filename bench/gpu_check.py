@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""GPU check of epochal under torch.distributed (issue 24.5), one short script for a machine
+with one CUDA GPU:
+
+    PYTHONPATH=src python bench/gpu_check.py --dir /tmp/epochal_gpu --mib 512 --rounds 5
+
+1. CUDA tensors (a model, its Adam state, a bf16 tensor) saved by a DistributedCheckpointer
+   (sync and async_save) and restored bit-exact onto their live device;
+2. an FSDP2 model (fully_shard on a 1-GPU NCCL mesh) and its optimizer saved and restored
+   bit-exact (the gathered full state compared);
+3. the time ``save`` blocks the caller with async_save (CUDA -> pinned host snapshot) vs a
+   plain device-to-host copy of the same bytes (``.to("cpu")``), medians over ``--rounds``,
+   alternating order, and their ratio.
+Prints one line per check; exits non-zero when a bit differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+
+
+def _bits(t):  # type: ignore[no-untyped-def]
+    return t.detach().cpu().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+
+
+def check_tensors(root: str) -> None:
+    import torch
+
+    from epochal.integrations.distributed import DistributedCheckpointer
+
+    for async_save in (False, True):
+        path = os.path.join(root, f"tensors_{int(async_save)}")
+        shutil.rmtree(path, ignore_errors=True)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.randn(16, 64, device="cuda")).sum().backward()
+        opt.step()
+        extra = torch.randn(1000, 33, device="cuda").to(torch.bfloat16)
+        want = {k: _bits(v) for k, v in model.state_dict().items()} | {"extra": _bits(extra)}
+        with DistributedCheckpointer(path, async_save=async_save) as ck:
+            ck.save(1, {"model": model, "opt": opt, "extra": extra})
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+                extra.add_(1)
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
+        into = torch.zeros_like(extra)
+        with DistributedCheckpointer(path) as ck:
+            ck.restore({"model": fresh, "opt": torch.optim.Adam(fresh.parameters()), "extra": into})
+        got = {k: _bits(v) for k, v in fresh.state_dict().items()} | {"extra": _bits(into)}
+        ok = got == want and into.is_cuda and all(v.is_cuda for v in fresh.state_dict().values())
+        print(f"cuda tensors async_save={async_save}: {'bit-exact' if ok else 'DIFFERENT'}", flush=True)
+        if not ok:
+            raise SystemExit(1)
+
+
+def check_fsdp(root: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from epochal.integrations.distributed import DistributedCheckpointer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    mesh = init_device_mesh("cuda", (1,))
+
+    def build(seed: int):  # type: ignore[no-untyped-def]
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)).cuda()
+        for layer in (m[0], m[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return m, torch.optim.Adam(m.parameters())
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    path = os.path.join(root, "fsdp")
+    shutil.rmtree(path, ignore_errors=True)
+    model, opt = build(0)
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    want = {k: _bits(v) for k, v in get_model_state_dict(model, options=opts).items()}
+    with DistributedCheckpointer(path) as ck:
+        ck.save(1, {"model": model, "opt": opt})
+    fresh, fopt = build(1)
+    with DistributedCheckpointer(path) as ck:
+        ck.restore({"model": fresh, "opt": fopt})
+    got = {k: _bits(v) for k, v in get_model_state_dict(fresh, options=opts).items()}
+    ok = got == want
+    print(f"fsdp2 on 1 GPU (nccl): {'bit-exact' if ok else 'DIFFERENT'}", flush=True)
+    dist.destroy_process_group()
+    if not ok:
+        raise SystemExit(1)
+
+
+def blocked_time(root: str, mib: int, rounds: int) -> None:
+    import torch
+
+    from epochal.integrations.distributed import DistributedCheckpointer
+
+    n = mib * (1 << 20) // 4 // 8
+    state = {f"t{i}": torch.randn(n, device="cuda") for i in range(8)}
+    path = os.path.join(root, "blocked")
+    shutil.rmtree(path, ignore_errors=True)
+    saves, copies = [], []
+    with DistributedCheckpointer(path, async_save=True, keep_last=1) as ck:
+        for r in range(rounds):
+            order = ("save", "copy") if r % 2 == 0 else ("copy", "save")
+            for what in order:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if what == "save":
+                    ck.save(r + 1, state)
+                    saves.append(time.perf_counter() - t0)
+                    ck.wait()  # (not timed: the background write)
+                else:
+                    host = [t.to("cpu") for t in state.values()]
+                    torch.cuda.synchronize()
+                    copies.append(time.perf_counter() - t0)
+                    del host
+    ratios = [s / c for s, c in zip(saves, copies)]
+    print(f"blocked: async save {statistics.median(saves) * 1e3:.1f} ms, device-to-host copy "
+          f"{statistics.median(copies) * 1e3:.1f} ms of {mib} MiB; median ratio {statistics.median(ratios):.2f}x "
+          f"over {rounds} rounds", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp/epochal_gpu")
+    ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/gpu_check.py needs a CUDA device")
+    os.makedirs(args.dir, exist_ok=True)
+    check_tensors(args.dir)
+    check_fsdp(args.dir)
+    blocked_time(args.dir, args.mib, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Host memory for a rank's async-save snapshot, reused from save to save.
+
+:class:`HostStaging` holds one host buffer (pinned when the state has CUDA tensors, so the
+device-to-host copies run at full speed) sized for the rank's tensors, and hands it out again
+at the next save when their sizes are the same (a training state's are, from step to step),
+as :class:`~epochal.checkpoint.tasks.background.SnapshotPool` does for one process: fresh
+memory costs a page fault per page on first touch, and pinning it costs more. The buffer is
+leased to the write that uses it and comes back when that write ended. ``max_host_bytes``
+bounds what is kept between saves (None: one state's worth); a snapshot larger than the
+bound gets memory of its own, freed once written.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["HostStaging"]
+
+_ALIGN = 64  # each tensor starts at a multiple of this in the buffer
+
+
+def _padded(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class HostStaging:
+    """Snapshots of a rank's items into one reused host buffer (see the module doc).
+    Counters for tests: :attr:`allocated` (buffers made), :attr:`reused`."""
+
+    def __init__(self, max_host_bytes: int | None = None) -> None:
+        self.max_host_bytes = max_host_bytes
+        self._buffer: torch.Tensor | None = None
+        self._layout: tuple[Any, ...] = ()
+        self._busy = False
+        self._lock = threading.Lock()
+        self.allocated = 0
+        self.reused = 0
+
+    def _lease(self, layout: tuple[Any, ...], nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
+        """A buffer of ``nbytes`` and whether it is the pooled one (to release after)."""
+        with self._lock:
+            buf = self._buffer
+            if buf is not None and not self._busy and self._layout == layout:
+                self._busy = True
+                self.reused += 1
+                return buf, True
+            self.allocated += 1
+            fresh = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            keep = not self._busy and (self.max_host_bytes is None or nbytes <= self.max_host_bytes)
+            if keep:
+                self._buffer, self._layout, self._busy = fresh, layout, True
+            return fresh, keep
+
+    def release(self) -> None:
+        """The write of the pooled buffer ended: it may be handed out again."""
+        with self._lock:
+            self._busy = False
+
+    def snapshot(self, blobs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """A copy of ``blobs`` in host memory the live objects can change after: tensors
+        (CPU or CUDA) copied into the buffer, other values deep-copied. Returns the copy and
+        whether it lives in the pooled buffer (then :meth:`release` once it is written)."""
+        tensors = {k: v.detach() for k, v in blobs.items() if isinstance(v, torch.Tensor)}
+        layout = tuple((k, tuple(t.shape), t.dtype, t.device.type) for k, t in tensors.items())
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        total = sum(_padded(n) for n in sizes)
+        cuda = any(t.is_cuda for t in tensors.values())
+        out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in blobs.items() if k not in tensors}
+        if not tensors:
+            return out, False
+        buf, pooled = self._lease(layout, max(total, 1), pinned=cuda and torch.cuda.is_available())
+        at = 0
+        for (name, t), n in zip(tensors.items(), sizes):
+            host = buf[at:at + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+            host.copy_(t, non_blocking=t.is_cuda)
+            out[name] = host
+            at += _padded(n)
+        if cuda:
+            torch.cuda.synchronize()  # every device-to-host copy has landed
+        return out, pooled
