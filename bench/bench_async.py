@@ -10,7 +10,17 @@ update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run
 - ``async-copy``: ``async`` with the zero-copy write off (the ``zero_copy`` knob, ``epochal.knobs``): the
   O_DIRECT sink copies the arena into its staging buffers, as before the zero-copy write;
 - ``async-old``: ``async_save=True`` with the pool bound at 0 (fresh memory for every
-  snapshot) and the switch interval left alone: the behaviour before issue 17.2.
+  snapshot) and the switch interval left alone: the behaviour before issue 17.2;
+- ``async-buffered``: ``async`` with arenas below ``tuning.DIRECT_MIN`` written through the
+  page cache (``tuning.DIRECT_MIN_PINNED = None``), as before issue 27;
+- ``memcpy-loop``: no checkpoints; at each epoch's end (where a snapshot is taken) the
+  state is copied into allocated, touched arrays: the memcpy the goal compares with, under
+  the same conditions (e.g. the BLAS threads of the epoch's matmuls still spinning);
+- ``async-warm``: ``async`` with the arena prepared and faulted in before ``train``
+  (``BackgroundSaver.prepare``, not timed), so that epoch 0's save copies into warm memory.
+
+``--trace`` prints, per epoch of each background run, the wait in the join, the snapshot and
+the pool's counters (reused / refitted / allocated / fresh / waited).
 
 Each round also measures, in the same process, a memcpy of the state into memory already
 allocated and touched, and into fresh memory (``np.empty`` + copy: first-touch faults).
@@ -33,6 +43,8 @@ Reported, as medians of per-round figures (each round's figure is the median ove
     python bench/bench_async.py --gil --rounds 5      # the writer's GIL share (see gil())
     python bench/bench_async.py --quick               # a tiny run that only checks it works
     python bench/bench_async.py --variants sync,async,async-copy   # a subset, rotated
+    python bench/bench_async.py --mib 256 --compute 0.3 --epochs 8 --rounds 7 \
+        --variants sync,async,async-buffered,async-warm      # issue 27.3: writes outlast the step
 """
 
 from __future__ import annotations
@@ -59,13 +71,15 @@ from epochal import (
     Task,
     Workspace,
     epoch_limiter,
+    knobs,
 )
-from epochal import knobs
 from epochal.checkpoint.tasks.background import DEFAULT_SWITCH_INTERVAL, process_saver
 from epochal.storage.formats.native import image
+from epochal.storage.io import tuning
 
 NARRAYS = 8
-VARIANTS = ("sync", "async", "async-copy", "async-old")
+PINNED_MIN = tuning.DIRECT_MIN_PINNED
+VARIANTS = ("sync", "async", "async-copy", "async-old", "async-buffered", "async-warm", "memcpy-loop")
 
 
 class TorchWork:
@@ -184,7 +198,45 @@ def make_state(mib: int, use_torch: bool) -> tuple[Workspace, list[np.ndarray], 
     return ws, [t.detach().numpy() for t in tensors], TorchWork
 
 
-def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, variant: str) -> dict[str, float]:
+class Trace:
+    """Per snapshot and join of the process saver: seconds and the pool's counters."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.joins: list[float] = []
+        self.snaps: list[float] = []
+
+    def install(self, saver) -> None:
+        snapshot, join = type(saver).snapshot, type(saver).join
+
+        def traced_snapshot(owner, blobs):
+            t = time.perf_counter()
+            snap = snapshot(saver, owner, blobs)
+            dt = time.perf_counter() - t
+            p = saver.pool
+            self.snaps.append(dt)
+            self.lines.append(f"snapshot {dt * 1e3:6.1f} ms  pool reused {p.reused} refitted {p.refitted} "
+                              f"allocated {p.allocated} fresh {p.fresh} waited {p.waited} "
+                              f"({p.pooled_bytes >> 20} of {p.limit >> 20} MiB)")
+            return snap
+
+        def traced_join(db):
+            t = time.perf_counter()
+            done = join(saver, db)
+            dt = time.perf_counter() - t
+            self.joins.append(dt)
+            self.lines.append(f"join     {dt * 1e3:6.1f} ms  (its write {done.write_ns / 1e6:.0f} ms)")
+            return done
+
+        saver.snapshot, saver.join = traced_snapshot, traced_join
+
+    def remove(self, saver) -> None:
+        for name in ("snapshot", "join"):
+            saver.__dict__.pop(name, None)
+
+
+def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, variant: str,
+        trace: bool = False) -> dict[str, float]:
     """One training run of ``variant``; its per-epoch medians (seconds) and the peak extra RSS."""
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
@@ -193,18 +245,33 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     saver.pool.max_host_bytes = 0 if old else None
     saver.switch_interval = None if old else DEFAULT_SWITCH_INTERVAL
     saver.recent.clear()
+    tuning.DIRECT_MIN_PINNED = None if variant == "async-buffered" else PINNED_MIN
     image.stats.reset()
     with Node("n"):
         with Job() as job:
             Task(step=work(compute))
             epoch_limiter(job, epochs)
+    if variant == "async-warm":  # the arena the runner's snapshots will take, faulted in now
+        names = [k for k in ws.keys() if not k.startswith("__")]
+        saver.prepare(f"n@{directory}", {k: ws[k] for k in names})
+        while saver.pool.warmed < 1:
+            time.sleep(0.01)
+    if variant == "memcpy-loop":
+        return loop_memcpy(ws, job, epochs)
+    tr = Trace() if trace else None
+    if tr is not None:
+        tr.install(saver)
     times = Times()
     rss = PeakRSS()
     base = rss.rss()
     start = time.perf_counter()
-    with rss, knobs.override(zero_copy=variant != "async-copy"):
-        JobRunner(job, CheckpointManager(directory, "n"), listeners=[times], progress=False,
-                  async_save=variant != "sync").train(LocalSession(ws))
+    try:
+        with rss, knobs.override(zero_copy=variant != "async-copy"):
+            JobRunner(job, CheckpointManager(directory, "n"), listeners=[times], progress=False,
+                      async_save=variant != "sync").train(LocalSession(ws))
+    finally:
+        if tr is not None:
+            tr.remove(saver)
     wall = time.perf_counter() - start
     steady = range(1, epochs)  # epoch 0 allocates the pool; the final epoch is saved in sync
     out = {
@@ -219,7 +286,33 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
         out["write"] = statistics.median(d.write_ns / 1e9 for d in done)
         out["snapshot"] = statistics.median(d.snapshot_ns / 1e9 for d in done)
         out["zero_copy"] = image.stats.taken  # native writes from the arena, of epochs + 1
+    if tr is not None:
+        print(f"  trace of {variant}:\n    " + "\n    ".join(tr.lines), flush=True)
+        out["join"] = statistics.median(tr.joins) if tr.joins else 0.0
     return out
+
+
+class LoopCopy(RunListener):
+    """At each epoch's end, copy the state into allocated, touched arrays (timed)."""
+
+    def __init__(self, ws: Workspace, names: list[str]) -> None:
+        self.src = [ws[k] for k in names]
+        self.dst = [np.empty_like(a) for a in self.src]
+        for d in self.dst:
+            d.fill(0)
+        self.seconds: list[float] = []
+
+    def on_epoch_end(self, epoch: int, seconds: float) -> None:
+        t = time.perf_counter()
+        for s, d in zip(self.src, self.dst):
+            np.copyto(d, s)
+        self.seconds.append(time.perf_counter() - t)
+
+
+def loop_memcpy(ws: Workspace, job: Job, epochs: int) -> dict[str, float]:
+    copy = LoopCopy(ws, [k for k in ws.keys() if not k.startswith("__")])
+    JobRunner(job, None, listeners=[copy], progress=False).train(LocalSession(ws))
+    return {"alloc": statistics.median(copy.seconds[1:])}
 
 
 def memcpys(src: list[np.ndarray], reps: int = 3) -> tuple[float, float]:
@@ -342,10 +435,22 @@ def describe(rows: list[dict[str, dict[str, float]]], v: str, state_bytes: int) 
     def med(fn) -> float:
         return statistics.median(fn(g[v], g) for g in rows)
 
+    def spread(fn) -> str:
+        xs = [fn(g[v], g) for g in rows]
+        return f"{min(xs):.2f}-{max(xs):.2f}"
+
     return (f"blocked {med(lambda x, g: x['blocked']) * 1e3:.0f} ms/epoch "
             f"(snapshot {med(lambda x, g: x['snapshot']) * 1e3:.0f} ms) = "
-            f"{med(lambda x, g: x['blocked'] / g['memcpy']['alloc']):.2f}x memcpy-alloc, "
+            f"{med(lambda x, g: x['blocked'] / g['memcpy']['alloc']):.2f}x memcpy-alloc "
+            f"({spread(lambda x, g: x['blocked'] / g['memcpy']['alloc'])}), "
+            f"epoch 0 {med(lambda x, g: x['first'] / g['memcpy']['alloc']):.2f}x "
+            f"({spread(lambda x, g: x['first'] / g['memcpy']['alloc'])}), "
             f"{med(lambda x, g: x['blocked'] / g['memcpy']['fresh']):.2f}x memcpy-fresh; "
+            + (f"{med(lambda x, g: x['blocked'] / g['memcpy-loop']['alloc']):.2f}x the memcpy in the loop "
+               f"({spread(lambda x, g: x['blocked'] / g['memcpy-loop']['alloc'])}), epoch 0 "
+               f"{med(lambda x, g: x['first'] / g['memcpy-loop']['alloc']):.2f}x "
+               f"({spread(lambda x, g: x['first'] / g['memcpy-loop']['alloc'])}); "
+               if "memcpy-loop" in rows[0] else "") +
             f"write {med(lambda x, g: x['write']) * 1e3:.0f} ms = "
             f"{med(lambda x, g: x['write'] / g['sync']['saved']):.2f}x sync save; "
             f"peak extra RSS {med(lambda x, g: x['rss'] / state_bytes):.2f}x the state "
@@ -362,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch", action="store_true", help="an MLP + AdamW state instead of arrays")
     p.add_argument("--gil", action="store_true", help="only the writer's GIL share (see gil())")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--trace", action="store_true", help="per epoch: join, snapshot, pool counters")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated subset of " + ", ".join(VARIANTS) + " (sync is always run)")
     a = p.parse_args(argv)
@@ -385,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             if i == r % 2:  # the memcpys at a rotating place among the runs
                 alloc, fresh = memcpys(arrays)
                 got["memcpy"] = {"alloc": alloc, "fresh": fresh}
-            got[variant] = run(os.path.join(base, "ckpt"), ws, work, a.epochs, a.compute, variant)
+            got[variant] = run(os.path.join(base, "ckpt"), ws, work, a.epochs, a.compute, variant, a.trace)
         rows.append(got)
         m = got["memcpy"]
         print(f"round {r}: memcpy alloc {m['alloc'] * 1e3:.0f} ms fresh {m['fresh'] * 1e3:.0f} ms; "
@@ -395,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                              f" save {got[v]['saved'] * 1e3:.0f} ms")
                           + f" rss +{got[v]['rss'] / 2**20:.0f} MiB"
                           + (f" zero-copy {got[v]['zero_copy']}" if "zero_copy" in got[v] else "")
-                          for v in variants), flush=True)
+                          for v in variants if v != "memcpy-loop")
+              + (f"; memcpy in the loop {got['memcpy-loop']['alloc'] * 1e3:.0f} ms" if "memcpy-loop" in got else ""),
+              flush=True)
     shutil.rmtree(base, ignore_errors=True)
 
     def med(fn) -> float:
@@ -405,14 +513,17 @@ def main(argv: list[str] | None = None) -> int:
           f"N={a.rounds} rounds (medians of per-round figures):")
     print(f"  memcpy into allocated memory {med(lambda g: g['memcpy']['alloc']) * 1e3:.0f} ms, "
           f"into fresh memory {med(lambda g: g['memcpy']['fresh']) * 1e3:.0f} ms; "
-          f"sync save {med(lambda g: g['sync']['saved']) * 1e3:.0f} ms")
-    for v in variants[1:]:
+          f"sync save {med(lambda g: g['sync']['saved']) * 1e3:.0f} ms"
+          + (f"; in the loop (memcpy-loop) {med(lambda g: g['memcpy-loop']['alloc']) * 1e3:.0f} ms"
+             if "memcpy-loop" in variants else ""))
+    bg = [v for v in variants[1:] if v != "memcpy-loop"]
+    for v in bg:
         print(f"  {v:10s}: " + describe(rows, v, state_bytes))
     if "async" in variants and "async-copy" in variants:
         print(f"  write zero-copy/copy (async over async-copy, paired per round): "
               f"{med(lambda g: g['async']['write'] / g['async-copy']['write']):.2f}x")
     print("  median sync/async wall-time ratio: " + ", ".join(
-        f"{v} {med(lambda g, v=v: g['sync']['wall'] / g[v]['wall']):.2f}" for v in variants[1:]))
+        f"{v} {med(lambda g, v=v: g['sync']['wall'] / g[v]['wall']):.2f}" for v in bg))
     print(f"  sync     : peak extra RSS {med(lambda g: g['sync']['rss'] / state_bytes):.2f}x the state")
     return 0
 

@@ -94,7 +94,7 @@ class Checkpointer:
     ``state[metric]``; both are recorded in the step's manifest). ``async_save``: :meth:`save`
     takes a snapshot (a copy in memory) and writes it on a background thread; it is committed
     by :meth:`wait`, the next :meth:`save`, :meth:`restore` or :meth:`close`. The snapshot's
-    memory is reused from save to save, up to ``max_host_bytes`` (None: one state's worth; see
+    memory is reused from save to save, up to ``max_host_bytes`` (None: two states' worth, a second only while a write is in flight; see
     :mod:`epochal.checkpoint.tasks.background`).
     ``storage_options``: for a remote (URL) directory, passed to the handler where it
     supports them. ``max_failed_saves`` (default 1): how many saves in a row may fail before

@@ -152,6 +152,16 @@ class LocalStore:
             return DirectSink(path, size)
         return LocalSink(path, size)
 
+    def create_pinned(self, path: str, size: int | None = None) -> LocalSink | DirectSink:
+        """A sink for a file whose data the caller writes with ``write_pinned`` from memory
+        that stays unchanged until the commit (a snapshot arena): a :class:`~.direct.DirectSink`
+        from tuning.DIRECT_MIN_PINNED bytes on, where supported (no copy, no page cache),
+        else what :meth:`create` gives."""
+        pinned_min = tuning.DIRECT_MIN_PINNED
+        if size is not None and pinned_min is not None and size >= pinned_min and direct_supported():
+            return DirectSink(path, size)
+        return self.create(path, size)
+
     def exists(self, path: str) -> bool:
         """True for a readable regular file (never blocks on a FIFO)."""
         try:

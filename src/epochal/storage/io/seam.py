@@ -19,6 +19,8 @@ Reading — a :class:`ByteSource` is expected to see this sequence of calls::
 Writing — a :class:`ByteSink` is expected to see::
 
     sink = store.create(path, size)  # nothing is visible under ``path`` yet
+                                     # (optional ``store.create_pinned(path, size)``: the
+                                     # same, for data written with ``write_pinned``)
     sink.write(buffer_or_buffers)    # any number: an append-only stream, in file order
     sink.patch(offset, data)         # optional, after the last write: fill in a header
     sink.commit()                    # durable: ``path`` is now the whole new file

@@ -57,6 +57,12 @@ CPU_THREADS = 4
 #: where buffered took 0.5-9.3 s). Under heavy load from other processes the gain was
 #: smaller and sometimes a loss (0.73-1.75x).
 DIRECT_MIN: int | None = 512 << 20
+#: a file whose data area already lies in memory laid out as that area and left unchanged
+#: until the commit (a background save's snapshot arena: storage/native/image.py) is written
+#: with O_DIRECT straight from that memory from this size on (None: DIRECT_MIN applies). No
+#: copy and no page-cache pages: 256 MiB background saves under 0.3 s epochs, paired, N=4 on a
+#: loaded machine: the write 0.40x the buffered one's time, the loop's wait 0.28x (issue 27)
+DIRECT_MIN_PINNED: int | None = 16 << 20
 #: size of each of those buffers, how many a save uses (kept across saves) and the threads
 #: writing them (requests in flight, not cores)
 DIRECT_BUFFER = 4 << 20

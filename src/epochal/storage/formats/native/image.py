@@ -29,7 +29,10 @@ from ...io.progress import report_progress
 from ...io.seam import PinnedSink
 from .layout import SUPERBLOCK_SIZE
 
-__all__ = ["data_image", "stats", "write_image"]
+__all__ = ["PAGE", "data_image", "stats", "write_image"]
+
+#: the alignment an O_DIRECT sink asks of pinned memory (storage/io/direct.py's ALIGN)
+PAGE = 4096
 
 
 class _Stats:
@@ -78,7 +81,7 @@ def data_image(views: Sequence[memoryview], segs: np.ndarray, align: int) -> mem
         return None
     first = views[int(full[0])]
     owner = _owner(first)
-    if owner is None:
+    if owner is None or _owner(views[int(full[-1])]) is not owner:  # separate arrays: no
         return None
     try:
         keys = full.tolist()

@@ -301,7 +301,14 @@ def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algo
     fn = checksum_function(algorithm)
     plan = plan_file(blobs)
     file_size = plan.index_offset + plan.index_length
-    with committed(store_for(path).create(path, size=file_size)) as out:
+    store = store_for(path)
+    create = store.create
+    pinned_min = tuning.DIRECT_MIN_PINNED
+    if (pinned_min is not None and file_size >= pinned_min and knobs.get().zero_copy
+            and hasattr(store, "create_pinned")
+            and image.data_image(plan.views, plan.segs, image.PAGE) is not None):
+        create = store.create_pinned  # a snapshot arena: written from there (O_DIRECT)
+    with committed(create(path, size=file_size)) as out:
         crcs = write_data(out, plan, algorithm)
         nseg = len(plan.segs)
         plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
