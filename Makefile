@@ -32,6 +32,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=10 tests
 	$(BIN)/ruff check src
 	$(BIN)/mypy src/epochal
+	$(BIN)/lint-imports
 
 # the inner loop: unit and conformance tiers, under a minute (make test still runs all)
 test-fast: $(STAMP)
@@ -40,6 +41,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/mypy src/epochal
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) checkpoints
