@@ -2,7 +2,7 @@
 checksums (forged with every other checksum valid) is refused by every load path (full,
 many-blob, mmap, single blob of the damaged one) exactly where verify and check refuse it:
 a file loads only where it verifies. The agreement is checked from the index alone
-(:mod:`epochal.storage.io.crc_combine`), so a sound file still costs one checksum per group."""
+(:mod:`epochal.storage.io.checksum`), so a sound file still costs one checksum per group."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _loads(path: Path, names: list[str] | None) -> list[tuple[str, Any]]:
 
 
 def test_the_combination_of_segment_checksums_is_the_group_checksum(tmp_path: Path) -> None:
-    from epochal.storage.io.crc_combine import combined
+    from epochal.storage.io.checksum import combined
 
     path = tmp_path / "g.db"
     write_native(path, _blobs())

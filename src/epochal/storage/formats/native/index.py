@@ -18,8 +18,7 @@ import numpy as np
 
 from ...encoding import codecs as _codecs
 from ...encoding import strict_json
-from ...io.checksum import checksum_function, format_checksum
-from ...io.crc_combine import combined
+from ...io.checksum import checksum_function, combined, format_checksum
 from ..base import BlobInfo
 from .layout import (
     ALIGN,
@@ -186,7 +185,7 @@ class Index:
     def disagreeing_groups(self, ids: Sequence[int], fn: Any) -> list[int]:
         """The checksum groups all of whose segments belong to the blobs ``ids`` whose stored
         checksum is not what their segments' stored checksums combine to (``fn``: the file's
-        checksum function), from the index alone (:mod:`epochal.storage.io.crc_combine`). Such a
+        checksum function), from the index alone (:mod:`epochal.storage.io.checksum`). Such a
         group cannot both verify and have verifying segments: a load of it reads its segments
         one by one and refuses it, as verify does."""
         g = self.groups
