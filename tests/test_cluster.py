@@ -269,6 +269,8 @@ def test_every_disk_lost_a_new_cluster_resumes_from_the_bucket(
         s.close()
     for m in list(MACHINES):
         machines.kill(m)  # every machine and its disk
+    for m in list(MACHINES):  # as a real cluster would have by then: else a new actor may be
+        machines.wait_dead(machines.machines[m])  # placed on a killed node not yet found dead
     machines.add_machines({m: {node_resource(n): 1} for m, n in MACHINES.items()})
 
     class Epochs(RunListener):
