@@ -39,14 +39,15 @@ SRC = TESTS.parent / "src"
 RAY = Path(sys.executable).with_name("ray")
 MIB = 1 << 20
 
-# Fast node-death detection by the GCS for machines that stop answering (with Ray's defaults a
-# frozen machine was found dead after ~65 s here; ~5.6 s with these): a check every 0.5 s,
-# 1 s timeout, dead after 4 failures in a row. Loose enough for a loaded 2-core machine.
+# Faster node-death detection by the GCS for machines that stop answering than Ray's defaults
+# (a frozen machine was found dead after ~65 s here with them): a check every 1 s, 2 s timeout,
+# dead after 8 failures in a row (~10 s). A CI run with 4 checks of 0.5 s lost a healthy raylet
+# on a loaded 2-core machine, so this leaves a live one 8-10 s to answer.
 GCS_ENV = {
-    "RAY_health_check_initial_delay_ms": "1000",
-    "RAY_health_check_period_ms": "500",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "4",
+    "RAY_health_check_initial_delay_ms": "2000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "8",
 }
 
 # What a machine mounts before it starts its raylet: its own /tmp, /dev/shm (the object
