@@ -10,7 +10,7 @@
 * **Temp files** (:func:`clean_temp_files`, when a handler starts): the ``*.tmp.<host>.<pid>.*``
   files of killed saves of this host whose process is gone. Another host's are never touched.
   At a URL (:func:`clean_temp_keys`, once the lease is held): the ``*.tmp.upload.<hex>`` keys
-  of uploads that never finished.
+  of uploads that never finished, and on S3 the multipart uploads left in progress.
 
 :class:`~epochal.checkpoint.handler.directory.DirectoryMetadataHandler` calls both.
 """
@@ -158,7 +158,7 @@ def clean_temp_files(d: CheckpointDirectory) -> list[str]:
 def clean_temp_keys(d: CheckpointDirectory) -> list[str]:
     """At a URL: remove the temporary keys of uploads that never finished
     (``<db>.tmp.upload.<hex>``: their writer was killed mid-upload) beside the dbs and the
-    records; return their URLs. Called by the lease holder when it starts, so no save of its
+    records, and on S3 abort the multipart uploads left in progress there; return their URLs. Called by the lease holder when it starts, so no save of its
     own is in flight; a writer that lost the lease may lose an upload in flight (it could not
     commit it anyway)."""
     if not d.records.remote:
@@ -167,6 +167,9 @@ def clean_temp_keys(d: CheckpointDirectory) -> list[str]:
 
     removed = []
     for folder in (d.db_dir, d.records_dir):
+        abort = getattr(d.records, "abort_uploads", None)
+        if abort is not None:
+            removed.extend(abort(folder))
         for name, path in d.records.files(folder):
             if TEMP_KEY_RE.search(name) is None:
                 continue
