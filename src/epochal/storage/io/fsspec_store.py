@@ -273,7 +273,7 @@ class FsspecSource:
 
     def read_into(self, views: Sequence[memoryview], offset: int, *, nowait: bool = False) -> int:
         want = sum(v.nbytes for v in views)
-        data = self.read(want, offset)
+        data = memoryview(self.read(want, offset))  # (slices of it copy nothing)
         pos = 0
         for v in views:
             n = min(v.nbytes, len(data) - pos)
