@@ -294,39 +294,65 @@ class FsspecSource:
 
 
 class FsspecSink:
-    """A new object: staged in a local temp file, uploaded on commit (see the module doc)."""
+    """A new object: staged, uploaded on commit (see the module doc). Staged in memory when
+    its size is known, at most tuning.STAGE_IN_MEMORY, and the store uploads atomically
+    (:func:`atomic_put`): one copy fewer than a staging file written, then read back for the
+    upload; else in a local temp file (bounded memory)."""
 
     def __init__(self, url: str, size: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.name = url
         self.fs, self.path = filesystem_for(url, storage_options)
+        self._done = False
+        self._mem: bytearray | None = None
         folder = stage_dir()
+        _sweep_once(folder)  # (the first write of this process: staged in a file or not)
+        limit = tuning.STAGE_IN_MEMORY
+        if size is not None and limit is not None and size <= limit and atomic_put(self.fs):
+            self._mem, self._pos = bytearray(size), 0
+            return
         if size is not None:
             free = shutil.disk_usage(folder).free
             if free < size:
                 raise OSError(errno.ENOSPC, f"{free} bytes free in the staging directory {folder}, "
                               f"{size} needed to stage {url}")
-        _sweep_once(folder)
         fd, self._local = tempfile.mkstemp(prefix=f"{STAGE_PREFIX}{atomic.hostname()}.{os.getpid()}.", dir=folder)
         # a sink dropped without commit or abort still removes its staging file
         self._finalizer = weakref.finalize(self, _unlink_quietly, self._local)
         self._file = os.fdopen(fd, "w+b")
-        self._done = False
 
     def write(self, buffer: Any) -> int:
         parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]
         n = 0
+        if self._mem is not None:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                self._mem[self._pos:self._pos + view.nbytes] = view
+                self._pos += view.nbytes
+                n += view.nbytes
+            return n
         for part in parts:
             n += self._file.write(part)
         return n
 
     def patch(self, offset: int, data: Any) -> None:
+        if self._mem is not None:
+            view = memoryview(data).cast("B")
+            self._mem[offset:offset + view.nbytes] = view
+            return
         end = self._file.tell()
         self._file.seek(offset)
         self._file.write(data)
         self._file.seek(end)
 
     def commit(self) -> None:
-        """Upload to a temp key, check its size, move it into place; abort on any error."""
+        """Upload (see :func:`upload_to_key`); abort on any error."""
+        if self._mem is not None:
+            data, self._mem = self._mem, None
+            if self._pos != len(data):
+                del data[self._pos:]
+            self._done = True
+            upload_bytes(self.fs, self.path, data, self.name)
+            return
         try:
             self._file.flush()
             size = os.fstat(self._file.fileno()).st_size
@@ -338,6 +364,9 @@ class FsspecSink:
         self._drop_local()
 
     def abort(self) -> None:
+        if self._mem is not None or self._done:
+            self._mem, self._done = None, True
+            return
         try:
             self._file.close()
         except OSError:
@@ -429,6 +458,22 @@ def abort_uploads(folder: str, storage_options: dict[str, Any] | None = None) ->
         except Exception as ex:
             logger.warning("Cannot abort the leftover upload of %s/%s: %s", base, name, ex)
     return done
+
+
+def upload_bytes(fs: Any, path: str, data: bytearray, name: str) -> None:
+    """Upload ``data`` to ``path`` on a store with atomic uploads (:func:`atomic_put`), with
+    the store's own ``pipe_file`` (s3fs: one PUT below twice the part size, else a multipart
+    upload, parts sent ``max_concurrency`` at a time), then check its size (one HEAD)."""
+    part = tuning.UPLOAD_PART
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    try:
+        fs.pipe_file(path, data, **({} if part is None else {"chunksize": part}))
+        fs.invalidate_cache(path)
+        got = int(fs.info(path)["size"])
+    finally:
+        fs.invalidate_cache(parent or None)
+    if got != len(data):
+        raise CheckpointCorruptError(name, f"uploaded {got} bytes, expected {len(data)}")
 
 
 class FsspecStore:
