@@ -92,23 +92,17 @@ def test_the_lease_holder_removes_dead_uploads_at_start(where: tuple[str, dict[s
     fs.rm_file(path)  # the S3 server's state outlives this module: leave no ".tmp." key behind
 
 
-@pytest.mark.parametrize("in_memory", [True, False], ids=["staged-in-memory", "staged-in-a-file"])
-@pytest.mark.parametrize("step", ["upload", "mv", "upload_part"])
+@pytest.mark.parametrize("step", ["put_file", "mv", "upload_part"])
 def test_a_failed_upload_leaves_no_staging_file_and_no_temp_key(
     where: tuple[str, dict[str, Any] | None], stage: Path, monkeypatch: pytest.MonkeyPatch, step: str,
-    in_memory: bool,
 ) -> None:
     """memory:// uploads to a temp key and moves it (a failed PUT, a failed move); S3 uploads
-    straight to the final key, whole or not at all, from memory or from a staging file (a
-    failed PUT, a failed part of a multipart upload: the upload is aborted, no part is left)."""
-    from epochal.storage.io import tuning
-
+    straight to the final key, whole or not at all (a failed PUT, a failed part of a
+    multipart upload: the upload is aborted, no part is left)."""
     url, _ = where
     s3 = url.startswith("s3://")
-    if step == ("mv" if s3 else "upload_part") or (in_memory and not s3):
-        pytest.skip(f"no {step} {'from memory ' if in_memory else ''}in an upload to {url.split(':')[0]}")
-    if not in_memory:
-        monkeypatch.setattr(tuning, "STAGE_IN_MEMORY", None)
+    if step == ("mv" if s3 else "upload_part"):
+        pytest.skip(f"no {step} in an upload to {url.split(':')[0]}")
     db = f"{url}/n.0"
     backend = ep.get_db_type("native")
     backend.write(db, {"v": np.arange(4)})
@@ -120,6 +114,8 @@ def test_a_failed_upload_leaves_no_staging_file_and_no_temp_key(
         raise OSError(5, f"injected: {step} failed")
 
     if step == "upload_part":  # 12 MiB in 5 MiB parts: the second part fails
+        from epochal.storage.io import tuning
+
         monkeypatch.setattr(tuning, "UPLOAD_PART", 5 << 20)
         data = {"v": np.arange(12 << 20, dtype=np.uint8)}
         real = fs._call_s3
@@ -133,11 +129,8 @@ def test_a_failed_upload_leaves_no_staging_file_and_no_temp_key(
             return await real(method, *a, **k)
 
         monkeypatch.setattr(fs, "_call_s3", flaky)
-    elif step == "upload":  # a failed PUT (of a staging file, or from memory)
-        monkeypatch.setattr(fs, "put_file", broken)
-        monkeypatch.setattr(fs, "pipe_file", broken)
     else:
-        monkeypatch.setattr(fs, step, broken)  # a failed server-side move
+        monkeypatch.setattr(fs, step, broken)  # a failed PUT, or a failed server-side move
     with pytest.raises(OSError, match="injected"):
         backend.write(db, data)
     monkeypatch.undo()
@@ -193,7 +186,6 @@ opts = {"endpoint_url": sys.argv[2], "key": "test", "secret": "test", "client_kw
 fsspec_store.set_storage_options(sys.argv[1], opts)
 fs, _ = fsspec_store.filesystem_for(sys.argv[1])
 tuning.UPLOAD_PART = 5 << 20  # 12 MiB: a multipart upload of 3 parts
-tuning.STAGE_IN_MEMORY = None  # staged in a file (which the kill leaves behind)
 real = fs._call_s3
 async def killed(method, *a, **k):
     if method == "complete_multipart_upload":  # killed with every part sent, before the object exists

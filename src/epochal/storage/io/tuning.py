@@ -85,6 +85,3 @@ REMOTE_TAIL = 64 << 10
 #: the part size of multipart uploads to a store with atomic uploads (None: the store's
 #: default; s3fs: 50 MiB, one PUT below twice that, parts sent ``max_concurrency`` at a time)
 UPLOAD_PART: int | None = None
-#: a write to a store with atomic uploads of a known size up to this many bytes is staged in
-#: memory, not in a local file written and then read back for the upload (None: never)
-STAGE_IN_MEMORY: int | None = 128 << 20
