@@ -120,3 +120,24 @@ def test_a_damaged_piece_or_padding_is_found_naming_the_blob(
     text = str(e.value)
     assert url in text and name in text and (DAMAGED_DATA if damage == "data" else DAMAGED_PAD) in text
     assert backend.read(url, ["small", "step"])["step"] == 12  # the rest still loads
+
+
+def test_a_load_into_live_tensors_fetches_every_byte_once(
+    where: str, fetched: list[tuple[list[tuple[int, int]], str]],
+) -> None:
+    """In place from a URL: not a verify pass then a second read into live memory (every
+    byte fetched twice, the verify pass in small sequential requests), but one parallel
+    fetch into fresh buffers, verified, then copied into the live tensors."""
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    url = f"{where}/trainer_0.6"
+    src = {"a": torch.randn(700, 1000), "b": torch.randn(300, 999)}  # 2.8 MB and 1.2 MB
+    backend = get_db_type("native")
+    size = backend.write(url, src)
+    live = {"a": torch.zeros(700, 1000), "b": torch.zeros(300, 999)}
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    fetched.clear()
+    got = backend.read(url, existing=live)
+    assert all(got[k] is live[k] and live[k].data_ptr() == ptrs[k] for k in live)
+    assert all(torch.equal(live[k], src[k]) for k in src)
+    total = sum(b - a for ranges, _ in fetched for a, b in ranges)
+    assert size - tuning.REMOTE_TAIL <= total <= size + tuning.REMOTE_TAIL, (total, size)  # (the tail: once more)
