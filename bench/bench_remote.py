@@ -1,13 +1,22 @@
 """Save and load throughput to a local S3 server (moto, a separate process on 127.0.0.1)
-against the local disk, for 1, 2 and 3 nodes.
+against a plain s3fs ``put_file``/``cat_file`` of the same bytes to the same server (and,
+with ``--local``, against the local disk), for 1, 2 and 3 nodes.
 
 Each node is a process of its own (as on a cluster: every node writes and reads its own db)
-started once per variant; a round times all nodes' saves together (wall clock from the
-start signal to the last node done), then their loads. Local and S3 alternate within each
-round (the order flips every round); ratios are per-round paired ratios S3/local (> 1: S3
-slower), medians over N rounds.
+started once per node count; a round times all nodes' saves together (wall clock from the
+start signal to the last node done), then their loads, for each variant:
 
-    .venv/bin/python bench/bench_remote.py --mib 16 --rounds 5
+* ``s3``: ``native`` db write (encode, every CRC computed) and full read (every CRC checked)
+  at an ``s3://`` URL, as a checkpoint save/load does;
+* ``plain``: s3fs ``put_file`` of a local file holding that very db's bytes, and
+  ``cat_file`` of the object (no checksum of ours);
+* ``local`` (``--local``): the native write and read on the local disk.
+
+The variants alternate within each round (the order rotates every round); ratios are
+per-round paired ratios of throughput, s3 / plain (>= 1: ours as fast as plain s3fs) and
+s3 / local, medians over N rounds with their min..max.
+
+    .venv/bin/python bench/bench_remote.py --mib 64 --rounds 7
 """
 
 from __future__ import annotations
@@ -35,48 +44,64 @@ def _free_port() -> int:
 
 
 def _node(conn: Any, opts: dict[str, Any] | None, mib: int, node: int) -> None:
-    """A node's process: on each (kind, prefix) message, save then load its own db."""
+    """A node's process: on each (variant, prefix, phase) message, save or load its own db."""
     from epochal.storage.formats.base import get_db_type
-    from epochal.storage.io.fsspec_store import set_storage_options
+    from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options
 
     backend = get_db_type("native")
     blobs = {"w": np.random.default_rng(node).standard_normal(mib * (1 << 20) // 8), "step": 3}
+    raw = os.path.join(tempfile.mkdtemp(prefix="epochal-bench-plain-"), "db")
+    backend.write(raw, blobs)  # the plain variant moves these very bytes
+    nbytes = os.path.getsize(raw)
     while True:
         msg = conn.recv()
         if msg is None:
+            shutil.rmtree(os.path.dirname(raw), ignore_errors=True)
             return
-        prefix, phase = msg
+        variant, prefix, phase = msg
         if "://" in prefix and opts:
             set_storage_options(prefix, opts)
         path = f"{prefix}/trainer_{node}.0"
         t = time.perf_counter()
-        if phase == "save":
+        if variant == "plain":
+            fs, key = filesystem_for(path, opts)
+            if phase == "save":
+                fs.put_file(raw, key)
+            else:
+                assert len(fs.cat_file(key)) == nbytes
+        elif phase == "save":
             backend.write(path, blobs)
         else:
-            got = backend.read(path)
+            got = backend.read(path)  # every checksum verified
             assert got["w"].nbytes == blobs["w"].nbytes
         conn.send(time.perf_counter() - t)
 
 
-def _round(conns: list[Any], prefix: str, phase: str) -> float:
+def _round(conns: list[Any], variant: str, prefix: str, phase: str) -> float:
     t = time.perf_counter()
     for c in conns:
-        c.send((prefix, phase))
+        c.send((variant, prefix, phase))
     for c in conns:
         c.recv()
     return time.perf_counter() - t
 
 
-def _paired(times: dict[tuple[str, str], list[float]], phase: str) -> float:
-    """Median over rounds of S3 time / local time (paired within a round)."""
-    return statistics.median(s / loc for s, loc in zip(times[("s3", phase)], times[("local", phase)]))
+def _paired(times: dict[tuple[str, str], list[float]], phase: str, base: str) -> tuple[float, float, float]:
+    """Median (min, max) over rounds of base time / s3 time: our throughput over base's."""
+    r = [b / s for s, b in zip(times[("s3", phase)], times[(base, phase)])]
+    return statistics.median(r), min(r), max(r)
+
+
+def _load() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mib", type=int, default=16, help="MiB per node's db")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--mib", type=int, default=64, help="MiB per node's db")
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--nodes", default="1,2,3")
+    ap.add_argument("--local", action="store_true", help="also the local disk")
     args = ap.parse_args()
     port = _free_port()
     server = subprocess.Popen(
@@ -93,9 +118,13 @@ def main() -> None:
     opts = {"endpoint_url": endpoint, "key": "test", "secret": "test",
             "client_kwargs": {"region_name": "us-east-1"}}
     local_root = tempfile.mkdtemp(prefix="epochal-bench-remote-")
-    print(f"{args.mib} MiB per node, N = {args.rounds} rounds, moto_server at {endpoint}, local {local_root}")
-    print("| nodes | local save MB/s | S3 save MB/s | save S3/local | local load MB/s | S3 load MB/s | load S3/local |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    variants = ["s3", "plain"] + (["local"] if args.local else [])
+    print(f"{args.mib} MiB per node, N = {args.rounds} rounds, moto_server at {endpoint}; {_load()}")
+    cols = "| nodes | plain save MB/s | s3 save MB/s | save s3/plain | plain load MB/s | s3 load MB/s | load s3/plain |"
+    if args.local:
+        cols += " save s3/local | load s3/local |"
+    print(cols)
+    print("|" + "---:|" * (cols.count("|") - 1))
     ctx = mp.get_context("spawn")
     try:
         for k in [int(x) for x in args.nodes.split(",")]:
@@ -107,17 +136,19 @@ def main() -> None:
             times: dict[tuple[str, str], list[float]] = {}
             total_mb = k * args.mib * (1 << 20) / 1e6
             for r in range(args.rounds + 1):  # round 0 warms up (imports, connections)
-                kinds = ["local", "s3"] if r % 2 == 0 else ["s3", "local"]
-                for kind in kinds:
-                    prefix = (os.path.join(local_root, f"k{k}r{r}") if kind == "local"
-                              else f"s3://bench/k{k}r{r}")
-                    if kind == "local":
+                order = variants[r % len(variants):] + variants[:r % len(variants)]
+                if (r // len(variants)) % 2:
+                    order.reverse()
+                for variant in order:
+                    prefix = (os.path.join(local_root, f"k{k}r{r}") if variant == "local"
+                              else f"s3://bench/{variant}/k{k}r{r}")
+                    if variant == "local":
                         os.makedirs(prefix, exist_ok=True)
                     for phase in ("save", "load"):
-                        dt = _round(conns, prefix, phase)
+                        dt = _round(conns, variant, prefix, phase)
                         if r:
-                            times.setdefault((kind, phase), []).append(dt)
-                    if kind == "local":
+                            times.setdefault((variant, phase), []).append(dt)
+                    if variant == "local":
                         shutil.rmtree(prefix)
             for c in conns:
                 c.send(None)
@@ -125,9 +156,16 @@ def main() -> None:
                 p.join()
 
             mb = {key: total_mb / statistics.median(v) for key, v in times.items()}
-            ratio = {phase: _paired(times, phase) for phase in ("save", "load")}
-            print(f"| {k} | {mb['local', 'save']:.0f} | {mb['s3', 'save']:.0f} | {ratio['save']:.2f} | "
-                  f"{mb['local', 'load']:.0f} | {mb['s3', 'load']:.0f} | {ratio['load']:.2f} |", flush=True)
+            row = f"| {k} |"
+            for phase in ("save", "load"):
+                med, lo, hi = _paired(times, phase, "plain")
+                row += f" {mb['plain', phase]:.0f} | {mb['s3', phase]:.0f} | {med:.2f} ({lo:.2f}..{hi:.2f}) |"
+            if args.local:
+                for phase in ("save", "load"):
+                    med, lo, hi = _paired(times, phase, "local")
+                    row += f" {med:.2f} ({lo:.2f}..{hi:.2f}) |"
+            print(row, flush=True)
+        print(_load())
     finally:
         server.terminate()
         server.wait()

@@ -94,6 +94,58 @@ def test_requests_per_commit_do_not_grow_with_the_steps(s3: dict[str, Any]) -> N
     assert many_by == {"put_object": 2, "get_object": 1}, many_by
 
 
+def _parses_per_commit(s3: dict[str, Any], steps: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """(manifests parsed, db names split) by a steady commit at ``steps`` steps, retention
+    looking at every step (keep_every=1)."""
+    from epochal.checkpoint.location import view
+
+    parsed, split = [0], [0]
+    real_decode, real_split = view.decode_manifest, view.split_db_file
+
+    def decode(*a: Any, **k: Any) -> Any:
+        parsed[0] += 1
+        return real_decode(*a, **k)
+
+    def split_name(*a: Any, **k: Any) -> Any:
+        split[0] += 1
+        return real_split(*a, **k)
+
+    monkeypatch.setattr(view, "decode_manifest", decode)
+    monkeypatch.setattr(view, "split_db_file", split_name)
+    url = _url(s3)
+    data, digest = _db()
+    _fill(url, range(steps), data, digest)
+    h = ep.DirectoryMetadataHandler(storage_options=s3, keep_last=2, keep_every=1)
+    h.set_params(url, "native", [NODE])
+    h.acquire_lock()
+    try:
+        h.resume_epoch()
+        _commit(h, url, steps, data, digest)  # the first commit parses every manifest once
+        counts = []
+        for k in (1, 2):
+            parsed[0] = split[0] = 0
+            _commit(h, url, steps + k, data, digest)
+            counts.append((parsed[0], split[0]))
+    finally:
+        h.release_lock()
+        monkeypatch.undo()
+    assert counts[0] == counts[1], counts
+    return counts[1]
+
+
+def test_retention_cpu_per_commit_does_not_grow_with_the_steps(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each manifest is parsed once per handler and each db name split once (the bytes of a
+    manifest read again unchanged are not parsed again), so a commit's work is the same at N
+    and 2N steps: counted, not timed."""
+    few = _parses_per_commit(s3, 40, monkeypatch)
+    many = _parses_per_commit(s3, 80, monkeypatch)
+    assert few == many, (few, many)
+    parsed, split = many
+    assert parsed <= 1 and split <= 2, many  # the new step's manifest; its db's name
+
+
 def test_a_dropping_policy_costs_its_deletes_only(s3: dict[str, Any]) -> None:
     total, by = _steady_commit_requests(s3, 100, keep_last=3)
     # one step dropped per commit: its manifest and its db deleted, nothing listed or re-read

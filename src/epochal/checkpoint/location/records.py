@@ -297,6 +297,13 @@ class UrlRecords:
             out.append((name, f"{base}/{name}" if folder else name, int(size) if size is not None else None))
         return out
 
+    def abort_uploads(self, folder: str) -> list[str]:
+        """Abort the multipart uploads in progress in ``folder`` (S3; see
+        :func:`~epochal.storage.io.fsspec_store.abort_uploads`); the URLs they were for."""
+        from ...storage.io.fsspec_store import abort_uploads
+
+        return abort_uploads(folder, self._options)
+
     def makedirs(self, folder: str) -> None:
         return None  # object stores have no folders to make
 

@@ -97,6 +97,10 @@ class CheckpointDirectory:
         #: where the dbs and records live, with the options to reach them
         self.location: Location = location_for(self.db_dir, storage_options)
         self.records: RecordStore = records_for(self.location)
+        #: manifests parsed so far: {epoch: (their bytes, the Manifest)} (:meth:`read_manifest`)
+        self._parsed: dict[int, tuple[bytes, Manifest]] = {}
+        #: db file names split so far (:meth:`scan`): {name: (node, epoch) or None}
+        self._split: dict[str, tuple[str, int] | None] = {}
 
     def __repr__(self) -> str:
         return f"CheckpointDirectory({self.db_dir!r})"
@@ -153,10 +157,13 @@ class CheckpointDirectory:
         ``MANIFEST_READ_RETRIES`` between: a transient error does not make an epoch damaged).
         """
         path = self.manifest_path(epoch)
+        return decode_manifest(self._manifest_bytes(epoch, path), path, epoch)
+
+    def _manifest_bytes(self, epoch: int, path: str) -> bytes:
+        """The bytes of the manifest file of ``epoch`` at ``path`` (the errors of :meth:`manifest`)."""
         for wait in (*MANIFEST_READ_RETRIES, None):
             try:
-                raw = self.records.read(path)
-                break
+                return self.records.read(path)
             except FileNotFoundError:
                 raise CheckpointNotFoundError(
                     f"epoch {epoch} is not committed: manifest {path} does not exist"
@@ -168,13 +175,22 @@ class CheckpointDirectory:
                     ) from ex
                 logger.debug("reading %s failed (%s); trying again in %.2f s", path, ex, wait)
                 time.sleep(wait)
-        return decode_manifest(raw, path, epoch)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def read_manifest(self, epoch: int) -> Manifest:
         """The manifest of ``epoch`` as a typed :class:`~.manifest.Manifest` (what the handler,
         the mirror and the tools use; :meth:`manifest` is the same as its JSON dict, with the
-        same errors)."""
-        return Manifest.from_dict(self.manifest(epoch))
+        same errors). Bytes read again unchanged (a remembering record store hands back the
+        very same bytes) are not parsed again: a commit's retention looks at every manifest,
+        and parsing them all made its CPU grow with the number of steps."""
+        path = self.manifest_path(epoch)
+        raw = self._manifest_bytes(epoch, path)
+        seen = self._parsed.get(epoch)
+        if seen is not None and (seen[0] is raw or seen[0] == raw):
+            return seen[1]
+        m = Manifest.from_dict(decode_manifest(raw, path, epoch))
+        self._parsed[epoch] = (raw, m)
+        return m
 
     def pins(self) -> set[int]:
         """Pinned epochs (empty when there is no pins file); CheckpointCorruptError if unreadable."""
@@ -224,8 +240,12 @@ class CheckpointDirectory:
         """``{epoch: {node: db path}}`` of every db file present, committed or not (temp files
         of interrupted saves and the records directory are ignored)."""
         found: dict[int, dict[str, str]] = {}
+        memo = self._split
         for name, path in self.records.files(self.db_dir):
-            hit = split_db_file(name, self._file_prefix)
+            if name in memo:
+                hit = memo[name]
+            else:
+                hit = memo[name] = split_db_file(name, self._file_prefix)
             if hit is not None:
                 found.setdefault(hit[1], {})[hit[0]] = path
         return {e: dict(sorted(found[e].items())) for e in sorted(found)}

@@ -5,8 +5,9 @@ resumes from the bucket.
 ``gs://...``, ``memory://...``), the same layout as the local checkpoint directory: each
 node's db under its file name, and the epoch's manifest under ``.epochal/``.
 
-* **Push** (after the local commit): the dbs first, each to a temp key, size-checked and
-  moved into place (:func:`epochal.storage.formats.remote.upload_file`); the manifest last. A remote
+* **Push** (after the local commit): the dbs first, each uploaded whole or not at all and
+  size-checked (:func:`epochal.storage.formats.remote.upload_file`: on S3/GCS straight to its
+  key, elsewhere through a temp key moved into place); the manifest last. A remote
   epoch exists only once its manifest does, exactly as on local disk, so a reader of the
   bucket never sees an epoch whose dbs are not all there.
 * **Pull** (when the remote has a newer committed epoch than the local directory, or one

@@ -29,15 +29,15 @@ Writing — a :class:`ByteSink` is expected to see::
 A crash or an exception anywhere before ``commit`` returns leaves the previous file (or
 none) under ``path``, never a partial one.
 
-The fsspec store (:mod:`.fsspec_store`): ``open_read`` wraps ``fs.open(path, "rb")``; ``size`` is
-``fs.info(path)["size"]``; ``read`` and ``read_into`` are ranged reads (``fs.cat_file(path, start, end)``
-copied into the views; thread-safe because each call is its own request); ``map`` returns
-None and ``hint`` may prefetch ranges into a cache or do nothing; ``nowait`` is False.
-``create`` stages the stream to a local temp file (or a multipart upload, buffering the
-first part until ``patch``), and ``commit`` uploads to a temporary key, checks its size and
-moves it into place (what :func:`epochal.storage.formats.remote.upload_file` does today), so a
-reader of the final key never sees a partial object. Register it for its URL schemes with
-:func:`register_store`.
+The fsspec store (:mod:`.fsspec_store`): ``size`` is ``fs.info(path)["size"]`` (a HEAD);
+``read`` and ``read_into`` are ranged reads (``fs.cat_file(path, start, end)`` copied into the
+views; thread-safe because each call is its own request; the first read also fetches the
+object's tail, or a small object whole); ``map`` returns None, ``hint`` does nothing,
+``nowait`` is False and ``remote`` is True (the formats then read in few big requests,
+several in flight). ``create`` stages the stream in a local temp file, and
+``commit`` uploads it whole or not at all (straight to the key on S3/GCS, elsewhere to a
+temporary key, size-checked and moved into place), so a reader of the final key never sees a
+partial object. Register it for its URL schemes with :func:`register_store`.
 """
 
 from __future__ import annotations

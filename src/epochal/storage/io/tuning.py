@@ -68,3 +68,20 @@ DIRECT_MIN_PINNED: int | None = 16 << 20
 DIRECT_BUFFER = 4 << 20
 DIRECT_BUFFERS = 6
 DIRECT_THREADS = 4
+
+#: object storage (a source whose ``remote`` is True: storage/io/fsspec_store.py): every big
+#: segment is read in REMOTE_PIECE pieces, REMOTE_THREADS requests in flight, each piece
+#: checksummed by the thread that fetched it; small segments are coalesced into requests of
+#: about REMOTE_BATCH bytes. A request costs a round trip (and on moto's test server a read
+#: of the whole object): 64 MiB loads from moto on 127.0.0.1, 2 ranges of 32 MiB took 0.18 s,
+#: 4 of 16 MiB 0.24 s, 8 of 8 MiB 0.58 s (bench/RESULTS.md, session 14)
+REMOTE_PIECE = 32 << 20
+REMOTE_THREADS = 8
+REMOTE_BATCH = 16 << 20
+#: a remote object of at most this many bytes is fetched whole by its first read; a bigger
+#: one's first read at offset 0 also fetches its last REMOTE_TAIL bytes (a native db's index)
+REMOTE_WHOLE = 256 << 10
+REMOTE_TAIL = 64 << 10
+#: the part size of multipart uploads to a store with atomic uploads (None: the store's
+#: default; s3fs: 50 MiB, one PUT below twice that, parts sent ``max_concurrency`` at a time)
+UPLOAD_PART: int | None = None

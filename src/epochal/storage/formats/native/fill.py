@@ -4,8 +4,9 @@ Adjacent small segments (and their padding) are coalesced into one read of about
 tuning.BATCH_BYTES and checksummed inline right after, while still in cache (:class:`_Runs`);
 big segments are read in tuning.READ_PIECE pieces whose checksums a background thread
 computes while the next piece is read (:func:`_read_big`). When the big segments add up to
-tuning.PARALLEL_MIN or more they go to :mod:`.parallel` instead. Every checksum is compared
-at the end (:func:`_check`), before anything is decoded.
+tuning.PARALLEL_MIN or more (from a remote source: any) they go to :mod:`.parallel`
+instead; a remote source's small segments are coalesced into reads of tuning.REMOTE_BATCH.
+Every checksum is compared at the end (:func:`_check`), before anything is decoded.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def fill(f: Opened, plan: list[LoadItem], verify: bool, skip: Set[tuple[int, int
         b.nbytes for pos, item in enumerate(plan) for j, b in enumerate(item.bufs)
         if b.nbytes >= big and (pos, j) not in skip
     )
-    parallel_big = big_total >= tuning.PARALLEL_MIN
+    remote = getattr(f.src, "remote", False)  # object storage: every big segment in parallel
+    parallel_big = big_total >= tuning.PARALLEL_MIN or bool(remote and big_total)
     nslots = sum(len(item.bufs) for item in plan)
     ck = Checksummer(idx.fn, nslots) if verify and big_total and not parallel_big else None
     got = [0] * nslots
@@ -154,7 +156,7 @@ class _Runs:
         self.verify = verify
         self.got = got
         self.fn = checksum_function(f.index.header.algorithm, inline=True)
-        self.batch = tuning.BATCH_BYTES
+        self.batch = tuning.REMOTE_BATCH if getattr(f.src, "remote", False) else tuning.BATCH_BYTES
         self.views: list[memoryview] = []
         self.todo: list[tuple[int, memoryview]] = []
         self.start = self.stop = -1  # file range of the current run

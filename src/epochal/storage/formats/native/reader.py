@@ -204,7 +204,9 @@ class NativeFile:
         if self._mm is not None:
             mapped.map_views(f, self._mm, plan, verify)
         else:
-            if existing:
+            if existing and not getattr(f.src, "remote", False):  # (remote: verify, then
+                # read again into live memory would fetch every byte twice; the staged path
+                # fetches once, in parallel pieces, and copies into the live objects)
                 direct = inplace.direct_targets(f, plan, existing)
             if direct and verify:
                 inplace.verify_direct(f, direct)  # before any live memory is written

@@ -1,0 +1,143 @@
+"""Loads from a URL: big blobs in ranged pieces fetched in parallel, each piece checksummed
+and the checksums combined; padding read with the last piece; an open costs one round trip
+after the HEAD (header and tail together); a small object is fetched once, whole.
+memory:// and moto's S3 on 127.0.0.1."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fsspec", reason="the s3 extra is not installed")
+
+from epochal.errors import CheckpointCorruptError  # noqa: E402
+from epochal.storage.formats.base import get_db_type  # noqa: E402
+from epochal.storage.formats.native.layout import DAMAGED_DATA, DAMAGED_PAD  # noqa: E402
+from epochal.storage.io import fsspec_store, tuning  # noqa: E402
+from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+
+PIECE = (1 << 20) + 4096  # pieces straddle segment and piece boundaries
+
+
+@pytest.fixture(params=["memory", "s3"])
+def where(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return f"memory://reads-{secrets.token_hex(4)}/run"
+    url = f"s3://ckpts/reads-{secrets.token_hex(4)}/run"
+    set_storage_options(url, request.getfixturevalue("s3"))
+    return url
+
+
+@pytest.fixture
+def fetched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[tuple[int, int]], str]]:
+    """Every request batch asked of the store: ``([(start, end), ...], thread name)``."""
+    seen: list[tuple[list[tuple[int, int]], str]] = []
+    real = fsspec_store.FsspecSource._fetch
+
+    def spy(self: Any, starts: list[int], ends: list[int]) -> list[bytes]:
+        seen.append((list(zip(starts, ends)), str(threading.get_ident())))
+        if ends[0] - starts[0] >= PIECE:
+            time.sleep(0.02)  # a slow store: the other threads take the next pieces meanwhile
+        return real(self, starts, ends)
+
+    monkeypatch.setattr(fsspec_store.FsspecSource, "_fetch", spy)
+    monkeypatch.setattr(tuning, "REMOTE_PIECE", PIECE)
+    return seen
+
+
+def _blobs() -> dict[str, Any]:
+    rng = np.random.default_rng(7)
+    return {
+        "big1": rng.standard_normal(450_000),  # 3.6 MB: 4 pieces
+        "big2": rng.integers(0, 255, 2_100_001, dtype=np.uint8),  # not a multiple of 64: padded
+        "small": np.arange(100, dtype=np.int32),
+        "step": 12,
+    }
+
+
+def test_big_blobs_come_in_parallel_pieces_and_the_open_in_one_round_trip(
+    where: str, fetched: list[tuple[list[tuple[int, int]], str]],
+) -> None:
+    url = f"{where}/trainer_0.3"
+    blobs = _blobs()
+    backend = get_db_type("native")
+    size = backend.write(url, blobs)
+    fetched.clear()
+    got = backend.read(url)
+    for name in ("big1", "big2", "small"):
+        assert got[name].tobytes() == blobs[name].tobytes(), name
+    assert got["step"] == 12
+    head, tail = fetched[0][0]
+    assert head == (0, 64) and tail == (size - tuning.REMOTE_TAIL, size)  # header + index: one batch
+    assert all(len(ranges) == 1 for ranges, _ in fetched[1:])
+    lengths = [b - a for ranges, _ in fetched[1:] for a, b in ranges]
+    assert max(lengths) <= PIECE + 63  # a piece (with the padding after a segment's last one)
+    assert min(lengths) > 64  # no request for a padding on its own
+    assert sum(1 for n in lengths if n >= PIECE) >= 4  # big1 and big2 cut into pieces
+    assert len({thread for _, thread in fetched[1:]}) > 1  # several requests in flight
+    big = blobs["big1"].nbytes + blobs["big2"].nbytes
+    assert big <= sum(lengths) < big + 128  # every big byte once (the small ones and the index
+    # sit in the tail fetched at open)
+
+
+def test_a_small_object_is_fetched_once_whole(where: str, fetched: list[tuple[list[tuple[int, int]], str]]) -> None:
+    url = f"{where}/trainer_0.4"
+    backend = get_db_type("native")
+    size = backend.write(url, {"w": np.arange(1000.0), "step": 4})
+    assert size <= tuning.REMOTE_WHOLE
+    fetched.clear()
+    got = backend.read(url)
+    assert got["w"].tolist() == list(np.arange(1000.0)) and got["step"] == 4
+    assert [ranges for ranges, _ in fetched] == [[(0, size)]]
+
+
+@pytest.mark.parametrize("damage", ["data", "padding"])
+def test_a_damaged_piece_or_padding_is_found_naming_the_blob(
+    where: str, fetched: list[tuple[list[tuple[int, int]], str]], damage: str,
+) -> None:
+    url = f"{where}/trainer_0.5"
+    blobs = _blobs()
+    backend = get_db_type("native")
+    backend.write(url, blobs)
+    fs, path = filesystem_for(url)
+    data = bytearray(fs.cat_file(path))
+    if damage == "data":  # a byte in big1's third piece
+        name, at = "big1", data.find(blobs["big1"].tobytes()) + 2 * PIECE + 5
+    else:  # a byte of the zero padding after big2
+        name, at = "big2", data.find(blobs["big2"].tobytes()) + blobs["big2"].nbytes + 3
+    if damage == "padding":
+        assert data[at] == 0
+    data[at] ^= 0x10
+    fs.pipe_file(path, bytes(data))
+    fs.invalidate_cache()
+    with pytest.raises(CheckpointCorruptError) as e:
+        backend.read(url)
+    text = str(e.value)
+    assert url in text and name in text and (DAMAGED_DATA if damage == "data" else DAMAGED_PAD) in text
+    assert backend.read(url, ["small", "step"])["step"] == 12  # the rest still loads
+
+
+def test_a_load_into_live_tensors_fetches_every_byte_once(
+    where: str, fetched: list[tuple[list[tuple[int, int]], str]],
+) -> None:
+    """In place from a URL: not a verify pass then a second read into live memory (every
+    byte fetched twice, the verify pass in small sequential requests), but one parallel
+    fetch into fresh buffers, verified, then copied into the live tensors."""
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    url = f"{where}/trainer_0.6"
+    src = {"a": torch.randn(700, 1000), "b": torch.randn(300, 999)}  # 2.8 MB and 1.2 MB
+    backend = get_db_type("native")
+    size = backend.write(url, src)
+    live = {"a": torch.zeros(700, 1000), "b": torch.zeros(300, 999)}
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    fetched.clear()
+    got = backend.read(url, existing=live)
+    assert all(got[k] is live[k] and live[k].data_ptr() == ptrs[k] for k in live)
+    assert all(torch.equal(live[k], src[k]) for k in src)
+    total = sum(b - a for ranges, _ in fetched for a, b in ranges)
+    assert size - tuning.REMOTE_TAIL <= total <= size + tuning.REMOTE_TAIL, (total, size)  # (the tail: once more)
