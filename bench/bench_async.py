@@ -18,6 +18,10 @@ update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run
   the same conditions (e.g. the BLAS threads of the epoch's matmuls still spinning);
 - ``async-warm``: ``async`` with the arena prepared and faulted in before ``train``
   (``BackgroundSaver.prepare``, not timed), so that epoch 0's save copies into warm memory.
+  (Since session 14 the runner itself prepares the arena as a run with ``async_save`` starts;
+  in a new run that is right before the init save, which then stops the warmer and faults in
+  the rest itself; a resumed run prepares after its load, an epoch before its first save:
+  what ``async-warm`` shows for epoch 0.)
 
 ``--trace`` prints, per epoch of each background run, the wait in the join, the snapshot and
 the pool's counters (reused / refitted / allocated / fresh / waited).

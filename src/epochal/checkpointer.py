@@ -45,7 +45,14 @@ from .checkpoint.handler.directory import DirectoryMetadataHandler
 from .checkpoint.location.view import best_of_directory
 from .checkpoint.tasks.background import BackgroundSaver
 from .checkpoint.tasks.handler_calls import HandlerLink
-from .checkpoint.tasks.steps import INTERNAL_PREFIX, JoinSave, LoadBlobs, SaveBlobs, SnapshotAndSave
+from .checkpoint.tasks.steps import (
+    INTERNAL_PREFIX,
+    JoinSave,
+    LoadBlobs,
+    PrepareSaves,
+    SaveBlobs,
+    SnapshotAndSave,
+)
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -93,7 +100,8 @@ class Checkpointer:
     ``keep_best`` the ranking value is ``metrics[metric]`` of :meth:`save`, else the scalar
     ``state[metric]``; both are recorded in the step's manifest). ``async_save``: :meth:`save`
     takes a snapshot (a copy in memory) and writes it on a background thread; it is committed
-    by :meth:`wait`, the next :meth:`save`, :meth:`restore` or :meth:`close`. The snapshot's
+    by :meth:`wait`, the next :meth:`save`, :meth:`restore` or :meth:`close`; :meth:`restore`
+    has the snapshot's memory faulted in off the training thread. The snapshot's
     memory is reused from save to save, up to ``max_host_bytes`` (None: two states' worth, a second only while a write is in flight; see
     :mod:`epochal.checkpoint.tasks.background`).
     ``storage_options``: for a remote (URL) directory, passed to the handler where it
@@ -208,6 +216,9 @@ class Checkpointer:
         self._restored = True
         first = self._chosen_step(step)
         found = self._engine.resume(first, lambda s: self._load(s, names, state), fallback=step is None)
+        if self.async_save:  # the run starts: its first snapshot will copy into warm memory
+            prepare = PrepareSaves(self.db_path(0), names, node=NODE, saver=self._saver)
+            self._engine.prepare_saves(lambda: prepare(state))
         if found is None:
             logger.info("No checkpoint in %s: starting a new run", self.directory)
             return None

@@ -14,6 +14,8 @@ the engine a callable that does it and returns typed results
   handler never reopens a db) and the metrics, then one stats line per db;
 - **the failure policy**: a value no retry can save raises at once; a storage error is a
   warning until ``max_failed_saves`` saves in a row failed (see :class:`CheckpointEngine`);
+- **background saves prepared**: :meth:`CheckpointEngine.prepare_saves` as a run with
+  ``async_save`` starts (snapshot memory faulted in off the training thread);
 - **the lock and flush lifecycle**: :meth:`CheckpointEngine.open` takes the writer lock,
   :meth:`CheckpointEngine.close` flushes the handler's background work and lets it go.
 
@@ -191,6 +193,22 @@ class CheckpointEngine:
         return results
 
     # -- save
+    def prepare_saves(self, run: Callable[[], object]) -> bool:
+        """As a run with background saves starts: ``run`` is the door's call of
+        :meth:`~.tasks.background.BackgroundSaver.prepare` where its state lives (the runner:
+        a task on every node; the Checkpointer: on its dict), which allocates the snapshot
+        memory and has a thread fault it in, so the first background save copies into warm
+        memory (issue 27). Best effort: a failure is logged (the first save meets its cause
+        and reports it) and False returned; a lost node is raised as it is."""
+        try:
+            run()
+            return True
+        except _NOT_A_SAVE_ERROR:
+            raise
+        except Exception as ex:
+            logger.debug("Could not prepare the snapshot memory of background saves: %s", ex)
+            return False
+
     @property
     def pending_epoch(self) -> int | None:
         """The epoch of the background save in flight (None when none)."""

@@ -35,10 +35,7 @@ from ..checkpoint.tasks.handles import (
     PartialLoads,
     SessionSave,
 )
-from ..errors import (
-    NodeLostError,
-    Preempted,
-)
+from ..errors import NodeLostError, Preempted
 from ..execution.task import Task, TaskGroup, TaskOutput
 from .cadence import Cadence
 from .events import CheckpointEvent, RunListener
@@ -55,14 +52,10 @@ DEFAULT_DISPLAY = "epochal.progress:TerminalProgress"
 __all__ = ["DEFAULT_DISPLAY", "FATAL_SAVE_ERRORS", "JobRunner"]
 
 
-def _quiet() -> bool:
-    return knobs.is_quiet()
-
-
 def _auto_progress(force: bool = False) -> RunListener | None:
     """The terminal progress display: when forced, or when stderr is a terminal outside CI and
     the ``quiet`` knob is off (:func:`epochal.knobs.is_quiet`: by default, EPOCHAL_QUIET unset)."""
-    if not force and (os.environ.get("CI") or _quiet() or not sys.stderr.isatty()):
+    if not force and (os.environ.get("CI") or knobs.is_quiet() or not sys.stderr.isatty()):
         return None
     module, _, name = DEFAULT_DISPLAY.partition(":")
     try:
@@ -197,7 +190,7 @@ class JobRunner:
     def _say(self, message: str) -> None:
         """Log at INFO and, unless quiet, print on stderr (also without a terminal)."""
         logger.info("%s", message)
-        if self.progress is not False and not _quiet():
+        if self.progress is not False and not knobs.is_quiet():
             print(f"epochal: {message}", file=sys.stderr, flush=True)
 
     # -- the seed's API
@@ -301,7 +294,8 @@ class JobRunner:
         resume = self._engine.resume(resume, lambda e: self._restore(session, e),
                                      fallback=bool(manager) and user_epoch is None, chosen=chosen)
         logger.info("Finished initializing")
-
+        if resume is not None and not finished:  # (a new job's were prepared before its init save)
+            self._prepare_saves(session)
         epoch = 1 if resume is None else resume + 1
         if finished:
             epoch -= 1
@@ -364,12 +358,21 @@ class JobRunner:
         nodes = job.nodes_to_checkpoint()
         session.run(manager.init(nodes, retrieve_from_epoch=resume, exclude=sorted(self._outputs)))
         if resume is None:
+            self._prepare_saves(session)
             self.save_checkpoints(0, session, wait=not self.async_save)
             return
         self._warn_added_blobs(resume)
         logger.info("Loading checkpoints for epoch %d ...", resume)
         self._load(session, resume)
         logger.info("Checkpoint loaded")
+
+    def _prepare_saves(self, session: Any) -> None:
+        """With ``async_save``: every node's snapshot memory allocated now and faulted in on a
+        thread of its process (the manager's ``prepare_saves`` task, see
+        :meth:`CheckpointEngine.prepare_saves`), so the first snapshot copies into warm memory."""
+        prepare = getattr(self.checkpoint_manager, "prepare_saves", None)
+        if self.async_save and prepare is not None:
+            self._engine.prepare_saves(lambda: session.run(prepare()))
 
     def _load(self, session: Any, epoch: int) -> None:
         """Load every node's checkpoint of ``epoch`` (with several nodes, every node's live

@@ -166,6 +166,17 @@ class HandlerCalls:
                 path_prefix=self._path_prefix, path_type=self._path_type,
             )
 
+    def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
+        """Add ``{db path: ns}`` (and bytes to ``sizes``) of the timed task built last (a
+        manager's; nothing here)."""
+
+    def report_checkpoint_stats(self, action_name: str) -> None:
+        """Report the timed task built last to the handler (the seed's call)."""
+        stats: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        self.collect_checkpoint_stats(stats, sizes)
+        self._report(action_name, stats, sizes)
+
     def _report(self, action_name: str, stats: dict[str, int], sizes: dict[str, int]) -> None:
         logger.debug("%s stats: %s", action_name, stats)
         if self._metadata_handler:

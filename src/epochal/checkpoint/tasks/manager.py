@@ -28,6 +28,7 @@ from .steps import (
     GetBlobNames,
     JoinSave,
     LoadBlobs,
+    PrepareSaves,
     ResumeBlobNames,
     SaveBlobs,
     SnapshotAndSave,
@@ -200,12 +201,6 @@ class CheckpointManager(HandlerCalls):
                 return
         logger.info("Failed to collect checkpoint stats: %s", self._last.db if self._last else None)
 
-    def report_checkpoint_stats(self, action_name: str) -> None:
-        stats: dict[str, int] = {}
-        sizes: dict[str, int] = {}
-        self.collect_checkpoint_stats(stats, sizes)
-        self._report(action_name, stats, sizes)
-
     def _load_step(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> LoadBlobs:
         added = set(self.added_blobs().get(self._node_name, ()))  # not in that checkpoint
         if added:  # and the list itself is the one init extended, not the stored one
@@ -281,6 +276,13 @@ class CheckpointManager(HandlerCalls):
         ), db, digest, pushed)
         self._untracked_output = task.untracked_output = task.add_output(untracked)
         return task
+
+    def prepare_saves(self) -> Task:
+        """A Task that prepares the node's background saves of the blob list as a run with
+        ``async_save`` starts (:class:`~.steps.PrepareSaves`: snapshot memory faulted in on a
+        thread of the node's process, so the first snapshot copies into warm memory)."""
+        step = PrepareSaves(self._db(0), self.blob_list(), node=self._node_name)
+        return Task(step=step, node=self._node_name, name="checkpoint_prepare")
 
     def join_save(self, epoch: int, *, push: PushTarget | None = None) -> CheckpointTask:
         """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
@@ -415,6 +417,9 @@ class MultiNodeCheckpointManager(HandlerCalls):
         push = self._handler.node_push_target() if self._handler is not None else None
         return self._task_group(CheckpointManager.save, epoch, background=background, push=push)
 
+    def prepare_saves(self) -> CheckpointGroup:
+        return self._task_group(CheckpointManager.prepare_saves)
+
     def join_save(self, epoch: int) -> CheckpointGroup:
         push = self._handler.node_push_target() if self._handler is not None else None
         return self._task_group(CheckpointManager.join_save, epoch, push=push)
@@ -453,12 +458,6 @@ class MultiNodeCheckpointManager(HandlerCalls):
     def collect_checkpoint_stats(self, stats: dict[str, int], sizes: dict[str, int] | None = None) -> None:
         for _, manager in self._node_managers or []:
             manager.collect_checkpoint_stats(stats, sizes)
-
-    def report_checkpoint_stats(self, action_name: str) -> None:
-        stats: dict[str, int] = {}
-        sizes: dict[str, int] = {}
-        self.collect_checkpoint_stats(stats, sizes)
-        self._report(action_name, stats, sizes)
 
     def set_params(self, nodes: Sequence[Any], path_prefix: str | None = None, path_type: str | None = None) -> None:
         self._node_names = [check_node_name(str(n)) for n in nodes]

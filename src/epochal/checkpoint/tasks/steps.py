@@ -362,12 +362,37 @@ class SnapshotAndSave(SaveBlobs):
         blobs = self._gather(ws)
         self._note_untracked(ws)
         try:
-            snap = saver.snapshot(f"{self.node}@{self.db.rpartition('/')[0]}", blobs)
+            snap = saver.snapshot(snapshot_owner(self.node, self.db), blobs)
         except UnsupportedBlobError as ex:
             raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
         with self.location.active():  # the saver's thread writes with this location's options
             saver.start(self.db, self.db_type, snap)
         return snap.nbytes
+
+
+def snapshot_owner(node: str, db: str) -> str:
+    """Whose snapshot arenas a background save of ``db`` takes: the node and its checkpoint
+    location, so each state finds its arenas again every epoch (and :class:`PrepareSaves`
+    prepares the ones its saves will take)."""
+    return f"{node}@{db.rpartition('/')[0]}"
+
+
+class PrepareSaves:
+    """As a run with background saves starts: have this node's process allocate the snapshot
+    arenas that background saves of ``names`` (to dbs next to ``db``) take, and fault them in
+    on a thread now (:meth:`.background.BackgroundSaver.prepare`), so that even the first
+    snapshot copies into warm memory instead of paying first-touch faults on the training
+    thread. Nothing is copied; names the workspace lacks are left out (the save names them).
+    Returns the arenas queued (0: they were ready)."""
+
+    name = "checkpoint_prepare"
+
+    def __init__(self, db: str, names: Sequence[str], *, node: str, saver: BackgroundSaver | None = None) -> None:
+        self.owner, self.names, self.saver = snapshot_owner(node, db), list(names), saver
+
+    def __call__(self, ws: Any) -> int:
+        blobs = {n: ws[n] for n in self.names if n in ws}
+        return (self.saver or process_saver()).prepare(self.owner, blobs) if blobs else 0
 
 
 class JoinSave:
