@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from epochal import get_db_type, register_db_type
-from epochal.checkpoint.tasks import background
+from epochal.checkpoint.tasks import arenas
 from epochal.checkpoint.tasks.background import BackgroundSaver, arena_bytes
 from epochal.storage.formats.native import image
 from epochal.storage.formats.native.backend import NativeBackend
@@ -239,8 +239,8 @@ def test_prepare_faults_the_arena_in_on_a_thread_and_the_snapshot_takes_it(tmp_p
 
 def test_a_snapshot_during_warming_never_loses_a_byte(tmp_path, monkeypatch):
     """The lease stops the warmer before the copy (the fallback warmer writes zeros)."""
-    monkeypatch.setattr(background, "_WARM_STEP", 1 << 16)
-    monkeypatch.setattr(background, "_LIBC", [None])  # the zero-writing fallback
+    monkeypatch.setattr(arenas, "_WARM_STEP", 1 << 16)
+    monkeypatch.setattr(arenas, "_LIBC", [None])  # the zero-writing fallback
     saver = BackgroundSaver()
     blobs = _state([16 << 20, 5], 4)
     saver.prepare("n", blobs)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from epochal import knobs
-from epochal.checkpoint.tasks import background
+from epochal.checkpoint.tasks import arenas
 from epochal.checkpoint.tasks.background import BackgroundSaver
 from epochal.storage.formats.native import NativeBackend, image
 from epochal.storage.formats.native.writer import plan_file
@@ -118,7 +118,7 @@ def test_the_pinned_pwrites_read_the_arena_memory_with_o_direct(tmp_path, monkey
 
 
 def test_a_misaligned_arena_takes_the_copying_path(tmp_path, monkeypatch):
-    monkeypatch.setattr(background, "_PAGE_SHIFT", 128)  # 64 bytes off the file's pages
+    monkeypatch.setattr(arenas, "_PAGE_SHIFT", 128)  # 64 bytes off the file's pages
     blobs = _random(30, 3)
     snap = BackgroundSaver().snapshot("n", blobs)
     assert snap.arena.buffer.ctypes.data % 4096 == 128
