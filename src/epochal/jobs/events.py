@@ -6,7 +6,16 @@ progress line of ``epochal.progress``, a test recorder, a metrics exporter).
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from dataclasses import dataclass
+
+from .. import knobs
+
+#: the terminal display attached when stderr is a terminal: named, not imported, so this
+#: layer does not depend on the views above it
+DEFAULT_DISPLAY = "epochal.progress:TerminalProgress"
 
 
 @dataclass
@@ -39,3 +48,16 @@ class RunListener:
     def on_train_end(self, epoch: int, preempted: bool) -> None: ...
 
     def close(self) -> None: ...
+
+
+def auto_progress(force: bool = False) -> RunListener | None:
+    """The terminal progress display: when forced, or when stderr is a terminal outside CI and
+    the ``quiet`` knob is off (:func:`epochal.knobs.is_quiet`: by default, EPOCHAL_QUIET unset)."""
+    if not force and (os.environ.get("CI") or knobs.is_quiet() or not sys.stderr.isatty()):
+        return None
+    module, _, name = DEFAULT_DISPLAY.partition(":")
+    try:
+        display = getattr(importlib.import_module(module), name)
+    except ImportError:
+        return None
+    return display(force=force)  # type: ignore[no-any-return]

@@ -17,9 +17,7 @@ epochal is loud instead:
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -38,31 +36,14 @@ from ..checkpoint.tasks.handles import (
 from ..errors import NodeLostError, Preempted
 from ..execution.task import Task, TaskGroup, TaskOutput
 from .cadence import Cadence
-from .events import CheckpointEvent, RunListener
+from .events import DEFAULT_DISPLAY, CheckpointEvent, RunListener, auto_progress
 from .job import Job
 from .preemption import SignalGuard
 from .recovery import RecoveryPolicy
 
 logger = logging.getLogger("epochal")
 
-#: the terminal display attached when stderr is a terminal: named, not imported, so this
-#: layer does not depend on the views above it
-DEFAULT_DISPLAY = "epochal.progress:TerminalProgress"
-
 __all__ = ["DEFAULT_DISPLAY", "FATAL_SAVE_ERRORS", "JobRunner"]
-
-
-def _auto_progress(force: bool = False) -> RunListener | None:
-    """The terminal progress display: when forced, or when stderr is a terminal outside CI and
-    the ``quiet`` knob is off (:func:`epochal.knobs.is_quiet`: by default, EPOCHAL_QUIET unset)."""
-    if not force and (os.environ.get("CI") or knobs.is_quiet() or not sys.stderr.isatty()):
-        return None
-    module, _, name = DEFAULT_DISPLAY.partition(":")
-    try:
-        display = getattr(importlib.import_module(module), name)
-    except ImportError:
-        return None
-    return display(force=force)  # type: ignore[no-any-return]
 
 
 def _metric_output(job: Job, name: str, output: Any) -> TaskOutput:
@@ -203,7 +184,7 @@ class JobRunner:
         self._warned = set()
         self._final = None
         if self.progress is not False:
-            display = _auto_progress(force=bool(self.progress))
+            display = auto_progress(force=bool(self.progress))
             if display is not None:
                 self._active.append(display)
         manager = self.checkpoint_manager

@@ -24,7 +24,6 @@ See docs/reliability.md for the guarantees and how they are tested.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Iterable
@@ -36,7 +35,7 @@ from ...storage.formats.base import get_db_type
 from ..location.best import collect_metrics, keep_best_record, recorded_metrics
 from ..location.lease import DEFAULT_LEASE_SECONDS
 from ..location.lock import LOCK_FILE
-from ..location.manifest import MANIFEST_RE, Manifest, manifest_name, validate_manifest
+from ..location.manifest import Manifest
 from ..location.record_cache import CachedRecords
 from ..location.records import RecordLock
 from ..location.retention import RetentionPolicy
@@ -55,12 +54,6 @@ from .metadata import BaseMetadataHandler, DbReport, PushTarget
 
 logger = logging.getLogger("epochal")
 
-PINS_FORMAT = "epochal-pins"
-
-# the manifest's own module has these; kept here for code that imported them from here
-_MANIFEST_RE = MANIFEST_RE
-_manifest_name = manifest_name
-_validate_manifest = validate_manifest
 
 
 def _utcnow() -> str:
@@ -473,10 +466,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
     def _update_pins(self, add: set[int], remove: set[int]) -> None:
         d = self._dir()
         self._fence()  # a job that lost the lease does not rewrite the new holder's pins
-        pins = (d.pins() | add) - remove
-        d.records.makedirs(d.records_dir)
-        data = {"format": PINS_FORMAT, "version": 1, "epochs": sorted(pins)}
-        d.records.write(d.pins_path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
+        d.write_pins((d.pins() | add) - remove)
 
     def _write_manifest(self, path: str, manifest: Manifest) -> None:
         """Write a manifest atomically, with its content checksum."""

@@ -35,6 +35,7 @@ from .stats import StatsLine
 logger = logging.getLogger("epochal")
 
 PINS_FILE = "pins.json"
+PINS_FORMAT = "epochal-pins"
 #: how much of a committed epoch is checked: ``"full"`` (every checksum), ``"quick"`` (each
 #: db's size and digest against the manifest), ``"none"`` (the manifest is valid and lists
 #: files that exist). The one definition; the public API takes these strings.
@@ -191,6 +192,12 @@ class CheckpointDirectory:
         m = Manifest.from_dict(decode_manifest(raw, path, epoch))
         self._parsed[epoch] = (raw, m)
         return m
+
+    def write_pins(self, epochs: set[int]) -> None:
+        """Replace the pins file with ``epochs`` (atomically, as every record)."""
+        self.records.makedirs(self.records_dir)
+        data = {"format": PINS_FORMAT, "version": 1, "epochs": sorted(epochs)}
+        self.records.write(self.pins_path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
 
     def pins(self) -> set[int]:
         """Pinned epochs (empty when there is no pins file); CheckpointCorruptError if unreadable."""
