@@ -82,3 +82,28 @@ class HostStaging:
         if cuda:
             torch.cuda.synchronize()  # every device-to-host copy has landed
         return out, pooled
+
+    def snapshot_state(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], bool] | None:
+        """A copy of a whole DCP state dict of CPU tensors that DCP can save later, from another
+        thread, while the live one changes: each tensor's (each DTensor's local shard's) bytes
+        copied into the buffer (a DTensor comes back as one on its mesh and placements, with no
+        communication), other values deep-copied, nested dicts and lists as they were. Returns
+        the copy and whether it is pooled (as :meth:`snapshot`); None when the state holds a
+        CUDA tensor (a DTensor cannot be rebuilt off its device: the caller stages those
+        through :meth:`snapshot` of what it writes)."""
+        from torch.distributed.checkpoint._nested_dict import (
+            flatten_state_dict,
+            unflatten_state_dict,
+        )
+        from torch.distributed.tensor import DTensor
+
+        flat, mappings = flatten_state_dict(state_dict)
+        local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in flat.items()}
+        if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in local.values()):
+            return None
+        copied, pooled = self.snapshot(local)
+        for k, v in flat.items():
+            if isinstance(v, DTensor):
+                copied[k] = DTensor.from_local(copied[k], v.device_mesh, v.placements, run_check=False,
+                                               shape=v.shape, stride=v.stride())
+        return unflatten_state_dict(copied, mappings), pooled
