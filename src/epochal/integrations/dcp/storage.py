@@ -425,8 +425,10 @@ def _read_blobs(f: NativeFile, wanted: dict[str, list[ReadItem]], planner: LoadP
     """Read the saved items ``wanted`` of one db (each verified before any of its bytes
     reaches a live tensor) and hand each of their read items its part. A whole chunk wanted
     whole by a live tensor of its shape is read straight into it, all such in one read;
-    the others go through fresh buffers, in reads of up to about tuning.PARALLEL_MIN bytes
-    (a few big reads instead of one per chunk, memory bounded)."""
+    the others go through fresh buffers, in reads of up to about a quarter of
+    tuning.PARALLEL_MIN bytes (fewer reads than one per chunk, memory bounded; below the size
+    at which the reader spreads a read over threads, which costs more than it gives when
+    every core is busy, as a training job's are)."""
     direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}
     staged: list[list[str]] = [[]]
     size = 0
@@ -444,7 +446,7 @@ def _read_blobs(f: NativeFile, wanted: dict[str, list[ReadItem]], planner: LoadP
                     info.dtype == dtype_name(target.dtype):
                 direct[blob] = (first, target)
                 continue
-        if size and size + info.nbytes > tuning.PARALLEL_MIN:
+        if size and size + info.nbytes > tuning.PARALLEL_MIN // 4:
             staged.append([])
             size = 0
         staged[-1].append(blob)
