@@ -85,3 +85,43 @@ def plans_kept(rank: int, world: int, path: str, async_save: bool) -> None:
                 assert got == at[step], (step, sorted(k for k in at[step] if got.get(k) != at[step][k]))
             assert state["note"] == f"s{step}", state["note"]
             assert torch.equal(got_extra, extra(step)), (step, got_extra)
+
+
+def async_write_fails_on_one_rank(rank: int, world: int, path: str) -> None:
+    """async_save on 2 ranks: rank 1's background write of step 2 fails. save() returns on
+    both (nothing collective there); wait() raises on both, rank 0's error naming rank 1 and
+    its reason; step 2 is never committed; step 3 then saves and restores bit-equal."""
+    import epochal
+    import epochal.integrations.dcp.storage as storage
+    from epochal.checkpoint.location.view import CheckpointDirectory
+
+    torch.manual_seed(0)  # the same (replicated) model on both ranks
+    model = torch.nn.Linear(4, 3)
+    with epochal.Checkpointer(path, async_save=True) as ck:
+        ck.save(1, {"model": model, "step": 1})
+        ck.wait()
+        real = storage.write_native
+        if rank == 1:
+            def broken(*a: Any, **k: Any) -> int:
+                raise OSError(28, "No space left on device (injected)")
+            storage.write_native = broken  # type: ignore[assignment]
+        ck.save(2, {"model": model, "step": 2})  # returns: the write fails in the background
+        try:
+            ck.wait()
+            raise AssertionError("a background save with rank 1's write failed was committed")
+        except OSError as ex:
+            assert rank == 1 and "injected" in str(ex), ex
+        except epochal.errors.CheckpointError as ex:
+            assert rank == 0 and "rank 1 failed to" in str(ex) and "injected" in str(ex), ex
+        storage.write_native = real
+        assert CheckpointDirectory(path).committed_epochs() == [1]
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        at3 = {k: v.clone() for k, v in model.state_dict().items()}
+        ck.save(3, {"model": model, "step": 3})
+        ck.wait()
+        assert CheckpointDirectory(path).committed_epochs() == [1, 3]
+        fresh = torch.nn.Linear(4, 3)
+        state: dict[str, Any] = {"model": fresh, "step": 0}
+        assert ck.restore(state) == 3 and state["step"] == 3
+        assert all(torch.equal(v, at3[k]) for k, v in fresh.state_dict().items())

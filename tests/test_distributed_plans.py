@@ -14,7 +14,7 @@ if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 from _dist_workers import run_ranks  # noqa: E402
-from _dist_workers_plans import plans_kept  # noqa: E402
+from _dist_workers_plans import async_write_fails_on_one_rank, plans_kept  # noqa: E402
 
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.integrations.dcp.plan_cache import SavePlanCache  # noqa: E402
@@ -46,3 +46,10 @@ def test_one_process_reuses_plans_and_replans_on_a_new_shape(tmp_path: Path) -> 
             into = {"t": torch.zeros_like(t), "n": -1}
             ck._load(step, into)
             assert torch.equal(into["t"], t) and into["n"] == step
+
+
+def test_a_failed_background_write_raises_on_every_rank_at_wait(tmp_path: Path) -> None:
+    run_ranks(async_write_fails_on_one_rank, 2, str(tmp_path / "ckpt"))
+    d = CheckpointDirectory(str(tmp_path / "ckpt"))
+    assert d.committed_epochs() == [1, 3]
+    assert not (tmp_path / "ckpt" / "rank1.2").exists()
