@@ -40,9 +40,7 @@ import contextlib
 import functools
 import logging
 import os
-import queue
 import signal
-import threading
 import time
 import warnings
 import zlib
@@ -61,6 +59,7 @@ from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
 from ..storage.io.seam import is_url, local_path
 from .dcp import EpochalStorageReader, EpochalStorageWriter, Whole
+from .dcp.background import Pending, Worker
 from .dcp.plan_cache import RecordingSavePlanner, SavePlanCache
 from .dcp.staging import HostStaging
 from .rank_state import dcp_state
@@ -107,14 +106,14 @@ class DistributedCheckpointer:
             )
         self.async_save = bool(async_save)
         self._staging = HostStaging(max_host_bytes)  # async snapshots: one host buffer, reused
-        self._pending: _Pending | None = None
+        self._pending: Pending | None = None
         self.ranks = RankGroup(group, self.directory)  # host-side coordination (gloo)
         self.rank, self.world = self.ranks.rank, self.ranks.world
         self._dist, self._group = self.ranks.dist, self.ranks.group
         self._plans = SavePlanCache()  # the last save's DCP plans, reused while the state's structure holds
         # background writes agree on their outcome on a gloo group of their own, off the training thread
         self._bg = self.ranks.fork() if self.async_save else self.ranks
-        self._worker = _Worker()
+        self._worker = Worker()
         self.per_rank = set(per_rank)
         self.handler: DirectoryMetadataHandler | None = None
         problem: BaseException | None = None
@@ -191,7 +190,7 @@ class DistributedCheckpointer:
         else:
             w = writer()
             job = functools.partial(self._write_snapshot, step, snap, w, problem)
-        self._pending = _Pending(step, w, start, self._bg, job)
+        self._pending = Pending(step, w, start, self._bg, job)
         self._worker.submit(self._pending.run)
 
     def _write_snapshot(self, step: int, snap: tuple[dict[str, Any], bool] | None, writer: EpochalStorageWriter,
@@ -417,53 +416,6 @@ class DistributedCheckpointer:
             dcp_load(sd, storage_reader=reader, process_group=self._group, no_dist=not self._dist)
         for key, apply in after.items():
             apply(sd[key])
-
-
-class _Pending:
-    """A background save of this rank: ``job`` (its write, collective on ``ranks``, the
-    background group), then the ranks' agreement that every rank's job ended well; so
-    :attr:`error` is the same failure (or None) on every rank."""
-
-    def __init__(self, step: int, writer: EpochalStorageWriter, start: int, ranks: RankGroup,
-                 job: Callable[[], None]) -> None:
-        self.step, self.writer, self.start, self.ranks, self.job = step, writer, start, ranks, job
-        self.error: BaseException | None = None
-        self.written, self.done = threading.Event(), threading.Event()
-
-    def run(self) -> None:
-        problem: BaseException | None = None
-        try:
-            self.job()
-        except BaseException as ex:
-            problem = ex
-        finally:
-            self.written.set()
-        try:
-            self.ranks.agree(problem, f"write step {self.step} in the background")
-        except BaseException as ex:  # handed to wait(), which raises it (on every rank)
-            self.error = ex
-            self.writer.discard_deferred()
-        finally:
-            self.done.set()
-
-
-class _Worker:
-    """One daemon thread running the background saves in order (a queue: handing one over
-    does not wait for a thread to start)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="epochal-dist-save", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self._jobs.get()()
 
 
 class RankSignalGuard(SignalGuard):
