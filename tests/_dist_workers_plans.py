@@ -125,3 +125,26 @@ def async_write_fails_on_one_rank(rank: int, world: int, path: str) -> None:
         state: dict[str, Any] = {"model": fresh, "step": 0}
         assert ck.restore(state) == 3 and state["step"] == 3
         assert all(torch.equal(v, at3[k]) for k, v in fresh.state_dict().items())
+
+
+def url_saves(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
+    """A DistributedCheckpointer on an s3:// URL (2 ranks): two synchronous saves and one
+    background save of DTensors (w sharded on dim 0) and plain values, then a restore into
+    another sharding (w on dim 1), bit-equal, with unpickling made to raise."""
+    from _dist_workers import check_loaded, dtensor_state, forbid_pickle, full_state
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import epochal
+
+    mesh = init_device_mesh("cpu", (world,))
+    for async_save, steps in ((False, (1, 2)), (True, (3,))):
+        with epochal.Checkpointer(url, storage_options=opts, async_save=async_save) as ck:
+            assert type(ck).__name__ == "DistributedCheckpointer"
+            for step in steps:
+                ck.save(step, dtensor_state(mesh, full_state(float(step)), 0))
+    forbid_pickle()
+    with epochal.Checkpointer(url, storage_options=opts) as ck:
+        assert ck.steps() == [1, 2, 3]
+        into = dtensor_state(mesh, full_state(), 1, zero=True)
+        assert ck.restore(into) == 3
+        check_loaded(into, full_state(3.0))

@@ -57,7 +57,8 @@ from ..checkpoint.location.view import CheckpointDirectory, best_of_directory
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
-from ..storage.io.seam import is_url, local_path
+from ..storage.io.location import location_for
+from ..storage.io.seam import local_path
 from .dcp import EpochalStorageReader, EpochalStorageWriter, Whole
 from .dcp.background import Pending, Worker
 from .dcp.plan_cache import RecordingSavePlanner, SavePlanCache
@@ -82,7 +83,8 @@ class DistributedCheckpointer:
     process group (the default one). ``async_save``: :meth:`save` snapshots this rank's part
     into host memory and returns; a thread writes it, and the step is committed (by rank 0,
     once every rank's write is durable) at the next ``save``, ``wait``, ``restore`` or
-    ``close``, which are collective. URLs are not supported here yet."""
+    ``close``, which are collective. ``directory`` may be a URL (``s3://bucket/run``;
+    ``storage_options`` go to fsspec on every rank): rank 0 commits, every rank writes its db."""
 
     def __init__(
         self,
@@ -98,12 +100,10 @@ class DistributedCheckpointer:
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
     ) -> None:
-        self.directory = local_path(directory)  # file:// is the local disk
-        if storage_options is not None or is_url(self.directory):
-            raise CheckpointError(
-                f"Checkpointer({self.directory!r}) under torch.distributed: URLs and "
-                "storage_options are not supported yet (docs/distributed.md)"
-            )
+        location = location_for(local_path(directory), storage_options)  # file:// is the local disk
+        location.remember()  # a URL's options: this process's for every path under it
+        self.directory = location.root
+        self._options = dict(storage_options) if storage_options else None
         self.async_save = bool(async_save)
         self._staging = HostStaging(max_host_bytes)  # async snapshots: one host buffer, reused
         self._pending: Pending | None = None
@@ -119,8 +119,10 @@ class DistributedCheckpointer:
         problem: BaseException | None = None
         if self.rank == 0:
             try:
-                os.makedirs(self.directory, exist_ok=True)
-                h = DirectoryMetadataHandler(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
+                if location.is_local:
+                    os.makedirs(self.directory, exist_ok=True)
+                h = DirectoryMetadataHandler(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
+                                             storage_options=self._options)
                 h.set_params(db_prefix=self.directory, db_type="native", node_names=[], path_prefix=None,
                              path_type=None)
                 h.acquire_lock()  # rank 0's, until close()
@@ -171,7 +173,8 @@ class DistributedCheckpointer:
         def writer(deferred: bool = False) -> EpochalStorageWriter:
             return EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
                                         metrics=recorded or None, deferred=deferred,
-                                        hold_commit=self.async_save, staging=self._staging)
+                                        hold_commit=self.async_save, staging=self._staging,
+                                        storage_options=self._options)
 
         if not self.async_save:
             self._write(step, sd, writer(), self.ranks)
@@ -405,7 +408,7 @@ class DistributedCheckpointer:
         )
 
     def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
-        reader = EpochalStorageReader(self.directory, step=step)
+        reader = EpochalStorageReader(self.directory, step=step, storage_options=self._options)
         saved = set(reader.read_metadata().state_dict_metadata)
         # the ranks that saved per-rank values: all of a world of the same size, or none
         ranks = {k[len("__rank"):].split("__/", 1)[0] for k in saved if k.startswith("__rank")}

@@ -62,7 +62,8 @@ from ...storage.encoding.codecs import LoadOptions, load_options
 from ...storage.formats.native.reader import NativeFile, stat_native
 from ...storage.formats.native.writer import write_native
 from ...storage.io import tuning
-from ...storage.io.seam import is_url, local_path
+from ...storage.io.location import location_for
+from ...storage.io.seam import is_url, local_path, store_for
 from .. import world as _world
 from ..torch import dtype_name
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
@@ -128,7 +129,7 @@ class EpochalStorageWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
                  handler: DirectoryMetadataHandler | None = None, lock: bool = True,
                  metrics: dict[str, Any] | None = None, deferred: bool = False, hold_commit: bool = False,
-                 staging: HostStaging | None = None) -> None:
+                 staging: HostStaging | None = None, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.metrics = metrics
         #: write_data snapshots the rank's items into host memory and returns; the db is
@@ -145,7 +146,7 @@ class EpochalStorageWriter(StorageWriter):
         #: on the coordinator, once finish() was called: DCP's global metadata and every
         #: rank's write results (what a plan cache replays for a later step)
         self.finished: tuple[Metadata, list[list[WriteResult]]] | None = None
-        self.path = local_path(path)  # file:// is the local disk
+        self.path = _located(path, storage_options)
         self.step = None if step is None else int(step)
         self.handler = handler
         self.lock = bool(lock)
@@ -167,7 +168,7 @@ class EpochalStorageWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -179,7 +180,8 @@ class EpochalStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
+        if not is_url(self.path):
+            os.makedirs(self.path, exist_ok=True)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -332,9 +334,10 @@ class EpochalStorageReader(StorageReader):
     """A DCP storage reader of epochal checkpoints (see the module doc). ``step``: the step
     to load; None: the newest committed step written by :class:`EpochalStorageWriter`."""
 
-    def __init__(self, path: str | os.PathLike[str], step: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
+                 storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.path = local_path(path)  # file:// is the local disk
+        self.path = _located(path, storage_options)
         self.step = None if step is None else int(step)
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         #: after read_metadata: the step being loaded
@@ -351,7 +354,7 @@ class EpochalStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def _choose_step(self, d: CheckpointDirectory) -> int:
         if self.step is not None:
@@ -404,13 +407,21 @@ class EpochalStorageReader(StorageReader):
             wanted[loc.db][loc.blob].append(item)
         with load_options(LoadOptions(map_location="cpu", where=f"DCP checkpoint {self.path}")):
             for file in sorted(wanted):
-                path = os.path.join(self.path, file)
-                if not os.path.exists(path):
+                path = f"{self.path.rstrip('/')}/{file}"
+                if not store_for(path).exists(path):
                     raise CheckpointNotFoundError(f"{path}: the db of DCP items "
                                                   f"{sorted(wanted[file])[:3]} does not exist")
                 with NativeFile(path, mmap=False) as f:
                     _read_blobs(f, wanted[file], planner)
         return _done(None)
+
+
+def _located(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> str:
+    """The checkpoint directory ``path`` (``file://`` is the local disk); for a URL, its
+    ``storage_options`` become this process's for URLs under it (every rank's own process)."""
+    location = location_for(local_path(path), storage_options)
+    location.remember()
+    return location.root if location.is_url else local_path(path)
 
 
 def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
