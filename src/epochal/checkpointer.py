@@ -125,7 +125,7 @@ class Checkpointer:
         from .integrations.world import use_distributed
 
         directory = args[0] if args else kwargs.get("directory")
-        if cls is Checkpointer and directory is not None and use_distributed(directory):
+        if cls is Checkpointer and directory is not None and use_distributed(directory, kwargs.get("storage_options")):
             from .integrations.distributed import DistributedCheckpointer
 
             return DistributedCheckpointer(*args, **kwargs)  # type: ignore[return-value]

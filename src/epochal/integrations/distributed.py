@@ -41,79 +41,38 @@ import functools
 import logging
 import os
 import signal
-import threading
 import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from typing import Any, cast
+from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ..checkpoint.handler.directory import DirectoryMetadataHandler
 from ..checkpoint.location.best import metric_number
 from ..checkpoint.location.view import CheckpointDirectory, best_of_directory
-from ..checkpoint.tasks.steps import INTERNAL_PREFIX
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
-from ..storage.io.seam import is_url, local_path
+from ..storage.io.location import location_for
+from ..storage.io.seam import local_path
 from .dcp import EpochalStorageReader, EpochalStorageWriter, Whole
+from .dcp.background import Pending, Worker
+from .dcp.plan_cache import RecordingSavePlanner, SavePlanCache
 from .dcp.staging import HostStaging
+from .rank_state import dcp_state
+from .ranks import RankGroup, process_world, unwrap_failure
 
 __all__ = ["DistributedCheckpointer", "process_world"]
 
 logger = logging.getLogger("epochal")
 
-#: type names whose objects are per rank by default (data positions and RNG)
-PER_RANK_TYPES = ("RNGState", "ResumableSampler", "StatefulDataLoader", "DistributedSampler")
-
 
 #: a second SIGTERM this soon after the first is a duplicate delivery, not "stop at once"
 DUPLICATE_SECONDS = 5.0
-
-
-def process_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group; (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def rank_key(rank: int, name: str) -> str:
-    return f"__rank{int(rank)}__/{name}"
-
-
-def _stateful(v: Any) -> bool:
-    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
-
-
-def _unwrap(ex: BaseException, what: str) -> BaseException:
-    """The exception behind a CheckpointException (DCP wraps each rank's): this rank's own
-    when it failed; else the first failed rank's, as a CheckpointError naming that rank (a
-    CheckpointCorruptError, which names its file and blob, stays one)."""
-    if not isinstance(ex, CheckpointException) or not ex.failures:
-        return ex
-    rank = process_world()[0]
-    if rank in ex.failures:
-        exc = ex.failures[rank][0]
-        return exc if isinstance(exc, BaseException) else ex
-    other, (exc, _) = next(iter(sorted(ex.failures.items(), key=lambda kv: kv[0])))
-    if isinstance(exc, CheckpointCorruptError):
-        return exc
-    err = CheckpointError(f"rank {other} failed to {what}: {exc!r}")
-    err.__cause__ = exc if isinstance(exc, BaseException) else None
-    return err
 
 
 class DistributedCheckpointer:
@@ -124,7 +83,8 @@ class DistributedCheckpointer:
     process group (the default one). ``async_save``: :meth:`save` snapshots this rank's part
     into host memory and returns; a thread writes it, and the step is committed (by rank 0,
     once every rank's write is durable) at the next ``save``, ``wait``, ``restore`` or
-    ``close``, which are collective. URLs are not supported here yet."""
+    ``close``, which are collective. ``directory`` may be a URL (``s3://bucket/run``;
+    ``storage_options`` go to fsspec on every rank): rank 0 commits, every rank writes its db."""
 
     def __init__(
         self,
@@ -140,36 +100,36 @@ class DistributedCheckpointer:
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
     ) -> None:
-        self.directory = local_path(directory)  # file:// is the local disk
-        if storage_options is not None or is_url(self.directory):
-            raise CheckpointError(
-                f"Checkpointer({self.directory!r}) under torch.distributed: URLs and "
-                "storage_options are not supported yet (docs/distributed.md)"
-            )
+        location = location_for(local_path(directory), storage_options)  # file:// is the local disk
+        location.remember()  # a URL's options: this process's for every path under it
+        self.directory = location.root
+        self._options = dict(storage_options) if storage_options else None
         self.async_save = bool(async_save)
         self._staging = HostStaging(max_host_bytes)  # async snapshots: one host buffer, reused
-        self._pending: _Pending | None = None
-        self._dist = dist.is_available() and dist.is_initialized()
-        self.rank, self.world = process_world()
-        if self._dist and group is not None:  # ranks of that group
-            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._group = group
-        if self._dist and group is None and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")  # host-side coordination
+        self._pending: Pending | None = None
+        self.ranks = RankGroup(group, self.directory)  # host-side coordination (gloo)
+        self.rank, self.world = self.ranks.rank, self.ranks.world
+        self._dist, self._group = self.ranks.dist, self.ranks.group
+        self._plans = SavePlanCache()  # the last save's DCP plans, reused while the state's structure holds
+        # background writes agree on their outcome on a gloo group of their own, off the training thread
+        self._bg = self.ranks.fork() if self.async_save else self.ranks
+        self._worker = Worker()
         self.per_rank = set(per_rank)
         self.handler: DirectoryMetadataHandler | None = None
         problem: BaseException | None = None
         if self.rank == 0:
             try:
-                os.makedirs(self.directory, exist_ok=True)
-                h = DirectoryMetadataHandler(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
+                if location.is_local:
+                    os.makedirs(self.directory, exist_ok=True)
+                h = DirectoryMetadataHandler(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
+                                             storage_options=self._options)
                 h.set_params(db_prefix=self.directory, db_type="native", node_names=[], path_prefix=None,
                              path_type=None)
                 h.acquire_lock()  # rank 0's, until close()
                 self.handler = h
             except Exception as ex:
                 problem = ex
-        self._agree(problem, "open the checkpoint directory")
+        self.ranks.agree(problem, "open the checkpoint directory")
         self._metric = metric
         self.last_step: int | None = None
         self._last_save = time.monotonic()
@@ -179,53 +139,26 @@ class DistributedCheckpointer:
     def __repr__(self) -> str:
         return f"DistributedCheckpointer({self.directory!r}, rank={self.rank}, world={self.world})"
 
-    # -- coordination (tensors on the gloo group: nothing pickled)
-    def _all_max(self, values: list[int]) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int64)
-        if self._dist:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        return [int(v) for v in t.tolist()]
-
-    def _broadcast(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
-        if self._dist:
-            dist.broadcast(t, src=0 if self._group is None else dist.get_global_rank(self._group, 0),
-                           group=self._group)
-        return int(t.item())
-
-    def _agree(self, problem: BaseException | None, what: str, corrupt_ok: bool = False) -> bool:
-        """Every rank learns whether any failed at ``what``: this rank's own error is raised
-        as it is; a rank that did not fail raises a CheckpointError naming the ranks that did.
-        With ``corrupt_ok``, when every failure is a CheckpointCorruptError, return True
-        instead (the caller falls back) on every rank."""
-        code = 0 if problem is None else (1 if isinstance(problem, CheckpointCorruptError) else 2)
-        codes = self._all_max([code if r == self.rank else 0 for r in range(self.world)])
-        failed = [r for r, c in enumerate(codes) if c]
-        if not failed:
-            return False
-        if corrupt_ok and all(codes[r] == 1 for r in failed):
-            return True
-        if problem is not None:
-            raise problem
-        raise CheckpointError(f"{self.directory}: rank(s) {failed} failed to {what} (see their errors)")
-
     # -- the API
     @property
     def preempted(self) -> bool:
         """True on every rank once any rank got SIGTERM (collective: call it on every rank)."""
-        return bool(self._all_max([int(self._guard.signum is not None)])[0])
+        return bool(self.ranks.all_max([int(self._guard.signum is not None)])[0])
 
     def due(self, step: int, every: int | None = None, interval: float | str | None = None) -> bool:
         """The Checkpointer's ``due``, agreed by all ranks (collective): True on every rank
         when any rank says so (a SIGTERM on one rank, or its clock's ``interval``)."""
         local = self._guard.signum is not None or Cadence(
             every, parse_interval(interval), _last=self._last_save).due(int(step))
-        return bool(self._all_max([int(local)])[0])
+        return bool(self.ranks.all_max([int(local)])[0])
 
     def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
         """Save ``state`` as step ``step`` (collective): each rank writes its part; rank 0
         commits once all are durable. Raises on every rank when any rank's part failed
-        (the step is then not committed; earlier ones are untouched)."""
+        (the step is then not committed; earlier ones are untouched). With ``async_save``,
+        this rank's state is copied into host memory and the rest (planning, writing, the
+        ranks' agreement) runs in the background, on a group of its own: no collective here;
+        a failure is raised by :meth:`wait` (or the next save) on every rank."""
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -234,22 +167,107 @@ class DistributedCheckpointer:
             recorded[self._metric] = metric_number(self._metric, state[self._metric])
         self._last_save = time.monotonic()
         start = time.perf_counter_ns()
-        sd, _ = self._dcp_state(state, None)
-        self._check_replicated(sd)
+        sd, _ = dcp_state(state, self.rank, self.per_rank, None, self.directory)
         self.wait()  # the previous background save is committed (or has failed) first
-        writer = EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
-                                      metrics=recorded or None, deferred=self.async_save,
-                                      staging=self._staging)
+
+        def writer(deferred: bool = False) -> EpochalStorageWriter:
+            return EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
+                                        metrics=recorded or None, deferred=deferred,
+                                        hold_commit=self.async_save, staging=self._staging,
+                                        storage_options=self._options)
+
+        if not self.async_save:
+            self._write(step, sd, writer(), self.ranks)
+            self._committed(step, start)
+            return
+        problem: BaseException | None = None
+        snap: tuple[dict[str, Any], bool] | None = None
+        try:
+            snap = self._staging.snapshot_state(sd)
+        except Exception as ex:
+            problem = ex
+        if snap is None and problem is None:  # CUDA tensors: planned here, staged as written
+            w = writer(deferred=True)
+            self._write(step, sd, w, self.ranks)
+            job: Callable[[], None] = w.write_deferred
+        else:
+            w = writer()
+            job = functools.partial(self._write_snapshot, step, snap, w, problem)
+        self._pending = Pending(step, w, start, self._bg, job)
+        self._worker.submit(self._pending.run)
+
+    def _write_snapshot(self, step: int, snap: tuple[dict[str, Any], bool] | None, writer: EpochalStorageWriter,
+                        problem: BaseException | None) -> None:
+        """The background part of an async save of a snapshot (``problem``: this rank's
+        failure to take it): collective on the background group."""
+        try:
+            self._write(step, {} if snap is None else snap[0], writer, self._bg, problem)
+        finally:
+            if snap is not None and snap[1]:
+                self._staging.release()
+
+    def _write(self, step: int, sd: dict[str, Any], writer: EpochalStorageWriter, ranks: RankGroup,
+               problem: BaseException | None = None) -> None:
+        """Plan and write ``sd`` as ``step`` (collective on ``ranks``): with the kept plans
+        when every rank's local plan is unchanged, else through DCP's planning in full."""
+        planner, kept = self._planned(step, sd, ranks, problem)
+        if kept:
+            self._save_planned(step, planner, writer, ranks)
+            return
+        self._plans.forget()  # the first save, or the state's structure changed
         try:
             with _quiet():
-                dcp_save(sd, storage_writer=writer, process_group=self._group, no_dist=not self._dist)
+                dcp_save(sd, storage_writer=writer, planner=planner, process_group=ranks.group,
+                         no_dist=not ranks.dist)
         except CheckpointException as ex:
-            raise _unwrap(ex, f"save step {step}") from None
-        if self.async_save:  # this rank's snapshot is in host memory: write it in a thread
-            self._pending = _Pending(step, writer, start)
-            self._pending.thread.start()
-            return
-        self._committed(step, start)
+            writer.discard_deferred()
+            raise unwrap_failure(ex, f"save step {step}") from None
+        self._plans.record(planner, writer)
+
+    def _planned(self, step: int, sd: dict[str, Any], ranks: RankGroup, problem: BaseException | None
+                 ) -> tuple[RecordingSavePlanner, bool]:
+        """One all-reduce: whether every rank's local plan is the one kept from the last save
+        (then the save reuses the kept plans: no DCP planning collectives), that no rank
+        failed (``problem``, or to plan), that rank 0 found ``step`` not committed yet, and
+        that the plain values are the same on every rank (else ValueError naming them)."""
+        planner, same = RecordingSavePlanner(), False
+        try:
+            if problem is None:
+                planner, same = self._plans.planner(sd, ranks.rank == 0)
+            if problem is None and ranks.rank == 0 and step in CheckpointDirectory(self.directory).committed_epochs():
+                raise CheckpointError(f"{self.directory}: step {step} is already committed (a save never "
+                                      "replaces one)")
+        except Exception as ex:
+            problem = ex
+        names = sorted(k for k, v in sd.items() if isinstance(v, Whole) and not k.startswith("__rank"))
+        digest = _plain_digest(sd, names)
+        got = ranks.all_max(ranks.slots(problem) + [int(not same), digest, -digest])
+        ranks.settle(got[:ranks.world], problem, f"plan step {step}")
+        if got[-2] != -got[-1]:
+            self._check_replicated(sd, names, ranks)
+        return planner, not got[ranks.world]
+
+    def _save_planned(self, step: int, planner: RecordingSavePlanner, writer: EpochalStorageWriter,
+                      ranks: RankGroup) -> None:
+        """Save ``step`` with the kept plans: each rank writes its kept items (a deferred
+        writer: snapshots them); rank 0 finishes (commits, unless the writer holds the commit)
+        once every rank's are written."""
+        problem: BaseException | None = None
+        try:
+            self._plans.write(planner, writer, step, ranks.rank)
+        except Exception as ex:
+            problem = ex
+        try:
+            ranks.agree(problem, f"save step {step}")
+        except BaseException:
+            writer.discard_deferred()
+            raise
+        try:
+            if ranks.rank == 0:
+                self._plans.finish(writer, step)
+        except Exception as ex:
+            problem = ex
+        ranks.agree(problem, f"commit step {step}")
 
     def _committed(self, step: int, start: int) -> None:
         self.last_step = step
@@ -276,8 +294,8 @@ class DistributedCheckpointer:
                     step = -1 if found is None else found
                 except Exception as ex:
                     problem = ex
-            self._agree(problem, "choose the step to resume")
-            step = self._broadcast(step)
+            self.ranks.agree(problem, "choose the step to resume")
+            step = self.ranks.broadcast(step)
             if step < 0:
                 if touched:
                     raise CheckpointCorruptError(self.directory, "no intact step left after a damaged one was "
@@ -288,16 +306,16 @@ class DistributedCheckpointer:
             try:
                 self._load(step, state)
             except CheckpointException as ex:
-                problem = _unwrap(ex, f"load step {step}")
+                problem = unwrap_failure(ex, f"load step {step}")
             except Exception as ex:
                 problem = ex
             touched = True
-            if not self._agree(problem, f"load step {step}", corrupt_ok=True):
+            if not self.ranks.agree(problem, f"load step {step}", corrupt_ok=True):
                 break
             rejected = 1
             if self.handler is not None:
                 rejected = int(self.handler.reject_epoch(step, str(problem or "damaged on another rank")))
-            if not self._broadcast(rejected):
+            if not self.ranks.broadcast(rejected):
                 raise problem if problem is not None else CheckpointCorruptError(self.directory, f"step {step} is damaged")
         logger.info("Resumed from step %d in %s", step, self.directory)
         self.last_step = step
@@ -323,21 +341,17 @@ class DistributedCheckpointer:
         if not self.async_save:
             return
         pending, self._pending = self._pending, None
-        if self._dist:
-            # every rank takes part, whether or not it had a save pending (all or none do)
-            any_pending = self._all_max([int(pending is not None)])[0]
-            if any_pending and pending is None:
-                raise CheckpointError(f"{self!r}: another rank has a background save pending and this one not")
         if pending is None:
             return
-        pending.thread.join()
-        self._agree(pending.error, f"write step {pending.step} in the background")
+        pending.done.wait()  # written, and every rank's outcome agreed (in the background)
+        if pending.error is not None:
+            raise pending.error
         problem: BaseException | None = None
         try:
             pending.writer.commit_deferred()
         except Exception as ex:
             problem = ex
-        self._agree(problem, f"commit step {pending.step}")
+        self.ranks.agree(problem, f"commit step {pending.step}")
         self._committed(pending.step, pending.start)
 
     def close(self) -> None:
@@ -353,9 +367,9 @@ class DistributedCheckpointer:
                 self.wait()
             elif self._pending is not None:
                 # leaving on an error: the other ranks may not reach a collective, so the
-                # background save is joined here but not committed
+                # background write is waited for but not committed
                 pending, self._pending = self._pending, None
-                pending.thread.join()
+                pending.written.wait()
         finally:
             self._closed = True
             self._guard.__exit__(None, None, None)
@@ -379,90 +393,32 @@ class DistributedCheckpointer:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
 
-    def _per_rank(self, name: str, value: Any) -> bool:
-        return name in self.per_rank or type(value).__name__ in PER_RANK_TYPES
-
-    def _dcp_state(self, state: Mapping[str, Any], saved: set[str] | None
-                   ) -> tuple[dict[str, Any], dict[str, Callable[[Any], Any]]]:
-        """The state dict DCP saves or loads into, and (for a load) what to do with each
-        loaded entry, by key. ``saved``: the keys of the step being loaded (None: a save)."""
-        if not isinstance(state, Mapping) or not state:
-            raise ValueError(f"state must be a non-empty dict of name -> object, got {state!r}")
-        modules = {n: v for n, v in state.items() if isinstance(v, torch.nn.Module)}
-        sd: dict[str, Any] = {}
-        after: dict[str, Callable[[Any], Any]] = {}
-        skipped: list[str] = []
-        for name, value in state.items():
-            if not isinstance(name, str) or not name or name.startswith((INTERNAL_PREFIX, "__")):
-                raise ValueError(f"state key {name!r} must be a non-empty str not starting with '__'")
-            key = rank_key(self.rank, name) if self._per_rank(name, value) else name
-            if saved is not None and key not in saved and not any(k.startswith(key + ".") for k in saved):
-                skipped.append(name)
-                continue
-            if isinstance(value, torch.nn.Module):
-                sd[key] = get_model_state_dict(value)
-                after[key] = functools.partial(set_model_state_dict, value)
-            elif isinstance(value, torch.optim.Optimizer):
-                owner = _owner(name, value, modules)
-                sd[key] = get_optimizer_state_dict(owner, value)
-                after[key] = functools.partial(set_optimizer_state_dict, owner, value)
-            elif isinstance(value, torch.Tensor):
-                sd[key] = value  # DTensor or plain: loaded in place
-            elif _stateful(value):
-                sd[key] = Whole(value.state_dict() if saved is None else None)
-                after[key] = value.load_state_dict
-            else:
-                sd[key] = Whole(value)
-                after[key] = functools.partial(cast(MutableMapping[str, Any], state).__setitem__, name)
-        if skipped:
-            logger.warning("The step in %s has no %s for rank %d: they keep their current values "
-                           "(per-rank values are restored only at the world size they were saved with)",
-                           self.directory, ", ".join(map(repr, skipped)), self.rank)
-        return sd, after
-
-    def _check_replicated(self, sd: dict[str, Any]) -> None:
+    def _check_replicated(self, sd: dict[str, Any], names: list[str], ranks: RankGroup) -> None:
         """Plain values are written once (one rank's): ValueError on every rank, naming them,
-        when they differ between ranks (before anything is written)."""
-        names = sorted(k for k, v in sd.items() if isinstance(v, Whole) and not k.startswith("__rank"))
-        if not self._dist or not names:
-            return
-        sums = [zlib.crc32(repr(sd[k].value).encode("utf-8", "backslashreplace")) for k in names]
-        hi, lo = self._all_max(sums), [-v for v in self._all_max([-v for v in sums])]
-        differ = [k for k, a, b in zip(names, hi, lo) if a != b]
-        if differ:
-            raise ValueError(
-                f"state {differ} differ between ranks: a value that is neither a tensor nor a module or "
-                "optimizer is saved once, as one rank's; make it the same on every rank (an all-reduced "
-                "loss, say) or name it in per_rank= (DistributedCheckpointer) to keep each rank's own"
-            )
+        when they differ between ranks (collective; called once their digests differed,
+        before anything is written)."""
+        counts = ranks.all_max([len(names), -len(names)])
+        sums = [_plain_digest(sd, [k]) for k in names] if counts[0] == -counts[1] else []
+        hi, lo = ranks.all_max(sums), [-v for v in ranks.all_max([-v for v in sums])]
+        differ = [k for k, a, b in zip(names, hi, lo) if a != b] or names
+        raise ValueError(
+            f"state {differ} differ between ranks: a value that is neither a tensor nor a module or "
+            "optimizer is saved once, as one rank's; make it the same on every rank (an all-reduced "
+            "loss, say) or name it in per_rank= (DistributedCheckpointer) to keep each rank's own"
+        )
 
     def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
-        reader = EpochalStorageReader(self.directory, step=step)
+        reader = EpochalStorageReader(self.directory, step=step, storage_options=self._options)
         saved = set(reader.read_metadata().state_dict_metadata)
         # the ranks that saved per-rank values: all of a world of the same size, or none
         ranks = {k[len("__rank"):].split("__/", 1)[0] for k in saved if k.startswith("__rank")}
         if ranks and ranks != {str(r) for r in range(self.world)}:
             saved = {k for k in saved if not k.startswith("__rank")}
-        sd, after = self._dcp_state(state, saved)
+        sd, after = dcp_state(state, self.rank, self.per_rank, saved, self.directory)
         with _quiet():
             dcp_load(sd, storage_reader=reader, process_group=self._group, no_dist=not self._dist)
         for key, apply in after.items():
             apply(sd[key])
-
-
-class _Pending:
-    """A background save of this rank: the thread writing its snapshot, and what it raised."""
-
-    def __init__(self, step: int, writer: EpochalStorageWriter, start: int) -> None:
-        self.step, self.writer, self.start = step, writer, start
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"epochal-dist-save-{step}", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.writer.write_deferred()
-        except BaseException as ex:  # handed to wait(), which raises it on every rank
-            self.error = ex
 
 
 class RankSignalGuard(SignalGuard):
@@ -483,19 +439,15 @@ class RankSignalGuard(SignalGuard):
         super()._handle(signum, frame)
 
 
+def _plain_digest(sd: dict[str, Any], names: list[str]) -> int:
+    """A CRC-32 of the names and values (their repr) of the plain values ``names`` of ``sd``."""
+    text = repr([(k, sd[k].value) for k in names])
+    return zlib.crc32(text.encode("utf-8", "backslashreplace"))
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process: that is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         yield
-
-
-def _owner(name: str, opt: torch.optim.Optimizer, modules: Mapping[str, torch.nn.Module]) -> torch.nn.Module:
-    """The module of ``state`` whose parameters ``opt`` updates (FQNs come from it)."""
-    ids = {id(p) for g in opt.param_groups for p in g["params"]}
-    for m in modules.values():
-        if any(id(p) in ids for p in m.parameters()):
-            return m
-    raise CheckpointError(f"state[{name!r}]: an optimizer is saved by parameter name, which needs the "
-                          "module holding its parameters in the state too")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointError
@@ -30,19 +31,24 @@ def distributed_world() -> int:
     return int(td.get_world_size())
 
 
-def written_by_ranks(directory: str | os.PathLike[str]) -> bool:
-    """Whether the newest committed step of a local ``directory`` was written by ranks."""
+def written_by_ranks(directory: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether the newest committed step of ``directory`` (a local one, or a URL reached with
+    ``storage_options``) was written by ranks."""
     path = os.fspath(directory)
-    if is_url(path) or not os.path.isdir(path):
+    if not is_url(path) and not os.path.isdir(path):
         return False
     try:
-        d = CheckpointDirectory(path)
+        d = CheckpointDirectory(path, storage_options=storage_options)
         steps = d.committed_epochs()
         return bool(steps) and META_NODE in d.read_manifest(steps[-1]).nodes
     except (CheckpointError, OSError, ValueError):
         return False
+    except Exception:  # a URL's store failing some other way: the Checkpointer says so itself
+        if is_url(path):
+            return False
+        raise
 
 
-def use_distributed(directory: str | os.PathLike[str]) -> bool:
+def use_distributed(directory: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
     """A DistributedCheckpointer is needed for ``directory`` in this process."""
-    return distributed_world() > 1 or written_by_ranks(directory)
+    return distributed_world() > 1 or written_by_ranks(directory, storage_options)

@@ -82,3 +82,29 @@ class HostStaging:
         if cuda:
             torch.cuda.synchronize()  # every device-to-host copy has landed
         return out, pooled
+
+    def snapshot_state(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], bool] | None:
+        """A copy of a whole DCP state dict of CPU tensors that DCP can save later, from another
+        thread, while the live one changes: each tensor's (each DTensor's local shard's) bytes
+        copied into the buffer (a DTensor comes back as one on its mesh and placements, with no
+        communication), other values deep-copied, nested dicts and lists as they were. Returns
+        the copy and whether it is pooled (as :meth:`snapshot`); None when the state holds a
+        CUDA tensor (a DTensor cannot be rebuilt off its device: the caller stages those
+        through :meth:`snapshot` of what it writes)."""
+        from torch.distributed.checkpoint._nested_dict import (
+            flatten_state_dict,
+            unflatten_state_dict,
+        )
+        from torch.distributed.tensor import DTensor
+
+        flat, mappings = flatten_state_dict(state_dict)
+        # (the private fields: from_local and to_local go through autograd functions, ~0.15 ms a
+        # tensor, and a training state has thousands; a snapshot needs no gradient)
+        local = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in flat.items()}
+        if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in local.values()):
+            return None
+        copied, pooled = self.snapshot(local)
+        for k, v in flat.items():
+            if isinstance(v, DTensor):  # its spec (mesh, placements, global shape) around the copy
+                copied[k] = DTensor.__new__(DTensor, copied[k], v._spec, requires_grad=False)
+        return unflatten_state_dict(copied, mappings), pooled

@@ -61,7 +61,9 @@ from ...errors import (
 from ...storage.encoding.codecs import LoadOptions, load_options
 from ...storage.formats.native.reader import NativeFile, stat_native
 from ...storage.formats.native.writer import write_native
-from ...storage.io.seam import is_url, local_path
+from ...storage.io import tuning
+from ...storage.io.location import location_for
+from ...storage.io.seam import is_url, local_path, store_for
 from .. import world as _world
 from ..torch import dtype_name
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
@@ -88,7 +90,7 @@ def chunk_blob(fqn: str, offsets: Sequence[int] | None) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Target:
+class Target:
     """What the coordinator tells each rank: the step and the rank's node name."""
 
     step: int
@@ -96,7 +98,7 @@ class _Target:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Written:
+class Written:
     """A rank's WriteResult storage_data: where the item went and what the rank says of its db."""
 
     location: ItemLocation
@@ -119,26 +121,32 @@ class EpochalStorageWriter(StorageWriter):
     coordinator takes the directory's writer lock for the commit (False when the caller
     holds it already, as a Checkpointer does). ``metrics``: numbers recorded in the manifest.
     ``deferred``: an async save (write_data only snapshots; see :meth:`write_deferred` and
-    :meth:`commit_deferred`). ``staging``: the host buffer snapshots and CUDA tensors go
+    :meth:`commit_deferred`); ``hold_commit``: the data is written by write_data but the
+    coordinator commits only at :meth:`commit_deferred` (a save run in the background on a
+    snapshot, committed later by the training thread). ``staging``: the host buffer snapshots and CUDA tensors go
     through (a :class:`~epochal.integrations.dcp.staging.HostStaging`; None: fresh memory)."""
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
                  handler: DirectoryMetadataHandler | None = None, lock: bool = True,
-                 metrics: dict[str, Any] | None = None, deferred: bool = False,
-                 staging: HostStaging | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, deferred: bool = False, hold_commit: bool = False,
+                 staging: HostStaging | None = None, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.metrics = metrics
         #: write_data snapshots the rank's items into host memory and returns; the db is
         #: written by :meth:`write_deferred` and the step committed by :meth:`commit_deferred`
         #: (the coordinator, once every rank's write_deferred returned): an async save
         self.deferred = bool(deferred)
+        self.hold_commit = self.deferred or bool(hold_commit)
         self.pending_db: str | None = None
         self.pending_blobs: dict[str, Any] = {}
         #: where deferred snapshots go (a reused host buffer; None: a fresh one per save)
         self.staging = staging if staging is not None else HostStaging(max_host_bytes=0)
         self._pooled = False
         self._pending_finish: tuple[Metadata, list[list[WriteResult]]] | None = None
-        self.path = local_path(path)  # file:// is the local disk
+        #: on the coordinator, once finish() was called: DCP's global metadata and every
+        #: rank's write results (what a plan cache replays for a later step)
+        self.finished: tuple[Metadata, list[list[WriteResult]]] | None = None
+        self.path = _located(path, storage_options)
         self.step = None if step is None else int(step)
         self.handler = handler
         self.lock = bool(lock)
@@ -160,7 +168,7 @@ class EpochalStorageWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -172,7 +180,8 @@ class EpochalStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
+        if not is_url(self.path):
+            os.makedirs(self.path, exist_ok=True)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -180,11 +189,11 @@ class EpochalStorageWriter(StorageWriter):
         step = self.step if self.step is not None else (committed[-1] + 1 if committed else 0)
         if step in committed:
             raise CheckpointError(f"{self.path}: step {step} is already committed (a DCP save never replaces one)")
-        return [dataclasses.replace(p, storage_data=_Target(step, rank_node(i))) for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=Target(step, rank_node(i))) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target = plan.storage_data
-        if not isinstance(target, _Target):
+        if not isinstance(target, Target):
             raise CheckpointError("EpochalStorageWriter.write_data: the plan did not come from prepare_global_plan")
         self._step = target.step
         blobs: dict[str, Any] = {}
@@ -229,14 +238,15 @@ class EpochalStorageWriter(StorageWriter):
         file = os.path.basename(db)
         return _done([
             WriteResult(index=idx, size_in_bytes=nbytes,
-                        storage_data=_Written(ItemLocation(file, name, 0, nbytes), report))
+                        storage_data=Written(ItemLocation(file, name, 0, nbytes), report))
             for idx, name, nbytes in placed
         ])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's write_data returned (its db durable): write
         the metadata db and commit the step's manifest (deferred: kept for commit_deferred)."""
-        if self.deferred:
+        self.finished = (metadata, results)
+        if self.hold_commit:
             self._pending_finish = (metadata, results)
             return
         self._commit(metadata, results)
@@ -255,8 +265,17 @@ class EpochalStorageWriter(StorageWriter):
                 self._pooled = False
                 self.staging.release()
 
+    def discard_deferred(self) -> None:
+        """Let go of this rank's snapshot of a deferred save that will not be written (another
+        rank failed): the host buffer goes back to the staging pool."""
+        self.pending_db, self.pending_blobs, self._pending_finish = None, {}, None
+        if self._pooled:
+            self._pooled = False
+            self.staging.release()
+
     def commit_deferred(self) -> int | None:
-        """On the coordinator, once every rank's :meth:`write_deferred` returned: the metadata
+        """On the coordinator, once every rank's :meth:`write_deferred` (or, with ``hold_commit``,
+        write_data) returned: the metadata
         db and the manifest of the deferred save (the dbs' sizes and digests are read from
         their files). Returns the step committed (None when this rank is not the coordinator)."""
         if self._pending_finish is None:
@@ -273,7 +292,7 @@ class EpochalStorageWriter(StorageWriter):
         for rank_results in results:
             for r in rank_results:
                 w = r.storage_data
-                assert isinstance(w, _Written)
+                assert isinstance(w, Written)
                 storage[r.index] = w.location
                 node, ep = split_db_file(w.location.db) or ("", -1)
                 if w.report is not None:
@@ -315,9 +334,10 @@ class EpochalStorageReader(StorageReader):
     """A DCP storage reader of epochal checkpoints (see the module doc). ``step``: the step
     to load; None: the newest committed step written by :class:`EpochalStorageWriter`."""
 
-    def __init__(self, path: str | os.PathLike[str], step: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
+                 storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.path = local_path(path)  # file:// is the local disk
+        self.path = _located(path, storage_options)
         self.step = None if step is None else int(step)
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         #: after read_metadata: the step being loaded
@@ -334,7 +354,7 @@ class EpochalStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def _choose_step(self, d: CheckpointDirectory) -> int:
         if self.step is not None:
@@ -387,14 +407,21 @@ class EpochalStorageReader(StorageReader):
             wanted[loc.db][loc.blob].append(item)
         with load_options(LoadOptions(map_location="cpu", where=f"DCP checkpoint {self.path}")):
             for file in sorted(wanted):
-                path = os.path.join(self.path, file)
-                if not os.path.exists(path):
+                path = f"{self.path.rstrip('/')}/{file}"
+                if not store_for(path).exists(path):
                     raise CheckpointNotFoundError(f"{path}: the db of DCP items "
                                                   f"{sorted(wanted[file])[:3]} does not exist")
                 with NativeFile(path, mmap=False) as f:
-                    for blob, items in wanted[file].items():
-                        _read_blob(f, blob, items, planner)
+                    _read_blobs(f, wanted[file], planner)
         return _done(None)
+
+
+def _located(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> str:
+    """The checkpoint directory ``path`` (``file://`` is the local disk); for a URL, its
+    ``storage_options`` become this process's for URLs under it (every rank's own process)."""
+    location = location_for(local_path(path), storage_options)
+    location.remember()
+    return location.root if location.is_url else local_path(path)
 
 
 def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -405,24 +432,48 @@ def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> 
     return t
 
 
-def _read_blob(f: NativeFile, blob: str, items: list[ReadItem], planner: LoadPlanner) -> None:
-    """Read one saved item (verified) and hand each of ``items`` its part."""
-    first = items[0]
-    if first.type == LoadItemType.BYTE_IO:
-        value = f.read([blob])[blob]
-        for item in items:
-            set_value(planner, item, value)
-        return
-    if len(items) == 1 and not any(first.storage_offsets):
-        target = planner.resolve_tensor(first).detach()
+def _read_blobs(f: NativeFile, wanted: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+    """Read the saved items ``wanted`` of one db (each verified before any of its bytes
+    reaches a live tensor) and hand each of their read items its part. A whole chunk wanted
+    whole by a live tensor of its shape is read straight into it, all such in one read;
+    the others go through fresh buffers, in reads of up to about a quarter of
+    tuning.PARALLEL_MIN bytes (fewer reads than one per chunk, memory bounded; below the size
+    at which the reader spreads a read over threads, which costs more than it gives when
+    every core is busy, as a training job's are)."""
+    direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}
+    staged: list[list[str]] = [[]]
+    size = 0
+    for blob, items in wanted.items():
+        first = items[0]
+        if first.type == LoadItemType.BYTE_IO:
+            value = f.read([blob])[blob]
+            for item in items:
+                set_value(planner, item, value)
+            continue
         info = f.info(blob)
-        if target.size() == first.lengths and info.shape == tuple(first.lengths) and \
-                info.dtype == dtype_name(target.dtype):
-            # the whole chunk into the whole target: read straight into it once verified
-            f.read([blob], existing={blob: target})
-            planner.commit_tensor(first, target)
-            return
-    saved = f.read([blob])[blob]
+        if len(items) == 1 and not any(first.storage_offsets):
+            target = planner.resolve_tensor(first).detach()
+            if target.size() == first.lengths and info.shape == tuple(first.lengths) and \
+                    info.dtype == dtype_name(target.dtype):
+                direct[blob] = (first, target)
+                continue
+        if size and size + info.nbytes > tuning.PARALLEL_MIN // 4:
+            staged.append([])
+            size = 0
+        staged[-1].append(blob)
+        size += info.nbytes
+    if direct:  # the whole chunks into the whole targets: read straight into them once verified
+        f.read(list(direct), existing={b: t for b, (_, t) in direct.items()})
+        for item, target in direct.values():
+            planner.commit_tensor(item, target)
+    for batch in staged:
+        got = f.read(batch) if batch else {}
+        for blob in batch:
+            _hand_out(f, blob, got.pop(blob), wanted[blob], planner)
+
+
+def _hand_out(f: NativeFile, blob: str, saved: Any, items: list[ReadItem], planner: LoadPlanner) -> None:
+    """Copy each of ``items``' region of the (verified) saved chunk into its live tensor."""
     if not isinstance(saved, torch.Tensor):
         raise CheckpointCorruptError(f.path, "a DCP tensor chunk holds no tensor", blob)
     for item in items:
