@@ -1,6 +1,7 @@
 """Count the requests epochal makes to an S3 store, at the seam where every one of them goes
 out: ``s3fs.S3FileSystem._call_s3`` (one call = one HTTP request: GET, PUT, HEAD, LIST,
-DELETE, COPY, ...). A bench and test helper, not part of the library.
+DELETE, COPY, ...). A bench and test helper, not part of the library; with
+:func:`fill_committed`, which lays out N committed steps at a URL to count requests against.
 
     with count_requests() as n:
         handler.write(step)
@@ -63,3 +64,35 @@ def count_requests(exclude: tuple[str, ...] = (), latency: float = 0.0) -> Itera
         yield seen
     finally:
         s3fs.S3FileSystem._call_s3 = real  # type: ignore[method-assign]
+
+
+def fill_committed(url: str, steps: int, node: str, *, stats: bool = False) -> tuple[bytes, str]:
+    """Lay out ``steps`` committed steps at ``url`` as a handler would leave them: one small
+    native db of ``node`` and its manifest each (and a stats object each with ``stats``), sent in
+    parallel PUTs. Returns the db's bytes and digest, for the saves that follow."""
+    import numpy as np
+
+    import epochal as ep
+    from epochal.checkpoint.location.manifest import DbEntry, Manifest
+    from epochal.storage.io.fsspec_store import filesystem_for
+
+    backend = ep.get_db_type("native")
+    probe = f"{url}/probe.0"
+    backend.write(probe, {"w": np.arange(64, dtype=np.float32)})
+    digest = str(backend.digest(probe))
+    fs, root = filesystem_for(url)
+    data = bytes(fs.cat_file(filesystem_for(probe)[1]))
+    fs.rm_file(filesystem_for(probe)[1])
+    batch: dict[str, bytes] = {}
+    for e in range(steps):
+        m = Manifest(epoch=e, db_type="native", created="2026-12-02T00:00:00.000+00:00",
+                     nodes={node: DbEntry(f"{node}.{e}", len(data), digest)})
+        batch[f"{root}/{node}.{e}"] = data
+        batch[f"{root}/.epochal/manifest.{e}.json"] = m.encode()
+        if stats:
+            batch[f"{root}/.epochal/stats/20261202T{e:010d}Z.0000.jsonl"] = (
+                b'{"time": "t", "action": "checkpoint_save", "epoch": %d, "node": "%s", "ns": 1000, "bytes": %d}\n'
+                % (e, node.encode(), len(data)))
+    fs.pipe(batch, batch_size=64)
+    fs.invalidate_cache()
+    return data, digest

@@ -26,11 +26,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _requests import count_requests  # noqa: E402
+from _requests import count_requests, fill_committed  # noqa: E402
 
 import epochal as ep  # noqa: E402
 from epochal.checkpoint.handler.metadata import DbReport  # noqa: E402
-from epochal.checkpoint.location.manifest import DbEntry, Manifest  # noqa: E402
 from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 NODE = "trainer_0"
@@ -61,27 +60,7 @@ def _server() -> tuple[Any, dict[str, Any]]:
 
 def _fill(url: str, steps: int) -> tuple[bytes, str]:
     """N committed steps at ``url``: db, manifest and a stats object each (parallel PUTs)."""
-    import numpy as np
-
-    backend = ep.get_db_type("native")
-    probe = f"{url}/probe.0"
-    backend.write(probe, {"w": np.arange(64, dtype=np.float32)})
-    digest = backend.digest(probe)
-    fs, root = filesystem_for(url)
-    data = bytes(fs.cat_file(filesystem_for(probe)[1]))
-    fs.rm_file(filesystem_for(probe)[1])
-    batch: dict[str, bytes] = {}
-    for e in range(steps):
-        m = Manifest(epoch=e, db_type="native", created="2026-12-02T00:00:00.000+00:00",
-                     nodes={NODE: DbEntry(f"{NODE}.{e}", len(data), digest)})
-        batch[f"{root}/{NODE}.{e}"] = data
-        batch[f"{root}/.epochal/manifest.{e}.json"] = m.encode()
-        batch[f"{root}/.epochal/stats/20261202T{e:010d}Z.0000.jsonl"] = (
-            b'{"time": "t", "action": "checkpoint_save", "epoch": %d, "node": "%s", "ns": 1000, "bytes": %d}\n'
-            % (e, NODE.encode(), len(data)))
-    fs.pipe(batch, batch_size=64)
-    fs.invalidate_cache()
-    return data, str(digest)
+    return fill_committed(url, steps, NODE, stats=True)
 
 
 def _commit(h: ep.DirectoryMetadataHandler, url: str, step: int, data: bytes, digest: str) -> None:

@@ -19,38 +19,26 @@ import argparse
 import os
 import secrets
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-
 import epochal as ep
 from epochal.checkpoint.handler.metadata import DbReport
 from epochal.checkpoint.location import view
-from epochal.checkpoint.location.manifest import DbEntry, Manifest
+from epochal.checkpoint.location.manifest import Manifest
 from epochal.storage.io.fsspec_store import filesystem_for
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _requests import fill_committed  # noqa: E402
 
 NODE = "trainer_0"
 
 
 def _fill(url: str, steps: int) -> tuple[bytes, str]:
-    backend = ep.get_db_type("native")
-    probe = f"{url}/probe.0"
-    backend.write(probe, {"w": np.arange(64, dtype=np.float32)})
-    digest = str(backend.digest(probe))
-    fs, root = filesystem_for(url)
-    data = bytes(fs.cat_file(filesystem_for(probe)[1]))
-    fs.rm_file(filesystem_for(probe)[1])
-    batch: dict[str, bytes] = {}
-    for e in range(steps):
-        m = Manifest(epoch=e, db_type="native", created="2026-12-02T00:00:00.000+00:00",
-                     nodes={NODE: DbEntry(f"{NODE}.{e}", len(data), digest)})
-        batch[f"{root}/{NODE}.{e}"] = data
-        batch[f"{root}/.epochal/manifest.{e}.json"] = m.encode()
-    fs.pipe(batch)
-    return data, digest
+    return fill_committed(url, steps, NODE)
 
 
 @contextmanager
