@@ -63,6 +63,13 @@ DIRECT_MIN: int | None = 512 << 20
 #: copy and no page-cache pages: 256 MiB background saves under 0.3 s epochs, paired, N=4 on a
 #: loaded machine: the write 0.40x the buffered one's time, the loop's wait 0.28x (issue 27)
 DIRECT_MIN_PINNED: int | None = 16 << 20
+#: cold loads of big segments from a local file read their whole pages with O_DIRECT
+#: (storage/io/direct.py :func:`read_checked`): fresh arrays placed congruent to their file
+#: offsets are read straight from the disk into their memory; live targets through a staging
+#: copy of at most DIRECT_STAGE_MAX bytes (and half the available memory), checked whole
+#: before the first live byte is written. False: through the page cache, as before
+DIRECT_READ = True
+DIRECT_STAGE_MAX = 8 << 30
 #: size of each of those buffers, how many a save uses (kept across saves) and the threads
 #: writing them (requests in flight, not cores)
 DIRECT_BUFFER = 4 << 20
