@@ -1,6 +1,7 @@
 """A cold in-place load verifies by big parallel reads instead of page faults on a map (issue
-27): through the page cache (inplace.verify_direct_read) or, by default, O_DIRECT reads into
-staged copies (inplace.stage_direct); each test runs both ways. The same bits restored, a
+27): through the page cache (inplace.verify_direct_read, the default) or O_DIRECT reads into
+staged copies (inplace.stage_direct, where tuning.DIRECT_STAGE_MAX allows); each test runs
+both ways. The same bits restored, a
 damaged byte or padding found before any live byte is written, and a cached file still
 verified on the map."""
 
@@ -25,9 +26,9 @@ from epochal.storage.io.local import RWF_NOWAIT  # noqa: E402
 
 @pytest.fixture(params=["read", "stage"])
 def cold_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The cold verification expected: "read" (the page cache, O_DIRECT turned off) or
-    "stage" (O_DIRECT into staged copies, the default)."""
-    monkeypatch.setattr(tuning, "DIRECT_READ", request.param == "stage")
+    """The cold verification expected: "read" (the page cache, the default) or "stage"
+    (O_DIRECT into staged copies, allowed by tuning.DIRECT_STAGE_MAX)."""
+    monkeypatch.setattr(tuning, "DIRECT_STAGE_MAX", (1 << 40) if request.param == "stage" else 0)
     return str(request.param)
 
 

@@ -12,8 +12,9 @@ segments are read with O_DIRECT into fresh memory placed congruent to their file
 checksummed by the reading threads; once every checksum of the load has passed,
 :func:`read_direct` copies them into the live memory (threads, the GIL released). One read
 from the disk and one copy, against a read into the page cache, a copy out of it to checksum
-and a second copy out of it into the live memory. It takes as much memory again as the
-segments, so only up to tuning.DIRECT_STAGE_MAX and half the memory available.
+and a second copy out of it into the live memory; but the copies are fresh memory (as much
+again as the segments), whose first-touch faults cost more than those copies where it was
+measured, so it is off unless tuning.DIRECT_STAGE_MAX allows it (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def stage_direct(f: Opened, direct: list[Direct]) -> list[memoryview] | None:
     where O_DIRECT is refused or the copies would take more than tuning.DIRECT_STAGE_MAX or
     half the memory available. No live byte is written here."""
     total = sum(d.size for d in direct)
-    if not tuning.DIRECT_READ or total > min(tuning.DIRECT_STAGE_MAX, _available() // 2):
+    if not tuning.DIRECT_READ or not total or total > min(tuning.DIRECT_STAGE_MAX, _available() // 2):
         return None
     dfd = _direct.open_read(f.path)
     if dfd < 0:
