@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import CheckpointCorruptError
 from . import atomic, tuning
 from .progress import report_progress
-from .reads import read_exact
 
 __all__ = ["DirectSink", "direct_supported", "looks_cached", "open_read", "placed", "read_checked", "stats"]
 
@@ -408,19 +408,32 @@ def read_checked(
                     raise
                 mid = 0  # refused: the rest through the page cache
                 continue
-            if got != view.nbytes:  # the file ends early: read_exact names the blob
-                read_exact(src, [view], offset + at, blob, progress=False, got=got)
+            if got != view.nbytes:  # the file ends early (or a signal): named below
+                _read_rest(src, view, offset + at, blob, got)
             stats.read += view.nbytes
             if progress:
                 report_progress(view.nbytes)
         else:
             end = head if at < head else n
             view = buf[at : min(at + piece, end)]
-            read_exact(src, [view], offset + at, blob, progress=progress)
+            _read_rest(src, view, offset + at, blob, 0)
+            if progress:
+                report_progress(view.nbytes)
         if fn is not None:
             crc = fn(view, crc)
         at += view.nbytes
     return crc
+
+
+def _read_rest(src: Any, view: memoryview, offset: int, blob: str, done: int) -> None:
+    """Fill ``view[done:]`` from ``src`` (through the page cache); CheckpointCorruptError naming
+    the file and ``blob`` where the file ends first. (Not io.reads.read_exact: the seam
+    imports this module.)"""
+    while done < view.nbytes:
+        k = src.read_into([view[done:]], offset + done)
+        if k <= 0:
+            raise CheckpointCorruptError(src.name, f"file is truncated (read stopped at byte {offset + done})", blob)
+        done += k
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> int:

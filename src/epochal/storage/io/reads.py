@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ...errors import CheckpointCorruptError
 from . import tuning
 from .progress import report_progress
-
-if TYPE_CHECKING:  # (seam imports the local store, which imports direct, which imports this)
-    from .seam import ByteSource
+from .seam import ByteSource
 
 __all__ = ["Prefetcher", "merged_ranges", "read_bytes", "read_exact"]
 
