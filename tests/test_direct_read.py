@@ -196,8 +196,10 @@ def test_a_truncated_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert ei.value.blob == "y"
 
 
+@pytest.mark.parametrize("when", ["read", "open"])
 def test_refused_o_direct_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       small_tuning: None) -> None:
+                                                       small_tuning: None, o_direct_refused: Any,
+                                                       when: str) -> None:
     state = _state()
     path = tmp_path / "a.db"
     write_native(path, state)
@@ -205,9 +207,14 @@ def test_refused_o_direct_falls_back_to_the_page_cache(tmp_path: Path, monkeypat
     def refused(fd: int, view: memoryview, offset: int) -> int:
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
 
-    monkeypatch.setattr(direct, "_pread_all", refused)
+    if when == "read":
+        monkeypatch.setattr(direct, "_pread_all", refused)
     _cold(monkeypatch)
-    got = NativeBackend().read(str(path))
+    if when == "open":
+        with o_direct_refused():
+            got = NativeBackend().read(str(path))
+    else:
+        got = NativeBackend().read(str(path))
     assert all(got[k].tobytes() == v.tobytes() for k, v in state.items() if isinstance(v, np.ndarray))
     assert direct.stats.read == 0
 

@@ -77,6 +77,7 @@ class _Stats:
 
 
 stats = _Stats()
+_stats_lock = threading.Lock()
 
 
 def _bytes_view(buffer: Any) -> memoryview:
@@ -410,7 +411,8 @@ def read_checked(
                 continue
             if got != view.nbytes:  # the file ends early (or a signal): named below
                 _read_rest(src, view, offset + at, blob, got)
-            stats.read += view.nbytes
+            with _stats_lock:  # (threads: an exact count for tests)
+                stats.read += view.nbytes
             if progress:
                 report_progress(view.nbytes)
         else:
