@@ -23,7 +23,10 @@ Variants, alternated with the order rotated every round:
   the live state dicts, then the optimizer's ``load_state_dict``;
 * ``odirect``: a 4-thread ``O_DIRECT`` read of the db's bytes into touched memory: the disk's
   limit for any load of them (no checksum, nothing decoded);
-* ``bare_map``: ``bare`` verified on the file's map even when it is not cached (before issue 27).
+* ``bare_map``: ``bare`` verified on the file's map even when it is not cached (before issue 27);
+* ``bare_pc``: ``bare`` through the page cache, with ``tuning.DIRECT_READ`` off (before issue
+  27.2's O_DIRECT reads: fresh arrays read by buffered ``pread``, live tensors verified by
+  buffered reads and then copied from the page cache).
 
 ``--workload arrays`` is issue 27's: 8 float32 arrays of ``--array-mib`` (32) MiB in the
 workspace (``train``, ``restore``, ``bare`` and ``bare_r`` with the names, ``dcp``, ``odirect``). ``--busy``
@@ -68,6 +71,8 @@ import epochal  # noqa: E402
 from epochal.storage.formats.base import get_db_type  # noqa: E402
 from epochal.storage.formats.native import inplace  # noqa: E402
 from epochal.storage.formats.native.reader import NativeFile  # noqa: E402
+from epochal.storage.io import direct as direct_io  # noqa: E402
+from epochal.storage.io import tuning  # noqa: E402
 
 #: seconds spent inside the native format's reads (all of them) during the current variant:
 #: what a door adds around the same read is its time minus this (robust to the disk's noise)
@@ -84,6 +89,17 @@ def _timed_read(self: NativeFile, *args: Any, **kw: Any) -> Any:
 
 
 NativeFile._read = _timed_read  # type: ignore[method-assign]
+
+
+def page_cache(fn: Any) -> Any:
+    """``fn`` run with the O_DIRECT reads off (tuning.DIRECT_READ False): the path before."""
+    def run() -> Any:
+        tuning.DIRECT_READ = False
+        try:
+            return fn()
+        finally:
+            tuning.DIRECT_READ = True
+    return run
 
 
 class Block(nn.Module):
@@ -236,6 +252,7 @@ def workload_lm(args: argparse.Namespace) -> tuple[str, dict[str, tuple[Any, lis
         "bare": (lambda: get_db_type("native").read(db, existing=live), [db]),
         "bare_r": (lambda: get_db_type("native").read(rdb, existing=live), [rdb]),
         "bare_map": (bare_map, [db]),
+        "bare_pc": (page_cache(lambda: get_db_type("native").read(db, existing=live)), [db]),
         "torch": (torch_load, [pt]),
         "dcp": (dcp_load, fsync_tree(dcp_dir)),
         "odirect": (lambda: buf.read(db), [db]),
@@ -304,6 +321,7 @@ def workload_arrays(args: argparse.Namespace) -> tuple[str, dict[str, tuple[Any,
         "restore": (restore, [rdb]),
         "bare": (bare, [db]),
         "bare_r": (bare_r, [rdb]),
+        "bare_pc": (page_cache(bare), [db]),
         "dcp": (dcp_load, fsync_tree(dcp_dir)),
         "odirect": (lambda: buf.read(db), [db]),
     }
@@ -347,6 +365,7 @@ def main() -> None:
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     outside: dict[str, list[float]] = {n: [] for n in names}  # time outside the format's reads
+    odirect_bytes: dict[str, int] = {}  # bytes epochal read with O_DIRECT (last round)
     load0 = os.getloadavg()
     with Busy(2 if args.busy else 0):
         for r in range(args.rounds):
@@ -361,7 +380,9 @@ def main() -> None:
                 gc.collect()
                 IN_READ[0] = 0.0
                 t = time.perf_counter()
+                direct_io.stats.reset()
                 fn()
+                odirect_bytes[n] = direct_io.stats.read
                 times[n].append(time.perf_counter() - t)
                 outside[n].append(times[n][-1] - IN_READ[0])
                 check(n)
@@ -371,7 +392,8 @@ def main() -> None:
           f"{', 2 busy processes' if args.busy else ''}; load average {load0[0]:.1f} before, {load1[0]:.1f} after")
     for n in names:
         print(f"  {n:12s} median {statistics.median(times[n]) * 1e3:8.1f} ms   runs "
-              + " ".join(f"{x * 1e3:.0f}" for x in times[n]))
+              + " ".join(f"{x * 1e3:.0f}" for x in times[n])
+              + (f"   (O_DIRECT {odirect_bytes[n] / 2**20:.0f} MiB)" if odirect_bytes.get(n) else ""))
     for n in ("train", "restore", "bare", "bare_r"):  # the doors' own time around the same read
         if n in outside:
             xs = outside[n]
@@ -388,7 +410,8 @@ def main() -> None:
     for a, b, goal in (("train", "bare", "goal <= 1.1"), ("restore", "bare_r", "goal <= 1.1"),
                        ("restore", "bare", "(other files)"), ("bare_r", "bare", "(the same load, other files)"),
                        ("train", "odirect", "goal <= 1.1"), ("restore", "odirect", "goal <= 1.1"),
-                       ("bare", "odirect", ""), ("bare", "bare_map", "(< 1: the cold verify by reads is faster)"),
+                       ("bare", "odirect", ""), ("bare_pc", "odirect", "(before: through the page cache)"),
+                       ("bare", "bare_pc", "(< 1: O_DIRECT reads win)"), ("bare", "bare_map", "(< 1: the cold verify by reads is faster)"),
                        ("restore", "torch", "goal <= 0.8"),
                        ("restore", "dcp", "goal <= 0.8"), ("train", "torch", "goal <= 0.8"), ("train", "dcp", "goal <= 0.8"),
                        ("train_2pass", "train", "(> 1: the second read saved)")):

@@ -1,6 +1,9 @@
-"""A cold in-place load verifies by big parallel reads (inplace.verify_direct_read, issue 27)
-instead of page faults on a map: the same bits restored, a damaged byte or padding found
-before any live byte is written, and a cached file still verified on the map."""
+"""A cold in-place load verifies by big parallel reads instead of page faults on a map (issue
+27): through the page cache (inplace.verify_direct_read, the default) or O_DIRECT reads into
+staged copies (inplace.stage_direct, where tuning.DIRECT_STAGE_MAX allows); each test runs
+both ways. The same bits restored, a
+damaged byte or padding found before any live byte is written, and a cached file still
+verified on the map."""
 
 from __future__ import annotations
 
@@ -21,17 +24,36 @@ from epochal.storage.io import tuning  # noqa: E402
 from epochal.storage.io.local import RWF_NOWAIT  # noqa: E402
 
 
+@pytest.fixture(params=["read", "stage"])
+def cold_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The cold verification expected: "read" (the page cache, the default) or "stage"
+    (O_DIRECT into staged copies, allowed by tuning.DIRECT_STAGE_MAX)."""
+    monkeypatch.setattr(tuning, "DIRECT_STAGE_MAX", (1 << 40) if request.param == "stage" else 0)
+    return str(request.param)
+
+
 @pytest.fixture()
-def paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Which verification each in-place load took ("read" or "map")."""
+def paths(monkeypatch: pytest.MonkeyPatch, cold_path: str) -> list[str]:
+    """Which verification each in-place load took ("read", "stage"; none: the map)."""
     took: list[str] = []
-    read = inplace.verify_direct_read
+    read, stage = inplace.verify_direct_read, inplace.stage_direct
 
     def spy_read(f: Any, direct: Any) -> None:
         took.append("read")
         read(f, direct)
 
+    def spy_stage(f: Any, direct: Any) -> Any:
+        try:
+            out = stage(f, direct)
+        except Exception:
+            took.append("stage")  # it read and refused
+            raise
+        if out is not None:
+            took.append("stage")
+        return out
+
     monkeypatch.setattr(inplace, "verify_direct_read", spy_read)
+    monkeypatch.setattr(inplace, "stage_direct", spy_stage)
     return took
 
 
@@ -55,7 +77,7 @@ pytestmark = pytest.mark.skipif(not RWF_NOWAIT, reason="no RWF_NOWAIT: every loa
 
 @pytest.mark.parametrize("threads", [1, 4])
 def test_cold_in_place_load_restores_every_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               paths: list[str], threads: int) -> None:
+                                               paths: list[str], cold_path: str, threads: int) -> None:
     monkeypatch.setattr(tuning, "IO_THREADS", threads)
     monkeypatch.setattr(tuning, "READ_PIECE", 1 << 20)  # several pieces per segment
     src_model, src_opt = make(0, layers=4)
@@ -67,7 +89,7 @@ def test_cold_in_place_load_restores_every_bit(tmp_path: Path, monkeypatch: pyte
     ptrs = [p.data_ptr() for p in model.parameters()]
     probes = _cold(monkeypatch)
     got = NativeBackend().read(str(path), existing={"model": model, "opt": opt, "tensor": tensor})
-    assert paths == ["read"] and probes
+    assert paths == [cold_path] and probes
     assert got["model"] is model and [p.data_ptr() for p in model.parameters()] == ptrs
     assert_same(snapshot(model, opt), want)
     assert torch.equal(tensor, NativeBackend().read(str(path), ["tensor"])["tensor"])
@@ -86,7 +108,7 @@ def test_a_cached_file_is_verified_on_the_map(tmp_path: Path, paths: list[str]) 
 
 @pytest.mark.parametrize("where", ["model-big", "opt-big", "tensor", "model-small"])
 def test_damage_found_before_any_live_byte_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      paths: list[str], where: str) -> None:
+                                                      paths: list[str], cold_path: str, where: str) -> None:
     src_model, src_opt = make(0)
     path = tmp_path / "ck.db"
     write_native(path, {"model": src_model, "opt": src_opt, "tensor": torch.randn(W, W)})
@@ -105,10 +127,11 @@ def test_damage_found_before_any_live_byte_is_written(tmp_path: Path, monkeypatc
     assert ei.value.blob == blob and str(path) in str(ei.value)
     assert_same(snapshot(model, opt), before)
     assert torch.equal(tensor, torch.full((W, W), 3.0))
-    assert paths == ["read"]
+    assert paths == [cold_path]
 
 
-def test_damaged_padding_found_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, paths: list[str]) -> None:
+def test_damaged_padding_found_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, paths: list[str],
+                                   cold_path: str) -> None:
     path = tmp_path / "t.db"
     write_native(path, {"t": torch.randn(W * W + 3)})
     off, ln = seg_offset(path, "t")
@@ -117,10 +140,10 @@ def test_damaged_padding_found_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     _cold(monkeypatch)
     with pytest.raises(CheckpointCorruptError, match="padding"):
         NativeBackend().read(str(path), existing={"t": live})
-    assert not live.any() and paths == ["read"]
+    assert not live.any() and paths == [cold_path]
 
 
-def test_a_truncated_file_is_reported_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_truncated_file_is_reported_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cold_path: str) -> None:
     path = tmp_path / "t.db"
     write_native(path, {"t": torch.randn(W * W)})
     off, ln = seg_offset(path, "t")

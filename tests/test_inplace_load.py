@@ -26,9 +26,9 @@ def direct_log(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     log: list[list[str]] = []
     orig = inplace.read_direct
 
-    def spy(f: Any, plan: Any, direct: Any) -> None:
+    def spy(f: Any, plan: Any, direct: Any, staged: Any = None) -> None:
         log.append([d.name for d in direct])
-        orig(f, plan, direct)
+        orig(f, plan, direct, staged)
 
     monkeypatch.setattr(inplace, "read_direct", spy)
     return log

@@ -244,6 +244,10 @@ class TensorCodec:
         shape = check_shape(meta.get("shape"))
         return dt, shape, math.prod(shape) * dt.itemsize
 
+    #: decode takes any fresh buffer of the segment's size (``torch.frombuffer``): a reader
+    #: may place it congruent to its file offset for O_DIRECT (native reader.allocate)
+    placeable = True
+
     def allocate(self, meta: dict[str, Any], sizes: Sequence[int]) -> list[memoryview]:
         dt, shape, nbytes = self._layout(meta)
         if len(sizes) != 1 or sizes[0] != nbytes:

@@ -150,6 +150,7 @@ class NdarrayCodec:
     """numpy arrays of every non-object dtype, any shape (0-d and empty included), raw bytes."""
 
     kind = "ndarray"
+    placeable = True  # decode takes any fresh buffer: a reader may place it (O_DIRECT)
 
     def accepts(self, value: Any) -> bool:
         return isinstance(value, np.ndarray)

@@ -24,6 +24,13 @@ commit (a background save's snapshot arena, laid out as the file's data area: se
 :mod:`epochal.storage.formats.native.image`): where its address is congruent to its file offset
 modulo the page size, its whole pages are handed to the same threads straight from its
 memory (4 MiB pieces, at most DIRECT_BUFFERS in flight); only its unaligned ends are copied.
+
+Reads (issue 27): :func:`open_read` opens a local file for ``O_DIRECT`` reads, :func:`placed`
+allocates fresh memory congruent to a file offset modulo the page size, and
+:func:`read_checked` reads a segment into such memory (its whole pages with ``O_DIRECT``,
+straight from the disk into it, its unaligned ends with plain reads) and checksums it in the
+reading thread. A cold load then costs the disk's read and the page faults of its own
+memory: no page-cache pages to allocate and no copy out of them.
 """
 
 from __future__ import annotations
@@ -34,12 +41,16 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import atomic, tuning
+import numpy as np
 
-__all__ = ["DirectSink", "direct_supported", "stats"]
+from ...errors import CheckpointCorruptError
+from . import atomic, tuning
+from .progress import report_progress
+
+__all__ = ["DirectSink", "direct_supported", "looks_cached", "open_read", "placed", "read_checked", "stats"]
 
 #: O_DIRECT offsets, lengths and buffer addresses are multiples of this (the page size
 #: covers every common logical block size)
@@ -53,17 +64,20 @@ _pool: list[mmap.mmap] = []
 
 
 class _Stats:
-    """Bytes the sinks copied into their buffers and wrote from callers' memory (tests, benches)."""
+    """Bytes the sinks copied into their buffers and wrote from callers' memory, and bytes
+    read with O_DIRECT by :func:`read_checked` (tests, benches)."""
 
     def __init__(self) -> None:
         self.copied = 0
         self.pinned = 0
+        self.read = 0
 
     def reset(self) -> None:
-        self.copied = self.pinned = 0
+        self.copied = self.pinned = self.read = 0
 
 
 stats = _Stats()
+_stats_lock = threading.Lock()
 
 
 def _bytes_view(buffer: Any) -> memoryview:
@@ -322,3 +336,114 @@ class DirectSink:
         if self._bufs:
             bufs, self._bufs = self._bufs, []
             _give(bufs)
+
+
+# ---------------------------------------------------------------- reads
+def open_read(path: str) -> int:
+    """A read-only ``O_DIRECT`` descriptor of the local file ``path``, or -1 where that is
+    refused (tmpfs, no O_DIRECT) or turned off (``tuning.DIRECT_READ`` False)."""
+    if not _O_DIRECT or not tuning.DIRECT_READ:
+        return -1
+    try:
+        return os.open(path, os.O_RDONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return -1
+
+
+def placed(nbytes: int, offset: int) -> memoryview:
+    """Fresh writable memory of ``nbytes`` bytes whose address is congruent to ``offset``
+    modulo ALIGN: the whole pages of a segment at that file offset can be read into it with
+    ``O_DIRECT``. Costs at most ALIGN bytes more than the segment (numpy's allocator, not
+    zeroed; pages faulted in by the read)."""
+    phase = offset % ALIGN
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    at = (phase - raw.ctypes.data) % ALIGN
+    return memoryview(raw[at : at + nbytes])  # type: ignore[arg-type]
+
+
+def looks_cached(src: Any, spans: Sequence[tuple[int, int]], probes: int = 8) -> bool:
+    """Whether the file ranges ``spans`` (offset, size) look cached: a page at each end of up
+    to ``probes`` of them is read with RWF_NOWAIT (False where that is unsupported)."""
+    if not spans or not getattr(src, "nowait", False):
+        return False
+    page = memoryview(bytearray(ALIGN))
+    step = max(1, len(spans) // probes)
+    for off, size in spans[::step]:
+        for at in (off, off + max(0, size - ALIGN)):
+            n = min(ALIGN, size)
+            try:
+                if src.read_into([page[:n]], at, nowait=True) != n:
+                    return False
+            except OSError:  # EAGAIN: not cached
+                return False
+    return True
+
+
+def read_checked(
+    src: Any, dfd: int, buf: memoryview, offset: int, blob: str,
+    fn: Callable[[Any, int], int] | None, piece: int, progress: bool = False,
+) -> int:
+    """Read the segment at ``offset`` into ``buf`` and return its checksum by ``fn`` (0 when
+    None), computed piece by piece in this thread right after each read (CRC-32C releases
+    the GIL). Where ``dfd`` is an O_DIRECT descriptor and ``buf``'s address is congruent to
+    ``offset`` modulo ALIGN (:func:`placed`), its whole pages are read with ``O_DIRECT``
+    (straight into ``buf``), the unaligned head and tail from ``src``; otherwise, or when the
+    kernel refuses O_DIRECT (EINVAL), all of it from ``src``. A file ending early is
+    CheckpointCorruptError naming ``blob``."""
+    n = buf.nbytes
+    head = mid = 0
+    if dfd >= 0 and n >= 2 * ALIGN:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        if (addr - offset) % ALIGN == 0:
+            head = -offset % ALIGN
+            mid = (n - head) // ALIGN * ALIGN
+    crc = 0
+    at = 0
+    while at < n:
+        if head <= at < head + mid:  # whole pages: O_DIRECT
+            view = buf[at : min(at + piece, head + mid)]
+            try:
+                got = _pread_all(dfd, view, offset + at)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                mid = 0  # refused: the rest through the page cache
+                continue
+            if got != view.nbytes:  # the file ends early (or a signal): named below
+                _read_rest(src, view, offset + at, blob, got)
+            with _stats_lock:  # (threads: an exact count for tests)
+                stats.read += view.nbytes
+            if progress:
+                report_progress(view.nbytes)
+        else:
+            end = head if at < head else n
+            view = buf[at : min(at + piece, end)]
+            _read_rest(src, view, offset + at, blob, 0)
+            if progress:
+                report_progress(view.nbytes)
+        if fn is not None:
+            crc = fn(view, crc)
+        at += view.nbytes
+    return crc
+
+
+def _read_rest(src: Any, view: memoryview, offset: int, blob: str, done: int) -> None:
+    """Fill ``view[done:]`` from ``src`` (through the page cache); CheckpointCorruptError naming
+    the file and ``blob`` where the file ends first. (Not io.reads.read_exact: the seam
+    imports this module.)"""
+    while done < view.nbytes:
+        k = src.read_into([view[done:]], offset + done)
+        if k <= 0:
+            raise CheckpointCorruptError(src.name, f"file is truncated (read stopped at byte {offset + done})", blob)
+        done += k
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    while done < view.nbytes:
+        k = os.preadv(fd, [view[done:]], offset + done)
+        if k <= 0:
+            break
+        done += k
+    return done
+

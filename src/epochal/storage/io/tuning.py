@@ -63,6 +63,19 @@ DIRECT_MIN: int | None = 512 << 20
 #: copy and no page-cache pages: 256 MiB background saves under 0.3 s epochs, paired, N=4 on a
 #: loaded machine: the write 0.40x the buffered one's time, the loop's wait 0.28x (issue 27)
 DIRECT_MIN_PINNED: int | None = 16 << 20
+#: cold loads of big segments from a local file into fresh buffers read their whole pages
+#: with O_DIRECT (storage/io/direct.py :func:`read_checked`), straight from the disk into
+#: arrays placed congruent to their file offsets, checksummed by the reading threads (issue
+#: 27.2; 8 x 32 MiB arrays, paired, N=7, 2 busy cores: 0.83x the time of the page-cache
+#: path; quiet, loaded machine: 1.0-1.1x, within the noise). False: through the page cache
+DIRECT_READ = True
+#: a cold load into live objects may stage the segments read in place through O_DIRECT
+#: copies of at most this many bytes (and half the memory available), checked whole before
+#: the first live byte is written, then copied (storage/formats/native/inplace.py
+#: :func:`stage_direct`). Off (0) by default: the copies are fresh memory, whose first-touch
+#: faults cost about 1 ms per MiB on the VM measured, more than the disk's read (874 MiB LM
+#: + AdamW, paired: 1.28x the page-cache path's time quiet, N=5; 1.40x busy, N=6)
+DIRECT_STAGE_MAX = 0
 #: size of each of those buffers, how many a save uses (kept across saves) and the threads
 #: writing them (requests in flight, not cores)
 DIRECT_BUFFER = 4 << 20

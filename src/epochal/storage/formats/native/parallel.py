@@ -10,12 +10,13 @@ ranged GET per piece, the piece checksums combined into each segment's.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
 import numpy as np
 
-from ...io import tuning
+from ...io import direct, tuning
 from ...io.checksum import combined
 from ...io.reads import read_bytes, read_exact
 from ...io.threads import contiguous, run_parallel
@@ -30,7 +31,9 @@ def read_parallel(f: Opened, par: list[BigRead], verify: bool, got: list[int]) -
     """Read big segments into their buffers with IO_THREADS threads, each a contiguous part
     of the file, in READ_PIECE pieces, each piece checksummed by its thread right after it is
     read (CRC-32C releases the GIL); checksums go to ``got[slot]``, and a nonzero padding is
-    reported naming the blob. Progress is reported by the calling thread (its own bytes as
+    reported naming the blob. When the segments are not cached, the whole pages of those
+    placed congruent to their file offsets (see :func:`~epochal.storage.io.direct.placed`)
+    are read with O_DIRECT, straight from the disk into them. Progress is reported by the calling thread (its own bytes as
     it goes, the others' at the end)."""
     if getattr(f.src, "remote", False):
         _read_pieces(f, par, verify, got)
@@ -39,26 +42,29 @@ def read_parallel(f: Opened, par: list[BigRead], verify: bool, got: list[int]) -
     piece_size = tuning.READ_PIECE
     groups = contiguous([item.buf.nbytes for item in par], tuning.IO_THREADS)
     done = [0] * len(groups)
+    # cold: whole pages straight from the disk into buffers placed congruent to their file
+    # offsets (reader.allocate); cached: copied from the page cache, which is faster
+    cold = getattr(src, "nowait", False) and not direct.looks_cached(src, [(p.off, p.buf.nbytes) for p in par])
+    dfd = direct.open_read(path) if cold else -1
 
     def job(g: int) -> Callable[[], None]:
         def run() -> None:
             for k in groups[g]:
                 item = par[k]
                 buf, off, name = item.buf, item.off, item.name
-                crc = 0
-                for start in range(0, buf.nbytes, piece_size):
-                    piece = buf[start : start + piece_size]
-                    read_exact(src, [piece], off + start, name, progress=g == 0)
-                    if verify:
-                        crc = fn(piece, crc)
-                    done[g] += piece.nbytes
+                crc = direct.read_checked(src, dfd, buf, off, name, fn if verify else None, piece_size, g == 0)
+                done[g] += buf.nbytes
                 if verify:
                     got[item.slot] = crc
                     if item.pad and any(read_bytes(src, item.pad, off + buf.nbytes, "padding", name)):
                         raise corrupt(path, DAMAGED_PAD, name)
         return run
 
-    run_parallel([job(g) for g in range(len(groups))])
+    try:
+        run_parallel([job(g) for g in range(len(groups))])
+    finally:
+        if dfd >= 0:
+            os.close(dfd)
     report_progress(sum(done[1:]))
 
 

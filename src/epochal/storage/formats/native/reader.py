@@ -25,6 +25,7 @@ import numpy as np
 from ....errors import CheckpointError, MissingBlobError
 from ...encoding import codecs as _codecs
 from ...encoding.codecs import flat_writable
+from ...io import direct as _direct
 from ...io import tuning
 from ...io.checksum import checksum_function
 from ...io.reads import read_bytes, read_exact
@@ -201,6 +202,7 @@ class NativeFile:
             rest = ids
         plan = allocate(f, rest, mapped=self._mm is not None)
         direct: list[Any] = []
+        staged = None
         if self._mm is not None:
             mapped.map_views(f, self._mm, plan, verify)
         else:
@@ -208,15 +210,15 @@ class NativeFile:
                 # read again into live memory would fetch every byte twice; the staged path
                 # fetches once, in parallel pieces, and copies into the live objects)
                 direct = inplace.direct_targets(f, plan, existing)
-            if direct and verify:
-                inplace.verify_direct(f, direct)  # before any live memory is written
+            if direct and verify:  # before any live memory is written (cold: read, staged)
+                staged = inplace.verify_direct(f, direct)
             fill.fill(f, plan, verify, {(d.pos, d.seg) for d in direct})
         if suspect:  # every segment verified one by one: so the group's own checksum is wrong
             g = int(suspect[0])
             first = int(self._index.groups["seg_first"][g])
             raise corrupt(self.path, DAMAGED_GROUP, self._index.name(self._index.blob_of_segment(first)))
         if direct:  # every requested checksum is verified: read into the live memory
-            inplace.read_direct(f, plan, direct)
+            inplace.read_direct(f, plan, direct, staged)
         slow, nbytes = decode(f, plan, existing)
         total += nbytes
         out: dict[str, Any] = {}
@@ -390,6 +392,9 @@ def allocate(f: Opened, ids: list[int], mapped: bool = False) -> list[LoadItem]:
     all_names = idx.names() if cols is not None else None
     entries = idx.all_entries() if cols is not None else None
     meta_ids = idx.recs["meta_id"].tolist() if cols is not None else None
+    # big segments of codecs whose decode takes any fresh buffer are placed congruent to
+    # their file offsets, so that a cold read can fill them with O_DIRECT (io/direct.py)
+    place = not mapped and tuning.DIRECT_READ and getattr(f.src, "nowait", False)
     for i in ids:
         if all_names is not None and entries is not None and meta_ids is not None:
             name = all_names[i]
@@ -425,8 +430,18 @@ def allocate(f: Opened, ids: list[int], mapped: bool = False) -> list[LoadItem]:
                     b = bufs[j] = flat_writable(b)
                 if b.nbytes != sizes[j] or b.readonly:
                     raise corrupt(path, f"codec buffer of {b.nbytes} bytes for a {sizes[j]}-byte segment", name)
+            if place and getattr(codec, "placeable", False):
+                _place(idx, cols, first, bufs)
         plan.append(LoadItem(i, name, kind, meta, codec, bufs))
     return plan
+
+
+def _place(idx: Index, cols: Any, first: int, bufs: list[memoryview]) -> None:
+    for j, b in enumerate(bufs):
+        if b.nbytes >= tuning.BIG_SEGMENT:
+            off = cols.offsets[first + j] if cols is not None else int(idx.segs["offset"][first + j])
+            if (_codecs.buffer_address(b) - off) % _direct.ALIGN:
+                bufs[j] = _direct.placed(b.nbytes, off)
 
 
 def decode(f: Opened, plan: list[LoadItem], existing: Mapping[str, Any] | None) -> tuple[dict[int, Any], int]:
