@@ -9,6 +9,8 @@ in it; without a process group (one process) every collective is the identity.
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 import torch
@@ -21,6 +23,18 @@ __all__ = ["TOLD", "RankGroup", "failure_code", "process_world", "unwrap_failure
 
 #: how many bytes of a failed rank's error the other ranks are told
 TOLD = 1024
+
+
+def _released(t: torch.Tensor, base: int) -> None:
+    """Wait (the GIL released, at most a second) until the collective's worker thread has let
+    ``t`` go. torch keeps a reference to a tensor's Python object while C++ holds the tensor,
+    and gloo's worker drops its hold just after the collective returns: if the interpreter is
+    already exiting by then (a collective at ``close`` right before the script ends), that
+    worker cannot take the GIL to drop it and the process aborts ("terminate called without
+    an active exception", exit -6, seen under load). ``base``: ``sys.getrefcount(t)`` before."""
+    deadline = time.monotonic() + 1.0
+    while sys.getrefcount(t) > base and time.monotonic() < deadline:
+        time.sleep(0.0002)
 
 
 def process_world() -> tuple[int, int]:
@@ -81,15 +95,19 @@ class RankGroup:
         """The element-wise maximum of ``values`` over the ranks (collective)."""
         t = torch.tensor(values, dtype=torch.int64)
         if self.dist:
+            base = sys.getrefcount(t)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            _released(t, base)
         return [int(v) for v in t.tolist()]
 
     def broadcast(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (collective)."""
         t = torch.tensor([value], dtype=torch.int64)
         if self.dist:
+            base = sys.getrefcount(t)
             dist.broadcast(t, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
                            group=self.group)
+            _released(t, base)
         return int(t.item())
 
     def slots(self, problem: BaseException | None) -> list[int]:
@@ -121,7 +139,9 @@ class RankGroup:
             raw = repr(problem).encode("utf-8", "backslashreplace")[:TOLD]
             t[self.rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
         if self.dist:
+            base = sys.getrefcount(t)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            _released(t, base)
         return [bytes(int(v) for v in row if v).decode("utf-8", "replace") for row in t.tolist()]
 
     def agree(self, problem: BaseException | None, what: str, corrupt_ok: bool = False) -> bool:
