@@ -213,3 +213,32 @@ def test_metadata_rows_field_needs_version_2(saved: Path) -> None:
     doc["version"] = 3
     with pytest.raises(CheckpointCorruptError, match="version 3"):
         metadata_from_json(json.dumps(doc), "dcp.0")
+
+
+def test_a_url_checkpoint_with_blocks_loads_and_damage_is_found_first(saved: Path, tmp_path: Path) -> None:
+    """The 2-rank step copied to memory://: loaded whole in one process (rank0's blocks by
+    its in-place read, fetched once; rank1's held), bit-equal; then a flipped byte in one of
+    rank1's blocks raises, naming it, before the live tensor changed."""
+    import secrets
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = f"memory://blocks-{secrets.token_hex(4)}/ckpt"
+    for p in sorted(saved.rglob("*")):
+        if p.is_file():
+            fs.pipe(f"{url}/{p.relative_to(saved).as_posix()}", p.read_bytes())
+    sd = {"w": torch.full((ROWS, COLS), 7.0), "small": torch.zeros(12, dtype=torch.float64), "step": 0}
+    dcp.load(sd, storage_reader=EpochalStorageReader(url))
+    assert torch.equal(sd["w"].view(torch.int32), big_full().view(torch.int32)) and sd["step"] == 3
+    raw = bytearray(fs.cat(f"{url}/rank1.0"))
+    at = raw.find(big_full()[1500 + 2 * BLOCK_ROWS:1500 + 3 * BLOCK_ROWS].numpy().tobytes())
+    assert at > 0
+    raw[at + 11] ^= 0x04
+    fs.pipe(f"{url}/rank1.0", bytes(raw))
+    sd["w"].fill_(7.0)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(sd, storage_reader=EpochalStorageReader(url))
+    err = next(iter(ei.value.failures.values()))[0]
+    assert isinstance(err, CheckpointCorruptError) and err.blob == "w@1500,0#b2" and "rank1.0" in str(err)
+    assert bool((sd["w"] == 7.0).all())

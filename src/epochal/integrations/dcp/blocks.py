@@ -66,10 +66,11 @@ class Block:
 
 def blocks_over(blob: str, rows: int, total: int, lo: int, hi: int) -> Iterator[Block]:
     """The blocks of a chunk blob of ``total`` rows stored ``rows`` rows per block that rows
-    ``lo .. hi`` overlap, in order."""
+    ``lo .. hi`` overlap, in order (none when ``lo == hi``)."""
     if rows <= 0 or not 0 <= lo <= hi <= total:
         raise ValueError(f"{blob}: rows {lo}..{hi} of a {total}-row chunk in blocks of {rows}")
     for k in range(lo // rows, -(-hi // rows)):
         b0, b1 = k * rows, min((k + 1) * rows, total)
         s, e = max(lo, b0), min(hi, b1)
-        yield Block(block_name(blob, k), s - b0, e - s, s - lo, s == b0 and e == b1)
+        if e > s:
+            yield Block(block_name(blob, k), s - b0, e - s, s - lo, s == b0 and e == b1)

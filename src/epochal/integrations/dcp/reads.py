@@ -12,9 +12,9 @@ want it, and every blob this read needs is verified before any live tensor is wr
    (partly wanted, another dtype, bytes items) are read now into fresh memory, verified,
    and held (past :data:`HOLD_MAX` bytes they are only verified now and read again in
    step 2); the direct blobs of every db but the one with the most of them are verified
-   now too (that one's are verified by its in-place read before any of them is written);
-   a remote db's direct blobs are read now into fresh memory (a verify pass would fetch
-   them twice);
+   now too (that one's are verified by its in-place read before any of them is written;
+   on a URL that read fetches them into fresh memory, verified, then copies them), or, for
+   a URL, read now into held memory while under HOLD_MAX (a verify pass would fetch twice);
 2. only then, db by db: the direct blobs into the live memory, the held values copied into
    their regions, each item committed to the planner once all its pieces are in.
 
@@ -79,6 +79,7 @@ def read_items(root: str, storage: Mapping[MetadataIndex, ItemLocation], chunk_r
         for piece in _pieces(i, item, loc, chunk_rows, root):
             wanted[loc.db][piece.blob].append(piece)
             parts[i] += 1
+    empty = [i for i, n in enumerate(parts) if not n]  # (rows lo..lo of a blocked chunk: nothing to read)
     with load_options(LoadOptions(map_location="cpu", where=f"DCP checkpoint {root}")), \
             contextlib.ExitStack() as stack:
         files: dict[str, NativeFile] = {}
@@ -93,6 +94,8 @@ def read_items(root: str, storage: Mapping[MetadataIndex, ItemLocation], chunk_r
         main = reads.verify_first(files)
         for file in sorted(files, key=lambda k: k != main):  # (the unverified one first)
             reads.apply(file, files[file], wanted[file])
+        for i in empty:
+            planner.commit_tensor(items[i], planner.resolve_tensor(items[i]).detach())
 
 
 def _pieces(i: int, item: ReadItem, loc: ItemLocation, chunk_rows: Mapping[tuple[str, tuple[int, ...]], int],
@@ -149,9 +152,6 @@ class _Reads:
                     direct[blob] = target
                     continue
             staged.append(blob)
-        if direct and is_url(f.path):
-            staged.extend(direct)  # fetched once, into fresh memory (see the module doc)
-            direct = {}
         self.direct[file] = direct
         batch: list[str] = []
         size = 0
@@ -186,10 +186,17 @@ class _Reads:
         if not sizes:
             return None
         main = max(sizes, key=lambda k: sizes[k])
-        for file in sizes:
-            if file != main:
-                files[file].verify(list(self.direct[file]))
-                self.verified.add(file)
+        for file, n in sizes.items():
+            if file == main:
+                continue
+            f, names = files[file], list(self.direct[file])
+            if is_url(f.path) and self.held_bytes + n <= HOLD_MAX:  # (a verify pass would fetch twice)
+                self.held_bytes += n
+                self._hold(file, f, names)
+                self.direct[file] = {}
+                continue
+            f.verify(names)
+            self.verified.add(file)
         return main
 
     def apply(self, file: str, f: NativeFile, wanted: dict[str, list[Piece]]) -> None:

@@ -19,8 +19,9 @@ manifest, so the step does not exist; earlier steps are untouched.
 
 Loading reads the manifest and the metadata db (verified), lets DCP's planner match the saved
 chunks against the live ones (any world size, any sharding), and reads only the blobs of
-the chunks that overlap this rank's shards, each checked by checksum before its bytes reach
-a live tensor; a damaged byte is :class:`~epochal.errors.CheckpointCorruptError` naming the
+the chunks that overlap this rank's shards (of a big chunk, stored as row blocks by the
+writer, see :mod:`.blocks`, only the blocks its rows overlap; see :mod:`.reads`), each
+checked by checksum before any live tensor is written; a damaged byte is :class:`~epochal.errors.CheckpointCorruptError` naming the
 file and the item. Non-tensor items are encoded by epochal's codecs, never pickled (see
 :mod:`.planners`); nothing on the load path unpickles.
 """
