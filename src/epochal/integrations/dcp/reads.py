@@ -15,8 +15,10 @@ want it, and every blob this read needs is verified before any live tensor is wr
    now too (that one's are verified by its in-place read before any of them is written;
    on a URL that read fetches them into fresh memory, verified, then copies them), or, for
    a URL, read now into held memory while under HOLD_MAX (a verify pass would fetch twice);
-2. only then, db by db: the direct blobs into the live memory, the held values copied into
-   their regions, each item committed to the planner once all its pieces are in.
+2. only then, db by db (that one first): the direct blobs into the live memory (those
+   verified in step 1 without a second check, as the in-place path itself verifies a map
+   of the file and then reads it again), the held values copied into their regions, each
+   item committed to the planner once all its pieces are in.
 
 A damaged byte is a :class:`~epochal.errors.CheckpointCorruptError` naming the db file and
 the blob (``w@4,0#b1``: FQN, chunk offsets, block), raised before any live tensor changed
