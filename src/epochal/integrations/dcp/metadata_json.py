@@ -7,10 +7,12 @@ checkpoint's ``dcp`` db, CRC-32C checked like every blob, parsed by
 * ``items``: per FQN either ``{"bytes": {}}`` or ``{"tensor": {"dtype", "size",
   "requires_grad", "memory_format", "chunks": [{"offsets", "sizes"}]}}``;
 * ``storage``: one entry per saved item: FQN, chunk offset (None for bytes), and where it
-  lives: (db file, blob, offset, length), a db of the same step;
+  lives: (db file, blob, offset, length), a db of the same step, and ``rows``: present only
+  for a chunk stored as row blocks (:mod:`.blocks`), the rows per block;
 * ``planner_data``: the flattening map DCP's default planners write (FQN -> key path of str/int),
   kept when it is that shape, else dropped;
-* ``save_id``, ``version``.
+* ``save_id``, ``version``: 1, or 2 when any storage entry has ``rows`` (so a reader that
+  knows only 1, which would look for one blob per chunk, refuses it by its version).
 
 Every field is type-checked on the way back; a dtype is looked up by name in a closed table.
 """
@@ -40,6 +42,8 @@ __all__ = ["FORMAT", "ItemLocation", "metadata_from_json", "metadata_to_json"]
 
 FORMAT = "epochal-dcp-metadata"
 VERSION = 1
+#: the version of a document with row-block storage entries
+VERSION_BLOCKS = 2
 
 _MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
                    "preserve": torch.preserve_format}
@@ -49,12 +53,15 @@ _MEMORY_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
 @dataclass(frozen=True)
 class ItemLocation:
     """Where one saved DCP item lives: ``blob`` of the db file ``db`` (``rank1.7``), bytes
-    ``offset`` .. ``offset + length`` of that blob's data (the whole blob today)."""
+    ``offset`` .. ``offset + length`` of that blob's data (the whole blob today). ``rows``:
+    0, one blob; else the chunk is stored as blocks of that many rows (blobs
+    ``<blob>#b<k>``, see :mod:`.blocks`) and ``length`` is the whole chunk's bytes."""
 
     db: str
     blob: str
     offset: int = 0
     length: int = 0
+    rows: int = 0
 
 
 def _ints(value: Any, what: str) -> list[int]:
@@ -85,11 +92,16 @@ def metadata_to_json(md: Metadata, save_id: str | None = None) -> str:
             "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in sm.chunks],
         }}
     storage = []
+    version = VERSION
     for idx, loc in (md.storage_data or {}).items():
-        storage.append({
+        entry: dict[str, Any] = {
             "fqn": idx.fqn, "offset": None if idx.offset is None else list(idx.offset),
             "db": loc.db, "blob": loc.blob, "at": loc.offset, "length": loc.length,
-        })
+        }
+        if loc.rows:
+            entry["rows"] = int(loc.rows)
+            version = VERSION_BLOCKS
+        storage.append(entry)
     planner_data = None
     pd = md.planner_data
     if isinstance(pd, dict) and all(
@@ -99,7 +111,7 @@ def metadata_to_json(md: Metadata, save_id: str | None = None) -> str:
         planner_data = {k: list(v) for k, v in pd.items()}
     if save_id is None and md.storage_meta is not None:
         save_id = md.storage_meta.save_id
-    doc = {"format": FORMAT, "version": VERSION, "save_id": save_id, "dcp_version": md.version,
+    doc = {"format": FORMAT, "version": version, "save_id": save_id, "dcp_version": md.version,
            "items": items, "storage": storage, "planner_data": planner_data}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
@@ -116,8 +128,9 @@ def metadata_from_json(text: str, where: str) -> Metadata:
 def _parse(doc: Any) -> Metadata:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"not {FORMAT!r} JSON")
-    if doc.get("version") != VERSION:
-        raise ValueError(f"version {doc.get('version')!r} (this epochal reads {VERSION})")
+    version = doc.get("version")
+    if version not in (VERSION, VERSION_BLOCKS):
+        raise ValueError(f"version {version!r} (this epochal reads {VERSION} and {VERSION_BLOCKS})")
     items = doc["items"]
     if not isinstance(items, dict):
         raise ValueError("items: not an object")
@@ -155,7 +168,11 @@ def _parse(doc: Any) -> Metadata:
         at, length = s["at"], s["length"]
         if type(at) is not int or type(length) is not int or at < 0 or length < 0:
             raise ValueError(f"storage of {fqn!r}: bad byte range")
-        storage[MetadataIndex(fqn, soff)] = ItemLocation(_str(s["db"], "db"), _str(s["blob"], "blob"), at, length)
+        rows = s.get("rows", 0)
+        if type(rows) is not int or rows < 0 or (rows and (version != VERSION_BLOCKS or soff is None)):
+            raise ValueError(f"storage of {fqn!r}: bad rows per block {rows!r} (version {version})")
+        storage[MetadataIndex(fqn, soff)] = ItemLocation(_str(s["db"], "db"), _str(s["blob"], "blob"), at, length,
+                                                         rows)
     pd = doc.get("planner_data")
     planner_data = None
     if pd is not None:

@@ -19,8 +19,9 @@ manifest, so the step does not exist; earlier steps are untouched.
 
 Loading reads the manifest and the metadata db (verified), lets DCP's planner match the saved
 chunks against the live ones (any world size, any sharding), and reads only the blobs of
-the chunks that overlap this rank's shards, each checked by checksum before its bytes reach
-a live tensor; a damaged byte is :class:`~epochal.errors.CheckpointCorruptError` naming the
+the chunks that overlap this rank's shards (of a big chunk, stored as row blocks by the
+writer, see :mod:`.blocks`, only the blocks its rows overlap; see :mod:`.reads`), each
+checked by checksum before any live tensor is written; a damaged byte is :class:`~epochal.errors.CheckpointCorruptError` naming the
 file and the item. Non-tensor items are encoded by epochal's codecs, never pickled (see
 :mod:`.planners`); nothing on the load path unpickles.
 """
@@ -30,17 +31,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
     LoadPlan,
     LoadPlanner,
-    ReadItem,
     SavePlan,
     SavePlanner,
     WriteItemType,
@@ -58,16 +61,15 @@ from ...errors import (
     CheckpointNotFoundError,
     UnsupportedBlobError,
 )
-from ...storage.encoding.codecs import LoadOptions, load_options
 from ...storage.formats.native.reader import NativeFile, stat_native
 from ...storage.formats.native.writer import write_native
-from ...storage.io import tuning
 from ...storage.io.location import location_for
-from ...storage.io.seam import is_url, local_path, store_for
+from ...storage.io.seam import is_url, local_path
 from .. import world as _world
-from ..torch import dtype_name
+from .blocks import block_rows, split_rows
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
-from .planners import item_value, set_value
+from .planners import item_value
+from .reads import read_items
 from .staging import HostStaging
 
 __all__ = ["META_BLOB", "META_NODE", "EpochalStorageReader", "EpochalStorageWriter", "rank_node"]
@@ -197,8 +199,9 @@ class EpochalStorageWriter(StorageWriter):
             raise CheckpointError("EpochalStorageWriter.write_data: the plan did not come from prepare_global_plan")
         self._step = target.step
         blobs: dict[str, Any] = {}
-        placed: list[tuple[MetadataIndex, str, int]] = []
+        placed: list[tuple[MetadataIndex, str, int, int]] = []
         for item in plan.items:
+            rows = 0
             if item.type == WriteItemType.BYTE_IO:
                 name = chunk_blob(item.index.fqn, None)
                 value = item_value(planner, item)
@@ -212,10 +215,13 @@ class EpochalStorageWriter(StorageWriter):
                                                f"{type(value).__name__}, not a tensor")
                 value = value.detach()
                 nbytes = value.numel() * value.element_size()
-            if name in blobs:
-                raise CheckpointError(f"DCP items {name!r}: two items of one save have the same blob name")
-            blobs[name] = value
-            placed.append((item.index, name, nbytes))
+                rows = block_rows(value)
+            parts = split_rows(name, value, rows) if rows else {name: value}
+            for part, v in parts.items():
+                if part in blobs:
+                    raise CheckpointError(f"DCP items {part!r}: two items of one save have the same blob name")
+                blobs[part] = v
+            placed.append((item.index, name, nbytes, rows))
         if not blobs:
             return _done([])
         db = CheckpointDirectory(self.path).db_path(target.node, target.step)
@@ -238,8 +244,8 @@ class EpochalStorageWriter(StorageWriter):
         file = os.path.basename(db)
         return _done([
             WriteResult(index=idx, size_in_bytes=nbytes,
-                        storage_data=Written(ItemLocation(file, name, 0, nbytes), report))
-            for idx, name, nbytes in placed
+                        storage_data=Written(ItemLocation(file, name, 0, nbytes, rows), report))
+            for idx, name, nbytes, rows in placed
         ])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -340,6 +346,8 @@ class EpochalStorageReader(StorageReader):
         self.path = _located(path, storage_options)
         self.step = None if step is None else int(step)
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
+        #: (FQN, chunk offsets) -> the saved chunk's rows (where its row blocks end)
+        self.chunk_rows: dict[tuple[str, tuple[int, ...]], int] = {}
         #: after read_metadata: the step being loaded
         self.loaded_step: int | None = None
 
@@ -388,6 +396,11 @@ class EpochalStorageReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = dict(metadata.storage_data or {})
+        self.chunk_rows = {
+            (fqn, tuple(int(o) for o in c.offsets)): int(c.sizes[0]) if len(c.sizes) else 1
+            for fqn, sm in metadata.state_dict_metadata.items() if isinstance(sm, TensorStorageMetadata)
+            for c in sm.chunks
+        }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -396,23 +409,10 @@ class EpochalStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read the blobs of the saved chunks that ``plan``'s items overlap (each once,
-        checksum-verified before any live tensor is written), then copy each item's region."""
-        wanted: dict[str, dict[str, list[ReadItem]]] = defaultdict(lambda: defaultdict(list))
-        for item in plan.items:
-            loc = self.storage_data.get(item.storage_index)
-            if loc is None:
-                raise CheckpointCorruptError(self.path, f"the DCP metadata has no storage for item "
-                                             f"{item.storage_index.fqn!r} at {item.storage_index.offset}")
-            wanted[loc.db][loc.blob].append(item)
-        with load_options(LoadOptions(map_location="cpu", where=f"DCP checkpoint {self.path}")):
-            for file in sorted(wanted):
-                path = f"{self.path.rstrip('/')}/{file}"
-                if not store_for(path).exists(path):
-                    raise CheckpointNotFoundError(f"{path}: the db of DCP items "
-                                                  f"{sorted(wanted[file])[:3]} does not exist")
-                with NativeFile(path, mmap=False) as f:
-                    _read_blobs(f, wanted[file], planner)
+        """Read the blobs of the saved chunks (of a chunk stored as row blocks, the blocks) that
+        ``plan``'s items overlap, each once and every one checksum-verified before any live
+        tensor is written, then copy each item's region (see :mod:`.reads`)."""
+        read_items(self.path, self.storage_data, self.chunk_rows, plan, planner)
         return _done(None)
 
 
@@ -422,65 +422,3 @@ def _located(path: str | os.PathLike[str], storage_options: dict[str, Any] | Non
     location = location_for(local_path(path), storage_options)
     location.remember()
     return location.root if location.is_url else local_path(path)
-
-
-def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    """The region ``offsets`` .. ``offsets + lengths`` of ``t`` (a view)."""
-    for dim, (o, n) in enumerate(zip(offsets, lengths)):
-        if o != 0 or n != t.size(dim):
-            t = t.narrow(dim, int(o), int(n))
-    return t
-
-
-def _read_blobs(f: NativeFile, wanted: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
-    """Read the saved items ``wanted`` of one db (each verified before any of its bytes
-    reaches a live tensor) and hand each of their read items its part. A whole chunk wanted
-    whole by a live tensor of its shape is read straight into it, all such in one read;
-    the others go through fresh buffers, in reads of up to about a quarter of
-    tuning.PARALLEL_MIN bytes (fewer reads than one per chunk, memory bounded; below the size
-    at which the reader spreads a read over threads, which costs more than it gives when
-    every core is busy, as a training job's are)."""
-    direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}
-    staged: list[list[str]] = [[]]
-    size = 0
-    for blob, items in wanted.items():
-        first = items[0]
-        if first.type == LoadItemType.BYTE_IO:
-            value = f.read([blob])[blob]
-            for item in items:
-                set_value(planner, item, value)
-            continue
-        info = f.info(blob)
-        if len(items) == 1 and not any(first.storage_offsets):
-            target = planner.resolve_tensor(first).detach()
-            if target.size() == first.lengths and info.shape == tuple(first.lengths) and \
-                    info.dtype == dtype_name(target.dtype):
-                direct[blob] = (first, target)
-                continue
-        if size and size + info.nbytes > tuning.PARALLEL_MIN // 4:
-            staged.append([])
-            size = 0
-        staged[-1].append(blob)
-        size += info.nbytes
-    if direct:  # the whole chunks into the whole targets: read straight into them once verified
-        f.read(list(direct), existing={b: t for b, (_, t) in direct.items()})
-        for item, target in direct.values():
-            planner.commit_tensor(item, target)
-    for batch in staged:
-        got = f.read(batch) if batch else {}
-        for blob in batch:
-            _hand_out(f, blob, got.pop(blob), wanted[blob], planner)
-
-
-def _hand_out(f: NativeFile, blob: str, saved: Any, items: list[ReadItem], planner: LoadPlanner) -> None:
-    """Copy each of ``items``' region of the (verified) saved chunk into its live tensor."""
-    if not isinstance(saved, torch.Tensor):
-        raise CheckpointCorruptError(f.path, "a DCP tensor chunk holds no tensor", blob)
-    for item in items:
-        part = _narrow(saved, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != part.size():
-            raise CheckpointCorruptError(f.path, f"DCP item {item.dest_index.fqn!r}: saved region "
-                                         f"{tuple(part.size())} does not fit {tuple(target.size())}", blob)
-        target.copy_(part)
-        planner.commit_tensor(item, target)
