@@ -25,7 +25,7 @@ SYSTEM_FILES = {
     "test_ray_session", "test_ray_url", "test_cluster", "test_torch_lm_kill", "test_torch_resume",
     "test_kill", "test_bench_smoke", "test_bench_quick", "test_fuzz_quick", "test_cli",
     "test_cli_urls", "test_cli_loop", "test_url_checkpoints", "test_remote", "test_mirror",
-    "test_preemption", "test_demo", "test_lightning", "test_hf_trainer",
+    "test_preemption", "test_demo", "test_lightning", "test_hf_trainer", "test_dcp_blocks",
 }
 CONFORMANCE_FILES = {
     "test_db_conformance", "test_fsspec_store", "test_forged_dbs", "test_native_props",
