@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,10 @@ from epochal.integrations.dcp import EpochalStorageReader, EpochalStorageWriter,
 from epochal.integrations.dcp.metadata_json import metadata_from_json  # noqa: E402
 from epochal.storage.formats.native.reader import NativeFile  # noqa: E402
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to")  # DCP without a process group
+
 CHUNK_BYTES = ROWS // 2 * COLS * 4  # one of the 2 saving ranks' chunk of w
 BLOCK_ROWS = -(-BLOCK_BYTES // (COLS * 4))  # 132
-
-
-@pytest.fixture(autouse=True)
-def _single_process_quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        yield
 
 
 @pytest.fixture(scope="module")

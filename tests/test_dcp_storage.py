@@ -9,7 +9,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +28,10 @@ from epochal.errors import CheckpointCorruptError, UnsupportedBlobError  # noqa:
 from epochal.integrations.dcp import EpochalStorageReader, EpochalStorageWriter  # noqa: E402
 from epochal.storage.formats.native.reader import NativeFile  # noqa: E402
 
-pytestmark = pytest.mark.slow  # spawns gloo ranks and the CLI
+pytestmark = [pytest.mark.slow,  # spawns gloo ranks and the CLI
+              pytest.mark.filterwarnings("ignore:.*assuming the intent is to")]  # DCP without a process group
 
 EPOCHAL = [sys.executable, "-m", "epochal"]
-
-
-@pytest.fixture(autouse=True)
-def _single_process_quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        yield
 
 
 @pytest.fixture(scope="module")
