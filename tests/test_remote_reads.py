@@ -1,7 +1,8 @@
 """Loads from a URL: big blobs in ranged pieces fetched in parallel, each piece checksummed
 and the checksums combined; padding read with the last piece; an open costs one round trip
-after the HEAD (header and tail together); a small object is fetched once, whole.
-memory:// and moto's S3 on 127.0.0.1."""
+after the HEAD (header and tail together); a small object is fetched once, whole; a full
+load (every blob, a resume, a verify) fetches the whole object in one round trip of
+parallel ranges. memory:// and moto's S3 on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_big_blobs_come_in_parallel_pieces_and_the_open_in_one_round_trip(
     backend = get_db_type("native")
     size = backend.write(url, blobs)
     fetched.clear()
-    got = backend.read(url)
+    got = backend.read(url, list(blobs))  # (names given, no resume: not known to be whole)
     for name in ("big1", "big2", "small"):
         assert got[name].tobytes() == blobs[name].tobytes(), name
     assert got["step"] == 12
@@ -141,3 +142,73 @@ def test_a_load_into_live_tensors_fetches_every_byte_once(
     assert all(torch.equal(live[k], src[k]) for k in src)
     total = sum(b - a for ranges, _ in fetched for a, b in ranges)
     assert size - tuning.REMOTE_TAIL <= total <= size + tuning.REMOTE_TAIL, (total, size)  # (the tail: once more)
+
+
+def _one_round_trip(fetched: list[tuple[list[tuple[int, int]], str]], size: int) -> None:
+    """Every byte was asked for in one batch of ranges that tile the object, nothing else."""
+    assert len(fetched) == 1, [r for r, _ in fetched]
+    ranges = fetched[0][0]
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, no overlap
+    assert len(ranges) == -(-size // PIECE) - (size % PIECE < PIECE // 4)  # a short rest joins the last
+    assert max(b - a for a, b in ranges) < PIECE + PIECE // 4
+
+
+def test_a_full_load_fetches_the_whole_object_in_one_round_trip(
+    where: str, fetched: list[tuple[list[tuple[int, int]], str]],
+) -> None:
+    url = f"{where}/trainer_0.7"
+    blobs = _blobs()
+    backend = get_db_type("native")
+    size = backend.write(url, blobs)
+    fetched.clear()
+    got = backend.read(url)  # every blob: header, index and data in one batch
+    assert all(got[n].tobytes() == blobs[n].tobytes() for n in ("big1", "big2", "small")) and got["step"] == 12
+    _one_round_trip(fetched, size)
+    fetched.clear()
+    backend.verify(url)  # a verify reads it all too
+    _one_round_trip(fetched, size)
+
+
+def test_a_resume_from_a_url_fetches_its_db_in_one_round_trip(
+    where: str, fetched: list[tuple[list[tuple[int, int]], str]],
+) -> None:
+    from epochal import Checkpointer
+
+    blobs = _blobs()
+    with Checkpointer(where, async_save=False) as ck:
+        ck.save(3, dict(blobs))
+    fetched.clear()
+    state = {n: np.zeros_like(v) if isinstance(v, np.ndarray) else 0 for n, v in blobs.items()}
+    with Checkpointer(where, async_save=False) as ck:
+        assert ck.restore(state) == 3
+    assert all(state[n].tobytes() == blobs[n].tobytes() for n in ("big1", "big2", "small")) and state["step"] == 12
+    db_batches = [r for r, _ in fetched if sum(b - a for a, b in r) > tuning.REMOTE_TAIL + 64]
+    assert len(db_batches) == 1 and len(db_batches[0]) > 1  # the data: one batch, ranges in flight together
+    assert db_batches[0][0][0] == 0 and all(a[1] == b[0] for a, b in zip(db_batches[0], db_batches[0][1:]))
+    # the rest: the quick check's superblock (+ tail) read of the step's digest
+    assert all(sum(b - a for a, b in r) <= tuning.REMOTE_TAIL + 64 for r, _ in fetched if r not in db_batches)
+
+
+def test_damage_is_found_in_a_whole_fetch_and_big_objects_keep_the_open_round_trip(
+    where: str, fetched: list[tuple[list[tuple[int, int]], str]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = f"{where}/trainer_0.8"
+    blobs = _blobs()
+    backend = get_db_type("native")
+    size = backend.write(url, blobs)
+    fs, path = filesystem_for(url)
+    data = bytearray(fs.cat_file(path))
+    data[data.find(blobs["big2"].tobytes()) + 3 * PIECE // 2] ^= 1
+    fs.pipe_file(path, bytes(data))
+    fs.invalidate_cache()
+    fetched.clear()
+    with pytest.raises(CheckpointCorruptError) as e:
+        backend.read(url)
+    assert url in str(e.value) and "big2" in str(e.value) and DAMAGED_DATA in str(e.value)
+    _one_round_trip(fetched, size)
+    monkeypatch.setattr(tuning, "REMOTE_WHOLE_LOAD", size - 1)  # too big to hold: as before
+    fetched.clear()
+    with pytest.raises(CheckpointCorruptError):
+        backend.read(url)
+    assert fetched[0][0] == [(0, 64), (size - tuning.REMOTE_TAIL, size)]

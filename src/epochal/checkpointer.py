@@ -241,7 +241,7 @@ class Checkpointer:
             return
         db = self.db_path(step)
         load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True,
-                         storage_options=self._storage_options)
+                         storage_options=self._storage_options, whole=True)
 
         def run() -> Results:
             try:

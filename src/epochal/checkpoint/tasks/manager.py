@@ -210,6 +210,7 @@ class CheckpointManager(HandlerCalls):
             self._db(epoch, path_prefix), path_type or self._db_type, names,
             node=self._node_name, epoch=epoch, keep_device=True,
             map_location=self._map_location, verify=self._verify, storage_options=self._storage_options,
+            whole=True,
         )
 
     def _partial_step(self, blob_names: Sequence[str], epoch: int) -> LoadBlobs:

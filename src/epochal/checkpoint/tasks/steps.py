@@ -136,6 +136,8 @@ class LoadBlobs:
 
     Live objects already in the workspace are passed to the codecs, which restore them in place
     (torch tensors, modules, optimizers); everything is verified before anything is restored.
+    ``whole``: ``names`` are (nearly) all the db holds (a resume), so the format may fetch the
+    whole file at once (:class:`~epochal.storage.encoding.codecs.LoadOptions`).
     """
 
     def __init__(
@@ -151,8 +153,10 @@ class LoadBlobs:
         map_location: Any = None,
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
+        whole: bool = False,
     ) -> None:
         self.db, self.db_type = db, db_type
+        self.whole = whole
         self.location = db_location(db, storage_options)
         self.names = list(names) if names is not None else None
         self.node, self.epoch = node, epoch
@@ -198,7 +202,8 @@ class LoadBlobs:
         if not backend.checks_live:
             self._check_live(backend, existing, where)
         stats = ReadStats()
-        opts = LoadOptions(map_location=self.map_location, keep_device=self.keep_device, where=where)
+        opts = LoadOptions(map_location=self.map_location, keep_device=self.keep_device, where=where,
+                           whole=self.whole)
         with load_options(opts):
             values = backend.read(
                 self.db, names, allow_incomplete=self.allow_incomplete, existing=existing,

@@ -51,12 +51,16 @@ class LoadOptions:
       the saved device string to a target (None: see ``keep_device``);
     - ``keep_device``: back to the device a tensor was saved from when this process has it
       (the seed's Load), else to the CPU;
-    - ``where``: how errors name the load ("checkpoint DB (node N, epoch E)"; None: the file).
+    - ``where``: how errors name the load ("checkpoint DB (node N, epoch E)"; None: the file);
+    - ``whole``: the load reads (nearly) every blob of the db, as a resume does: a format may
+      fetch the whole file at once (a remote db in one wave of requests instead of an open's
+      round trip and then the data; storage/io/fsspec_store.py).
     """
 
     map_location: Any = None
     keep_device: bool = True
     where: str | None = None
+    whole: bool = False
 
 
 #: The :class:`LoadOptions` of the load in progress, set around a load with

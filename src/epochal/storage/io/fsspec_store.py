@@ -46,6 +46,8 @@ from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
+
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from . import atomic, tuning
 
@@ -201,6 +203,28 @@ def _not_found(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) == errno.ENOENT
 
 
+def scatter(parts: Sequence[memoryview], views: Sequence[memoryview]) -> int:
+    """Copy the bytes of ``parts`` (in order) into ``views`` (in order) until either ends;
+    the number copied. Big copies go through numpy, which releases the GIL for them (the
+    reading threads copy at once)."""
+    pos, vi, vpos = 0, 0, 0
+    outs = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+    for part in parts:
+        src = part.cast("B") if part.format != "B" or part.ndim != 1 else part
+        spos = 0
+        while spos < len(src) and vi < len(outs):
+            dst = outs[vi]
+            n = min(len(src) - spos, len(dst) - vpos)
+            if n >= 1 << 20:
+                np.copyto(np.frombuffer(dst, np.uint8, n, vpos), np.frombuffer(src, np.uint8, n, spos))
+            else:
+                dst[vpos:vpos + n] = src[spos:spos + n]
+            spos, vpos, pos = spos + n, vpos + n, pos + n
+            if vpos == len(dst):
+                vi, vpos = vi + 1, 0
+    return pos
+
+
 class FsspecSource:
     """One object open for ranged reads (see :class:`~epochal.storage.io.seam.ByteSource`).
 
@@ -208,7 +232,11 @@ class FsspecSource:
     at once. The first read fetches ahead what every open reads next: an object of at most
     tuning.REMOTE_WHOLE bytes whole, else (a read at offset 0: a header) also its last
     tuning.REMOTE_TAIL bytes (where a native db keeps its index), both in one concurrent
-    batch (``fs.cat_ranges``), so opening a db costs one round trip after the HEAD, not two."""
+    batch (``fs.cat_ranges``), so opening a db costs one round trip after the HEAD, not two.
+    A reader that will read (nearly) every byte says so first with ``hint(0, size())``; an
+    object of at most tuning.REMOTE_WHOLE_LOAD bytes is then fetched whole by the first read,
+    in REMOTE_PIECE ranges all in flight at once: header, index and data in one round trip
+    (a full load makes as many requests as s3fs's own ``cat_file`` of the object)."""
 
     nowait = False
     remote = True
@@ -229,6 +257,7 @@ class FsspecSource:
         self.bytes_requested = 0
         self._count = threading.Lock()
         self._ahead: list[tuple[int, bytes]] | None = None  # (offset, bytes) fetched ahead
+        self._whole = False  # hint(0, size): fetch it all ahead
 
     def size(self) -> int:
         return self._size
@@ -244,10 +273,18 @@ class FsspecSource:
         return out
 
     def _fetch_ahead(self, offset: int, end: int) -> None:
-        """On the first read: fetch the whole small object, or the header and the tail."""
+        """On the first read: fetch the whole small object (or a hinted one, in pieces), or the
+        header and the tail."""
         size = self._size
         if size <= tuning.REMOTE_WHOLE:
             starts, ends = [0], [size]
+        elif self._whole:
+            # REMOTE_PIECE ranges; a short remainder joins the last (a request costs more than
+            # a few bytes more: on moto a ranged GET reads the whole object)
+            starts = list(range(0, size, tuning.REMOTE_PIECE))
+            if len(starts) > 1 and size - starts[-1] < tuning.REMOTE_PIECE // 4:
+                starts.pop()
+            ends = starts[1:] + [size]
         elif offset == 0 and end < size - tuning.REMOTE_TAIL:
             starts, ends = [0, size - tuning.REMOTE_TAIL], [end, size]
         else:
@@ -266,26 +303,40 @@ class FsspecSource:
                     self._ahead = []  # (other threads read on their own meanwhile)
             if first:
                 self._fetch_ahead(offset, end)
-        for start, data in self._ahead or ():
-            if start <= offset and end <= start + len(data):
-                return data[offset - start:end - start]
+        parts = self._from_ahead(offset, end)
+        if parts is not None:
+            return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
         return self._fetch([offset], [end])[0]
 
+    def _from_ahead(self, offset: int, end: int) -> list[memoryview] | None:
+        """Views of the bytes fetched ahead that make up ``[offset, end)``, or None."""
+        out: list[memoryview] = []
+        pos = offset
+        for start, data in self._ahead or ():  # (in file order)
+            if start <= pos < start + len(data):
+                take = min(start + len(data), end)
+                out.append(memoryview(data)[pos - start:take - start])
+                pos = take
+                if pos >= end:
+                    return out
+        return None
+
     def read_into(self, views: Sequence[memoryview], offset: int, *, nowait: bool = False) -> int:
-        want = sum(v.nbytes for v in views)
-        data = memoryview(self.read(want, offset))  # (slices of it copy nothing)
-        pos = 0
-        for v in views:
-            if (n := min(v.nbytes, len(data) - pos)) <= 0:
-                break
-            v.cast("B")[:n], pos = data[pos:pos + n], pos + n
-        return pos
+        want = min(sum(v.nbytes for v in views), max(0, self._size - offset))
+        if self._ahead is None or (parts := self._from_ahead(offset, offset + want)) is None:
+            parts = [memoryview(self.read(want, offset))]  # (slices of it copy nothing)
+        return scatter(parts, views)
+
+    def hint(self, offset: int, nbytes: int) -> bool:
+        """``hint(0, size())`` before the first read: fetch the whole object ahead, if it is
+        at most tuning.REMOTE_WHOLE_LOAD bytes (see the class doc). No other hints."""
+        if self._ahead is None and offset == 0 and nbytes >= self._size and self._size <= tuning.REMOTE_WHOLE_LOAD:
+            self._whole = True
+            return True
+        return False
 
     def map(self, *, sequential: bool = False) -> Any | None:
         return None
-
-    def hint(self, offset: int, nbytes: int) -> bool:
-        return False
 
     def close(self) -> None:
         self._ahead = None
@@ -369,17 +420,19 @@ def upload_to_key(fs: Any, path: str, local: str, size: int, name: str) -> None:
 
     On a store with atomic uploads (:func:`atomic_put`: S3, GCS) straight to ``path`` with
     the store's own upload (s3fs: one PUT below twice its ``chunksize``, else a multipart
-    upload whose parts go up ``max_concurrency`` at a time and which is aborted on an error),
-    then its size is checked (one HEAD); there is no temp key and no server-side copy, which
-    cost as much as the upload. Elsewhere through a temp key beside ``path`` (size-checked,
-    then moved; removed whatever happens)."""
+    upload whose parts go up ``max_concurrency`` at a time and which is aborted on an error);
+    there is no temp key and no server-side copy, which cost as much as the upload. S3 itself
+    refuses a body that does not match its Content-Length (and botocore's request checksum),
+    so no HEAD follows; on GCS the size is checked with one. Elsewhere through a temp key
+    beside ``path`` (size-checked, then moved; removed whatever happens). (A db that still
+    came out short fails the quick check of its manifest's digest, which holds its size.)"""
     parent = path.rsplit("/", 1)[0] if "/" in path else ""
     if atomic_put(fs):
         part = tuning.UPLOAD_PART
         try:
             fs.put_file(local, path, **({} if part is None else {"chunksize": part}))
             fs.invalidate_cache(path)
-            got = int(fs.info(path)["size"])
+            got = size if hasattr(fs, "call_s3") else int(fs.info(path)["size"])
         finally:
             fs.invalidate_cache(parent or None)
         if got != size:

@@ -95,6 +95,11 @@ REMOTE_BATCH = 16 << 20
 #: one's first read at offset 0 also fetches its last REMOTE_TAIL bytes (a native db's index)
 REMOTE_WHOLE = 256 << 10
 REMOTE_TAIL = 64 << 10
+#: a remote object a reader will read whole (a full load, a verify: ``hint(0, size)``) of at
+#: most this many bytes is fetched by its first read, all its REMOTE_PIECE ranges in flight
+#: together (held in memory until the file is closed); a bigger one: an open round trip,
+#: then REMOTE_THREADS pieces at a time
+REMOTE_WHOLE_LOAD = REMOTE_PIECE * REMOTE_THREADS
 #: the part size of multipart uploads to a store with atomic uploads (None: the store's
 #: default; s3fs: 50 MiB, one PUT below twice that, parts sent ``max_concurrency`` at a time)
 UPLOAD_PART: int | None = None

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ....errors import CheckpointCorruptError, CheckpointError
+from ...encoding.codecs import LOAD_OPTIONS
 from ..base import BlobInfo, DbBackend, DbProblem, DbStat, ReadStats, register_db_type
 from .layout import is_native
 from .reader import NativeFile, stat_native
@@ -34,7 +35,8 @@ class NativeBackend(DbBackend):
         verify: bool = True,
         stats: ReadStats | None = None,
     ) -> dict[str, Any]:
-        with NativeFile(path, mmap=False) as f:
+        whole = names is None or LOAD_OPTIONS.get().whole
+        with NativeFile(path, mmap=False, whole=whole) as f:
             return f.read(
                 names, allow_incomplete=allow_incomplete, existing=existing, verify=verify,
                 stats=stats,
@@ -50,7 +52,7 @@ class NativeBackend(DbBackend):
         return stat_native(path).digest
 
     def verify(self, path: str) -> None:
-        with NativeFile(path, mmap=False) as f:
+        with NativeFile(path, mmap=False, whole=True) as f:
             f.verify()
 
 
@@ -59,7 +61,7 @@ class NativeBackend(DbBackend):
         header or index is one problem without a blob."""
         problems: list[DbProblem] = []
         try:
-            with NativeFile(path, mmap=False) as f:
+            with NativeFile(path, mmap=False, whole=True) as f:
                 try:
                     f.verify()  # one pass when the file is sound (checksum groups included)
                     return problems

@@ -66,14 +66,18 @@ class NativeFile:
     (arrays are then read-only and share the page cache, nothing is copied up front; a store
     that cannot map reads instead); with ``mmap=False`` they are read into fresh buffers.
     Either way the checksums of the requested blobs are verified before any value is
-    decoded, unless ``verify=False``.
+    decoded, unless ``verify=False``. ``whole``: (nearly) every byte will be read (a full
+    load, a verify): a remote source is told so before the superblock is read, and may then
+    fetch the whole object in one wave of requests instead of the open's round trip first.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False, whole: bool = False) -> None:
         self.path = os.fspath(path)
         self._src: ByteSource | None = _open(self.path)
         self._mm: Any = None
         try:
+            if whole and getattr(self._src, "remote", False):
+                self._src.hint(0, self._src.size())
             self.header = _read_header(self.path, self._src)
             h = self.header
             raw = read_bytes(self._src, h.index_length, h.index_offset, "the index")
