@@ -22,12 +22,15 @@ update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run
 - ``async-warm``: ``async`` with the arena prepared and faulted in before ``train``
   (``BackgroundSaver.prepare``, not timed), so that epoch 0's save copies into warm memory.
   (Since session 14 the runner itself prepares the arena as a run with ``async_save`` starts;
-  in a new run that is right before the init save, which then stops the warmer and faults in
-  the rest itself; a resumed run prepares after its load, an epoch before its first save:
-  what ``async-warm`` shows for epoch 0.)
+  in a new run that is right before the init save, which (since session 15) copies from the
+  front while the warmer goes on from the back; a resumed run prepares after its load, an
+  epoch before its first save: what ``async-warm`` shows for epoch 0.)
+
+Epoch 0's figure also comes as "train start to epoch 1" (prepare and the init save's
+snapshot included) over the sync run's less its own init save.
 
 ``--trace`` prints, per epoch of each background run, the wait in the join, the snapshot and
-the pool's counters (reused / refitted / allocated / fresh / waited).
+the pool's counters (reused / refitted / allocated / fresh / waited / shared).
 
 Each round also measures, in the same process, a memcpy of the state into memory already
 allocated and touched, and into fresh memory (``np.empty`` + copy: first-touch faults).
@@ -232,7 +235,7 @@ class Trace:
             p = saver.pool
             self.snaps.append(dt)
             self.lines.append(f"snapshot {dt * 1e3:6.1f} ms  pool reused {p.reused} refitted {p.refitted} "
-                              f"allocated {p.allocated} fresh {p.fresh} waited {p.waited} "
+                              f"allocated {p.allocated} fresh {p.fresh} waited {p.waited} shared {p.shared} "
                               f"({p.pooled_bytes >> 20} of {p.limit >> 20} MiB)")
             return snap
 

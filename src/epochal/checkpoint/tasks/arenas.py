@@ -38,9 +38,10 @@ is mostly how warm that memory is (:mod:`.background` takes the snapshot and wri
 - **Arenas faulted in off the training thread.** :meth:`BackgroundSaver.prepare` (and
   :meth:`SnapshotPool.prepare`) allocates the arenas a state will need and has a thread
   fault them in (``madvise(MADV_POPULATE_WRITE)``, the GIL released; else a zero written per
-  page), a step of 8 MiB at a time, from the arena's end to its front. A loop that calls it as its background saves start (its
-  first snapshot then copies into warm memory) pays no first-touch fault on its training
-  thread at all; :meth:`SnapshotPool.wait_warm` waits for the warmer. A snapshot that
+  page), a step of 8 MiB at a time, from the arena's end to its front. A loop that calls
+  it as its background saves start (its first snapshot then copies into warm memory) pays
+  no first-touch fault on its training thread at all; :meth:`SnapshotPool.wait_warm` waits
+  for the warmer. A snapshot that
   leases an arena still being warmed (a new JobRunner run prepares right before its init
   save) does **not** stop the warmer when it faults in with madvise, which never changes a
   byte (issue 27.3): the warmer keeps faulting pages in from the back while the copy goes
