@@ -60,16 +60,24 @@ def test_a_snapshot_of_an_arena_still_warming_lets_the_madvise_warmer_go_on(tmp_
     ends: list[int] = []  # per warmer step: where in the arena its range ended
 
     def gated(view: np.ndarray) -> bool:
+        (arena,) = pool._arenas
         if len(steps) == 1:  # the second step waits until the snapshot leased the arena
             deadline = time.monotonic() + 10  # (a lease that waits for the warmer: goes on)
-            while pool.shared < 1 and time.monotonic() < deadline:
+            while not (pool.shared and arena.busy) and time.monotonic() < deadline:
                 time.sleep(0.001)
-        (arena,) = pool._arenas
         steps.append(arena.busy)
         ends.append(view.ctypes.data + view.nbytes - arena.buffer.ctypes.data)
         return real(view)
 
+    release = pool.release
+
+    def held_release(arena: arenas._Arena) -> None:
+        """The arena comes back only once the warmer took a step while it was leased."""
+        _wait(lambda: len(steps) >= 2, "a warmer step during the lease")
+        release(arena)
+
     monkeypatch.setattr(arenas, "_populate", gated)
+    monkeypatch.setattr(pool, "release", held_release)
     blobs = _blobs(0)
     assert saver.prepare("n", blobs) == 1
     _wait(lambda: len(steps) >= 1, "the first warmer step")
@@ -121,24 +129,27 @@ def test_wait_warm_returns_once_the_prepared_arenas_are_faulted_in(monkeypatch):
 
 
 def test_prepare_starts_the_writer_thread_the_first_save_uses(tmp_path):
+    def writers() -> set[int | None]:
+        return {t.ident for t in threading.enumerate() if t.name.startswith("epochal-save")}
+
     saver = BackgroundSaver()
     assert not saver.running
+    others = writers()  # (other savers' threads, if any)
     blobs = _blobs(3)
     saver.prepare("n", blobs)
     assert saver.running
-    _wait(lambda: any(t.name.startswith("epochal-save") for t in threading.enumerate()), "the thread")
-    before = {t.ident for t in threading.enumerate() if t.name.startswith("epochal-save")}
-    assert len(before) == 1
-    writers: list[int | None] = []
+    _wait(lambda: len(writers() - others) == 1, "the thread")
+    before = writers() - others
+    wrote: list[int | None] = []
     real = saver._write
 
     def write(db_type, db, snap):
-        writers.append(threading.get_ident())
+        wrote.append(threading.get_ident())
         return real(db_type, db, snap)
 
     saver._write = write  # type: ignore[method-assign]
     _save(saver, str(tmp_path / "n.1"), blobs)
-    assert writers == list(before)  # the thread started by prepare wrote the first save
+    assert wrote == list(before)  # the thread started by prepare wrote the first save
     _same(str(tmp_path / "n.1"), blobs)
     saver.close()
     assert not saver.running
