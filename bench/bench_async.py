@@ -16,15 +16,21 @@ update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run
 - ``memcpy-loop``: no checkpoints; at each epoch's end (where a snapshot is taken) the
   state is copied into allocated, touched arrays: the memcpy the goal compares with, under
   the same conditions (e.g. the BLAS threads of the epoch's matmuls still spinning);
+- ``async-stopwarm``: ``async`` with the lease of an arena still being warmed stopping the
+  warmer (``SnapshotPool.SHARE_WARMING = False``), as before session 15: a new run's init
+  save then faults in the rest of its arena itself instead of alongside the warmer;
 - ``async-warm``: ``async`` with the arena prepared and faulted in before ``train``
   (``BackgroundSaver.prepare``, not timed), so that epoch 0's save copies into warm memory.
   (Since session 14 the runner itself prepares the arena as a run with ``async_save`` starts;
-  in a new run that is right before the init save, which then stops the warmer and faults in
-  the rest itself; a resumed run prepares after its load, an epoch before its first save:
-  what ``async-warm`` shows for epoch 0.)
+  in a new run that is right before the init save, which (since session 15) copies from the
+  front while the warmer goes on from the back; a resumed run prepares after its load, an
+  epoch before its first save: what ``async-warm`` shows for epoch 0.)
+
+Epoch 0's figure also comes as "train start to epoch 1" (prepare and the init save's
+snapshot included) over the sync run's less its own init save.
 
 ``--trace`` prints, per epoch of each background run, the wait in the join, the snapshot and
-the pool's counters (reused / refitted / allocated / fresh / waited).
+the pool's counters (reused / refitted / allocated / fresh / waited / shared).
 
 Each round also measures, in the same process, a memcpy of the state into memory already
 allocated and touched, and into fresh memory (``np.empty`` + copy: first-touch faults).
@@ -77,13 +83,14 @@ from epochal import (
     epoch_limiter,
     knobs,
 )
-from epochal.checkpoint.tasks.background import DEFAULT_SWITCH_INTERVAL, process_saver
+from epochal.checkpoint.tasks.background import DEFAULT_SWITCH_INTERVAL, SnapshotPool, process_saver
 from epochal.storage.formats.native import image
 from epochal.storage.io import tuning
 
 NARRAYS = 8
 PINNED_MIN = tuning.DIRECT_MIN_PINNED
-VARIANTS = ("sync", "async", "async-copy", "async-old", "async-buffered", "async-warm", "memcpy-loop")
+VARIANTS = ("sync", "async", "async-copy", "async-old", "async-buffered", "async-stopwarm", "async-warm",
+            "memcpy-loop")
 
 
 class TorchWork:
@@ -130,7 +137,13 @@ class Times(RunListener):
 
     blocked: dict[int, float] = field(default_factory=dict)
     saved: dict[int, float] = field(default_factory=dict)
+    #: from train's start to epoch 1's (resume lookups, init, prepare, the init save)
+    started: float = 0.0
     _at: tuple[int, float] | None = None
+    _train: float = 0.0
+
+    def on_train_start(self, resume_from_epoch, nodes) -> None:
+        self._train = time.perf_counter()
 
     def on_checkpoint_start(self, action: str, epoch: int) -> None:
         if action == "checkpoint_save" and epoch == 0:
@@ -144,6 +157,8 @@ class Times(RunListener):
             self.saved[event.epoch] = event.seconds
 
     def on_epoch_start(self, epoch: int) -> None:
+        if epoch == 1:
+            self.started = time.perf_counter() - self._train
         if self._at is not None:
             self.blocked[self._at[0]] = time.perf_counter() - self._at[1]
             self._at = None
@@ -220,7 +235,7 @@ class Trace:
             p = saver.pool
             self.snaps.append(dt)
             self.lines.append(f"snapshot {dt * 1e3:6.1f} ms  pool reused {p.reused} refitted {p.refitted} "
-                              f"allocated {p.allocated} fresh {p.fresh} waited {p.waited} "
+                              f"allocated {p.allocated} fresh {p.fresh} waited {p.waited} shared {p.shared} "
                               f"({p.pooled_bytes >> 20} of {p.limit >> 20} MiB)")
             return snap
 
@@ -250,6 +265,7 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     saver.switch_interval = None if old else DEFAULT_SWITCH_INTERVAL
     saver.recent.clear()
     tuning.DIRECT_MIN_PINNED = None if variant == "async-buffered" else PINNED_MIN
+    SnapshotPool.SHARE_WARMING = variant != "async-stopwarm"
     image.stats.reset()
     with Node("n"):
         with Job() as job:
@@ -258,8 +274,8 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     if variant == "async-warm":  # the arena the runner's snapshots will take, faulted in now
         names = [k for k in ws.keys() if not k.startswith("__")]
         saver.prepare(f"n@{directory}", {k: ws[k] for k in names})
-        while saver.pool.warmed < 1:
-            time.sleep(0.01)
+        saver.pool.wait_warm()  # (before session 15 this waited on a counter of every run:
+        # from the second async-warm run of a process on, epoch 0 copied mid-warming)
     if variant == "memcpy-loop":
         return loop_memcpy(ws, job, epochs)
     tr = Trace() if trace else None
@@ -281,6 +297,8 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     out = {
         "blocked": statistics.median(times.blocked[e] for e in steady),
         "first": times.blocked[0],
+        "started": times.started,
+        "save0": times.saved.get(0, 0.0),
         "saved": statistics.median(times.saved[e] for e in steady),
         "rss": float(rss.peak - base),
         "wall": wall,
@@ -433,6 +451,12 @@ def gil(arrays: list[np.ndarray], directory: str, rounds: int) -> None:
         shm.unlink()
 
 
+def _added(x: dict[str, float], g: dict[str, dict[str, float]]) -> float:
+    """What a background run's start (train start to epoch 1: prepare and the init save's
+    snapshot included) took over the sync run's less its init save (save and commit)."""
+    return x["started"] - (g["sync"]["started"] - g["sync"]["save0"])
+
+
 def describe(rows: list[dict[str, dict[str, float]]], v: str, state_bytes: int) -> str:
     """The summary line of background variant ``v`` (medians of per-round figures)."""
 
@@ -448,7 +472,10 @@ def describe(rows: list[dict[str, dict[str, float]]], v: str, state_bytes: int) 
             f"{med(lambda x, g: x['blocked'] / g['memcpy']['alloc']):.2f}x memcpy-alloc "
             f"({spread(lambda x, g: x['blocked'] / g['memcpy']['alloc'])}), "
             f"epoch 0 {med(lambda x, g: x['first'] / g['memcpy']['alloc']):.2f}x "
-            f"({spread(lambda x, g: x['first'] / g['memcpy']['alloc'])}), "
+            f"({spread(lambda x, g: x['first'] / g['memcpy']['alloc'])}) "
+            f"[train start to epoch 1 {med(lambda x, g: x['started']) * 1e3:.0f} ms, "
+            f"{med(lambda x, g: _added(x, g) / g['memcpy']['alloc']):.2f}x memcpy-alloc over sync's "
+            f"less its save ({spread(lambda x, g: _added(x, g) / g['memcpy']['alloc'])})], "
             f"{med(lambda x, g: x['blocked'] / g['memcpy']['fresh']):.2f}x memcpy-fresh; "
             + (f"{med(lambda x, g: x['blocked'] / g['memcpy-loop']['alloc']):.2f}x the memcpy in the loop "
                f"({spread(lambda x, g: x['blocked'] / g['memcpy-loop']['alloc'])}), epoch 0 "

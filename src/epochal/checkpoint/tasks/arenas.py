@@ -38,9 +38,17 @@ is mostly how warm that memory is (:mod:`.background` takes the snapshot and wri
 - **Arenas faulted in off the training thread.** :meth:`BackgroundSaver.prepare` (and
   :meth:`SnapshotPool.prepare`) allocates the arenas a state will need and has a thread
   fault them in (``madvise(MADV_POPULATE_WRITE)``, the GIL released; else a zero written per
-  page), a step of 8 MiB at a time; a lease of an arena being warmed stops the warmer
-  first. A loop that calls it as its background saves start (its first snapshot then
-  copies into warm memory) pays no first-touch fault on its training thread at all.
+  page), a step of 8 MiB at a time, from the arena's end to its front. A loop that calls
+  it as its background saves start (its first snapshot then copies into warm memory) pays
+  no first-touch fault on its training thread at all; :meth:`SnapshotPool.wait_warm` waits
+  for the warmer. A snapshot that
+  leases an arena still being warmed (a new JobRunner run prepares right before its init
+  save) does **not** stop the warmer when it faults in with madvise, which never changes a
+  byte (issue 27.3): the warmer keeps faulting pages in from the back while the copy goes
+  front to back on another core, faulting in what the warmer has not reached; they meet in
+  the middle, so the first-touch faults are shared between two cores instead of all paid
+  on the training thread. Only the zero-writing fallback is stopped (and waited for)
+  before a copy.
 """
 
 from __future__ import annotations
@@ -85,16 +93,17 @@ _WARM_STEP = 8 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, contents unchanged
 
 
-def _populate(view: np.ndarray) -> None:
-    """Fault in every page of ``view`` (fresh, zeroed arena memory) without changing a byte:
-    one ``madvise(MADV_POPULATE_WRITE)`` (the GIL released), else a zero written per page."""
+def _populate(view: np.ndarray) -> bool:
+    """Fault in every page of ``view`` without changing a byte: one
+    ``madvise(MADV_POPULATE_WRITE)``, the GIL released. False where the kernel lacks it (the
+    warmer then writes a zero per page of fresh, zeroed memory, while nothing copies there)."""
+    if not view.nbytes:
+        return True
     addr = view.ctypes.data
     lo = addr - addr % _PAGE
     n = addr + view.nbytes - lo
     libc = _libc()
-    if libc is not None and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) == 0:
-        return
-    view[::_PAGE] = 0  # fresh arenas hold zeros: writing one keeps the contents
+    return libc is not None and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) == 0
 
 
 _LIBC: list[Any] = []
@@ -114,16 +123,18 @@ class _Arena:
 
     ``capacity``: its bytes; ``layout``: the segment sizes of its newest snapshot (a later
     snapshot of another layout may reuse it when that fits: :meth:`refit`). ``busy``: leased;
-    ``writing``: its write was started (a lease may wait for that to end); ``warm_to``: the
-    bytes the warmer has faulted in so far (the whole arena once a copy went through it)."""
+    ``writing``: its write was started (a lease may wait for that to end); ``cold``: the
+    bytes at its front the warmer has not faulted in yet (it goes from the back, so that a
+    copy that leases it mid-way, front to back, meets it in the middle; 0 once a copy went
+    through it)."""
 
-    __slots__ = ("buffer", "busy", "layout", "owner", "pooled", "writing", "warm_to", "warming", "_at")
+    __slots__ = ("buffer", "busy", "layout", "owner", "pooled", "writing", "cold", "warming", "_at")
 
     def __init__(self, owner: str, layout: tuple[int, ...], pooled: bool, capacity: int | None = None) -> None:
         self.owner, self.layout, self.pooled = owner, layout, pooled
         self.buffer = _arena_memory(max(capacity or 0, arena_bytes(layout)))
         self.busy = self.writing = self.warming = False
-        self.warm_to = 0
+        self.cold = self.nbytes
         self._at = 0
 
     @property
@@ -164,10 +175,14 @@ class SnapshotPool:
     (snapshots into a pooled arena), :attr:`refitted` (of those, into an arena of another
     layout that fitted), :attr:`allocated` (new pooled arenas), :attr:`fresh` (snapshots in
     unpooled memory), :attr:`waited` (leases that waited for a write in flight to end),
-    :attr:`warmed` (arenas pre-faulted by the warmer thread)."""
+    :attr:`warmed` (arenas pre-faulted by the warmer thread), :attr:`shared` (leases of an
+    arena the warmer was still faulting in, which it went on warming alongside the copy)."""
 
     #: arenas per owner the default bound allows: one written while the next snapshot is taken
     ARENAS = 2
+    #: a lease of an arena still being warmed lets a madvise warmer go on alongside the copy
+    #: (False: it stops the warmer, as before session 15; benches compare the two)
+    SHARE_WARMING = True
 
     def __init__(self, max_host_bytes: int | None = None) -> None:
         if max_host_bytes is not None and max_host_bytes < 0:
@@ -180,7 +195,10 @@ class SnapshotPool:
         self._warmer: threading.Thread | None = None
         self._to_warm: deque[_Arena] = deque()
         self._warming_now: _Arena | None = None  # the arena the warmer is faulting in
+        self._zeroing = False  # the warmer's step in progress writes zeros (no madvise)
+        self._no_madvise = False  # madvise failed here: the warmer writes zeros (older kernel)
         self.reused = self.refitted = self.allocated = self.fresh = self.waited = self.warmed = 0
+        self.shared = 0
 
     @property
     def pooled_bytes(self) -> int:
@@ -219,7 +237,7 @@ class SnapshotPool:
             while True:
                 arena = self._fitting(owner, need, layout)
                 if arena is not None:
-                    self._stop_warming(arena)
+                    self._share_warming(arena)
                     arena.busy = True
                     arena.rewind()
                     if arena.layout != layout:
@@ -270,8 +288,8 @@ class SnapshotPool:
     def release(self, arena: _Arena) -> None:
         """The write of ``arena`` ended (or it never started): it may be handed out again."""
         with self._lock:
-            arena.busy = arena.writing = False
-            arena.warm_to = arena.nbytes  # every page was touched by the copy
+            arena.busy = arena.writing = arena.warming = False
+            arena.cold = 0  # every page was touched by the copy
             self._ended.notify_all()
 
     # -- pre-faulting, off the training thread
@@ -304,6 +322,25 @@ class SnapshotPool:
         while self._warming_now is arena:
             self._ended.wait()
 
+    def _share_warming(self, arena: _Arena) -> None:
+        """(Lock held.) ``arena`` is about to be copied into: the warmer may go on faulting it
+        in alongside the copy when it does so with madvise (no byte changed); a warmer step
+        that writes zeros is waited for, and with no madvise here the warming stops."""
+        while arena.warming:
+            if self._no_madvise or not self.SHARE_WARMING:
+                self._stop_warming(arena)
+            elif self._warming_now is arena and self._zeroing:
+                self._ended.wait()
+            else:
+                self.shared += 1
+                return
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait until the warmer has faulted in every arena queued (or stopped warming it);
+        False when ``timeout`` (seconds) passed first."""
+        with self._lock:
+            return self._ended.wait_for(lambda: not any(a.warming for a in self._to_warm), timeout)
+
     def _warm(self) -> None:
         while True:
             with self._lock:
@@ -311,16 +348,27 @@ class SnapshotPool:
                     self._to_warm.popleft()
                 if not self._to_warm:
                     self._warmer = None
+                    self._ended.notify_all()
                     return
                 arena = self._to_warm[0]
                 self._warming_now = arena
-                lo = arena.warm_to
-            hi = min(arena.nbytes, lo + _WARM_STEP)
-            _populate(arena.buffer[lo:hi])
+                hi = arena.cold
+            lo = max(0, hi - _WARM_STEP)
+            view = arena.buffer[lo:hi]
+            done = _populate(view)
+            if not done:  # no madvise: a zero per page, only while no copy goes on in there
+                with self._lock:
+                    self._no_madvise = True
+                    self._zeroing = done = not arena.busy
+                if done:
+                    view[::_PAGE] = 0  # fresh arenas hold zeros: writing one keeps the contents
             with self._lock:
                 self._warming_now = None
-                arena.warm_to = hi
-                if hi >= arena.nbytes and arena.warming:
+                self._zeroing = False
+                arena.cold = min(arena.cold, lo)
+                if not done:  # a copy in flight, which faults the rest in itself
+                    arena.warming = False
+                elif arena.cold == 0 and arena.warming:
                     arena.warming = False
                     self.warmed += 1
                 self._ended.notify_all()

@@ -134,7 +134,8 @@ class BackgroundSaver:
 
     @property
     def running(self) -> bool:
-        """True while the writer thread exists (between the first save and :meth:`close`)."""
+        """True while the writer thread exists (from the first save or :meth:`prepare` to
+        :meth:`close`)."""
         return self._executor is not None
 
     def pending(self, db: str) -> bool:
@@ -159,10 +160,21 @@ class BackgroundSaver:
     def prepare(self, owner: str, blobs: Mapping[str, Any], arenas: int = 1) -> int:
         """Have ``arenas`` arenas for snapshots of ``blobs`` ready in the pool and faulted in
         on a thread now (see :meth:`SnapshotPool.prepare`), e.g. as a job with background
-        saves starts, so that even its first snapshot copies into warm memory. Nothing is
-        copied; UnsupportedBlobError names a blob no codec takes. Returns the arenas queued."""
+        saves starts, so that even its first snapshot copies into warm memory; the writer
+        thread is started now too, so the first save's :meth:`start` only hands it the write.
+        Nothing is copied; UnsupportedBlobError names a blob no codec takes. Returns the
+        arenas queued."""
         layout = tuple(s.nbytes for name, value in blobs.items() for s in encode(value, name).segments)
-        return self.pool.prepare(owner, layout, arenas)
+        queued = self.pool.prepare(owner, layout, arenas)
+        with self._lock:
+            self._writer().submit(int)  # the thread starts now and idles until the first write
+        return queued
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """(Lock held.) The writer thread's executor, created on first use."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochal-save")
+        return self._executor
 
     def start(self, db: str, db_type: str, snap: Snapshot) -> None:
         """Write ``snap`` to ``db`` on the writer thread; :meth:`join` waits for it."""
@@ -170,13 +182,12 @@ class BackgroundSaver:
             if db in self._pending:
                 self.pool.release(snap.arena)
                 raise CheckpointError(f"checkpoint {db}: a background save of it is still running")
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochal-save")
+            executor = self._writer()
             self._switch.enter()
             try:
                 self.pool.writing(snap.arena)
                 # in the caller's context: the write reaches a URL with its step's Location
-                future = self._executor.submit(contextvars.copy_context().run, self._write, db_type, db, snap)
+                future = executor.submit(contextvars.copy_context().run, self._write, db_type, db, snap)
             except BaseException:
                 self._switch.exit()
                 self.pool.release(snap.arena)
