@@ -163,12 +163,13 @@ class _Reads:
         direct: dict[str, torch.Tensor] = {}
         staged: list[str] = []
         mappable: list[str] = []  # partly wanted tensors that can be copied out of a map as bytes
+        infos: dict[str, BlobInfo] = {}
         for blob, pieces in wanted.items():
             first = pieces[0]
             if self.items[first.item].type == LoadItemType.BYTE_IO:
                 staged.append(blob)
                 continue
-            info = f.info(blob)
+            info = infos[blob] = f.info(blob)
             if len(pieces) == 1 and not any(first.offsets) and info.shape == first.lengths:
                 target = self.target(first)
                 if tuple(target.size()) == first.lengths and info.dtype == dtype_name(target.dtype):
@@ -182,11 +183,11 @@ class _Reads:
         else:
             self.maps.append(views)
             for blob, view in views.views.items():
-                self.held[file, blob] = _Mapped(view, f.info(blob).shape or ())
+                self.held[file, blob] = _Mapped(view, infos[blob].shape or ())
         batch: list[str] = []
         size = 0
         for blob in staged:
-            n = f.info(blob).nbytes
+            n = (infos.get(blob) or f.info(blob)).nbytes
             if self.held_bytes + n > HOLD_MAX and self.held_bytes:
                 self.later[file].append(blob)
                 continue
