@@ -109,6 +109,37 @@ def test_flipped_byte_in_a_partly_wanted_block_is_named_and_nothing_restored(sav
         assert res[r]["error"] == {"other": True}
 
 
+@pytest.mark.parametrize("cached", [True, False], ids=["mapped", "read"])
+def test_columns_reshard_each_block_partly_wanted_and_damage_named_first(saved: Path, tmp_path: Path,
+                                                                         cached: bool) -> None:
+    """2 -> 2 ranks, ``w`` resharded on dim 1: every rank wants half the columns of every
+    block of both dbs. A cached file's blocks are verified on a map and their columns copied
+    out of it (``mapped``), a cold one's read into fresh memory; either way each block is
+    read once, the shards load bit-equal, and a flipped byte in one block is named by both
+    ranks, every live shard still as it was (checked in each rank's process)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(blocks_load, 2, str(saved), str(out), 1, cached)
+    nblocks = -(-1500 // BLOCK_ROWS)
+    blocks_w = {f"w@{first},0#b{k}" for first in (0, 1500) for k in range(nblocks)}
+    for res in _results(out, 2):
+        assert res["error"] is None
+        w_reads = [blob for _, blob, _ in res["reads"] if blob.startswith("w@")]
+        assert sorted(w_reads) == sorted(blocks_w)  # every block, each once
+        assert set(res["mapped"]) == (blocks_w if cached else set())
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    _flip(path / "rank1.0", big_full()[1500 + 7 * BLOCK_ROWS:1500 + 8 * BLOCK_ROWS])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    run_ranks(blocks_load, 2, str(path), str(bad), 1, cached)
+    for res in _results(bad, 2):
+        assert res["error"]["path"] == "rank1.0" and res["error"]["blob"] == "w@1500,0#b7", res
+        assert "rank1.0" in res["error"]["text"] and "w@1500,0#b7" in res["error"]["text"]
+        # rank0.0's blocks verified on their map first, intact; rank1.0's raised
+        assert set(res["mapped"]) == ({b for b in blocks_w if b.startswith("w@0,")} if cached else set())
+
+
 def test_flipped_byte_in_another_db_raises_before_any_live_write(saved: Path, tmp_path: Path) -> None:
     """One process loads the whole parameter: rank 0's blocks are read straight into the live
     tensor, rank 1's verified first; a damaged block there leaves the live tensor as it was."""

@@ -8,37 +8,46 @@ its rows overlap, so a rank that needs a quarter of a chunk reads about a quarte
 want it, and every blob this read needs is verified before any live tensor is written:
 
 1. every db is opened; a blob whose one piece wants all of it, into a live region of its
-   shape and dtype, is *direct* (read straight into the live memory later); the others
-   (partly wanted, another dtype, bytes items) are read now into fresh memory, verified,
-   and held (past :data:`HOLD_MAX` bytes they are only verified now and read again in
-   step 2); the direct blobs of every db but the one with the most of them are verified
+   shape and dtype, is *direct* (read straight into the live memory later); a partly
+   wanted tensor of its live regions' dtype, into CPU memory, in a file that looks cached,
+   is *mapped*: verified now on a read-only map of the file (CRC over the page-cache
+   pages, no memory allocated: fresh memory costs more in page faults than the read
+   itself, issue 24) and its wanted bytes copied out of that map in step 2; the others
+   (another dtype, bytes items, a cold file, a URL) are read now into fresh memory,
+   verified, and held (past :data:`HOLD_MAX` bytes they are only verified now and read
+   again in step 2); the direct blobs of every db but the one with the most of them are verified
    now too (that one's are verified by its in-place read before any of them is written;
    on a URL that read fetches them into fresh memory, verified, then copies them), or, for
    a URL, read now into held memory while under HOLD_MAX (a verify pass would fetch twice);
 2. only then, db by db (that one first): the direct blobs into the live memory (those
    verified in step 1 without a second check, as the in-place path itself verifies a map
-   of the file and then reads it again), the held values copied into their regions, each
-   item committed to the planner once all its pieces are in.
+   of the file and then reads it again), the held values (and the wanted bytes of the
+   mapped ones) copied into their regions, each item committed to the planner once all its
+   pieces are in.
 
 A damaged byte is a :class:`~epochal.errors.CheckpointCorruptError` naming the db file and
 the blob (``w@4,0#b1``: FQN, chunk offsets, block), raised before any live tensor changed
-(except when a held-back blob changed on disk between the two steps).
+(except when a file changed on disk between the two steps: a held-back or mapped blob).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...storage.encoding.codecs import LoadOptions, load_options
+from ...storage.formats.base import BlobInfo
+from ...storage.formats.native.mapped import MappedViews
 from ...storage.formats.native.reader import NativeFile
 from ...storage.io import tuning
 from ...storage.io.seam import is_url, store_for
@@ -91,6 +100,7 @@ def read_items(root: str, storage: Mapping[MetadataIndex, ItemLocation], chunk_r
                 raise CheckpointNotFoundError(f"{path}: the db of DCP items {sorted(wanted[file])[:3]} does not exist")
             files[file] = stack.enter_context(NativeFile(path, mmap=False))
         reads = _Reads(items, planner, parts)
+        stack.callback(reads.close)
         for file, f in files.items():
             reads.plan(file, f, wanted[file])
         main = reads.verify_first(files)
@@ -128,6 +138,15 @@ class _Reads:
         self.held_bytes = 0
         #: the dbs whose direct blobs step 1 verified
         self.verified: set[str] = set()
+        #: the verified maps held values are copied out of (closed by :meth:`close`)
+        self.maps: list[MappedViews] = []
+
+    def close(self) -> None:
+        """Let the maps of the held views go."""
+        self.held.clear()
+        for m in self.maps:
+            m.close()
+        self.maps = []
 
     def target(self, piece: Piece) -> torch.Tensor:
         """The live region ``piece`` fills (a view of the planner's tensor for its item)."""
@@ -139,26 +158,36 @@ class _Reads:
         return t
 
     def plan(self, file: str, f: NativeFile, wanted: dict[str, list[Piece]]) -> None:
-        """Step 1 for one db: sort its blobs into direct and held (the held ones read now)."""
+        """Step 1 for one db: sort its blobs into direct, mapped and held (the mapped ones
+        verified now, the held ones read now)."""
         direct: dict[str, torch.Tensor] = {}
         staged: list[str] = []
+        mappable: list[str] = []  # partly wanted tensors that can be copied out of a map as bytes
+        infos: dict[str, BlobInfo] = {}
         for blob, pieces in wanted.items():
             first = pieces[0]
             if self.items[first.item].type == LoadItemType.BYTE_IO:
                 staged.append(blob)
                 continue
-            info = f.info(blob)
+            info = infos[blob] = f.info(blob)
             if len(pieces) == 1 and not any(first.offsets) and info.shape == first.lengths:
                 target = self.target(first)
                 if tuple(target.size()) == first.lengths and info.dtype == dtype_name(target.dtype):
                     direct[blob] = target
                     continue
-            staged.append(blob)
+            (mappable if _mappable(info, [self.target(p) for p in pieces]) else staged).append(blob)
         self.direct[file] = direct
+        views = f.views(mappable) if mappable else None  # verified now, on a map of the file
+        if views is None:
+            staged = mappable + staged
+        else:
+            self.maps.append(views)
+            for blob, view in views.views.items():
+                self.held[file, blob] = _Mapped(view, infos[blob].shape or ())
         batch: list[str] = []
         size = 0
         for blob in staged:
-            n = f.info(blob).nbytes
+            n = (infos.get(blob) or f.info(blob)).nbytes
             if self.held_bytes + n > HOLD_MAX and self.held_bytes:
                 self.later[file].append(blob)
                 continue
@@ -224,10 +253,18 @@ class _Reads:
             if item.type == LoadItemType.BYTE_IO:
                 set_value(self.planner, item, saved)
                 continue
+            target = self.target(piece)
+            if isinstance(saved, _Mapped):  # bytes of the map into the live bytes (numpy: no GIL)
+                src, dst = saved.region(piece.offsets, piece.lengths, target.element_size()), _bytes(target)
+                if dst is None or src.shape != dst.shape:
+                    raise CheckpointCorruptError(f.path, f"DCP item {item.dest_index.fqn!r}: saved region "
+                                                 f"{piece.lengths} does not fit {tuple(target.size())}", blob)
+                np.copyto(dst, src)
+                self._done(piece)
+                continue
             if not isinstance(saved, torch.Tensor):
                 raise CheckpointCorruptError(f.path, "a DCP tensor chunk holds no tensor", blob)
             part = _narrow(saved, piece.offsets, piece.lengths)
-            target = self.target(piece)
             if target.size() != part.size():
                 raise CheckpointCorruptError(f.path, f"DCP item {item.dest_index.fqn!r}: saved region "
                                              f"{tuple(part.size())} does not fit {tuple(target.size())}", blob)
@@ -248,3 +285,46 @@ def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> 
             t = t.narrow(dim, int(o), int(n))
     return t
 
+
+
+@dataclass(frozen=True)
+class _Mapped:
+    """A held blob as a verified read-only view of its bytes on a map of its file."""
+
+    view: memoryview
+    shape: tuple[int, ...]
+
+    def region(self, offsets: Sequence[int], lengths: Sequence[int], itemsize: int) -> np.ndarray:
+        """The bytes of the region ``offsets`` .. ``offsets + lengths``: a read-only uint8 view
+        whose last dim is in bytes (as :func:`_bytes` of the live region)."""
+        a = np.frombuffer(self.view, dtype=np.uint8).reshape(*self.shape[:-1], self.shape[-1] * itemsize)
+        index = [slice(o, o + n) for o, n in zip(offsets, lengths)]
+        index[-1] = slice(offsets[-1] * itemsize, (offsets[-1] + lengths[-1]) * itemsize)
+        return a[tuple(index)]
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray | None:
+    """The memory of the CPU tensor ``t`` as a writable uint8 numpy view whose last dim is in
+    bytes; None where it has none such (another device, 0-d, a last dim with a stride, a
+    conjugate or negative bit)."""
+    if t.device.type != "cpu" or t.layout != torch.strided or not t.dim() or t.is_conj() or t.is_neg():
+        return None
+    if t.stride(-1) != 1 and t.size(-1) != 1:
+        return None
+    try:
+        return t.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _mappable(info: BlobInfo, targets: Sequence[torch.Tensor]) -> bool:
+    """Whether a partly-wanted blob can be copied out of a map as bytes: a tensor of the
+    live regions' dtype and rank, whose bytes its shape accounts for, into CPU memory."""
+    shape = info.shape
+    if info.kind != "torch.tensor" or not shape or not info.nbytes:
+        return False
+    for t in targets:
+        if (info.dtype != dtype_name(t.dtype) or t.dim() != len(shape)
+                or math.prod(shape) * t.element_size() != info.nbytes or _bytes(t) is None):
+            return False
+    return True

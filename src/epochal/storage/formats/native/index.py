@@ -410,8 +410,8 @@ class Index:
     def info(self, i: int) -> BlobInfo:
         kind, meta = self.entry(i)
         segs = self.seg_range(i)
-        lengths = self.segs["length"][segs.start : segs.stop]
-        crcs = self.segs["crc"][segs.start : segs.stop].tolist()
+        rows = self.segs[segs.start : segs.stop]
+        lengths, crcs = rows["length"].tolist(), rows["crc"].tolist()
         dtype = meta.get("dtype")
         if dtype is not None and not isinstance(dtype, str):
             dtype = json.dumps(dtype, separators=(",", ":"))
@@ -425,4 +425,4 @@ class Index:
             if crcs
             else None
         )
-        return BlobInfo(self.name(i), kind, dtype, shape_t, int(lengths.sum()), checksum, meta)
+        return BlobInfo(self.name(i), kind, dtype, shape_t, int(sum(lengths)), checksum, meta)

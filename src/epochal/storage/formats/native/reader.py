@@ -278,6 +278,14 @@ class NativeFile:
             found[i] = None
         return sorted(found)
 
+    def views(self, names: Sequence[str]) -> mapped.MappedViews | None:
+        """Verified read-only views of the whole blobs ``names`` on a map of the file, for a
+        caller that copies parts of them out: no memory allocated, no copy (see
+        :func:`.mapped.verified_views`; None where that path does not apply). Close it after."""
+        if self._src is None:
+            raise ValueError(f"{self.path}: native db is closed")
+        return mapped.verified_views(self._f, self._resolve(names, False))
+
     def verify(self, names: Sequence[str] | None = None) -> None:
         """Re-check the data checksums of ``names`` (all when None) without decoding or
         allocating the values: data streams through a small reusable buffer. Each blob's
