@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -61,13 +62,30 @@ def _blobs() -> dict[str, Any]:
     }
 
 
+def _written(url: str) -> tuple[dict[str, Any], int]:
+    """``_blobs()`` written as a native db at ``url``, and the db's size."""
+    blobs = _blobs()
+    return blobs, get_db_type("native").write(url, blobs)
+
+
+def _flip(url: str, locate: Callable[[bytearray, dict[str, Any]], int], blobs: dict[str, Any], mask: int) -> int:
+    """XOR ``mask`` into the stored byte at ``locate(bytes, blobs)``; the byte it was."""
+    fs, path = filesystem_for(url)
+    data = bytearray(fs.cat_file(path))
+    at = locate(data, blobs)
+    old = data[at]
+    data[at] ^= mask
+    fs.pipe_file(path, bytes(data))
+    fs.invalidate_cache()
+    return old
+
+
 def test_big_blobs_come_in_parallel_pieces_and_the_open_in_one_round_trip(
     where: str, fetched: list[tuple[list[tuple[int, int]], str]],
 ) -> None:
     url = f"{where}/trainer_0.3"
-    blobs = _blobs()
+    blobs, size = _written(url)
     backend = get_db_type("native")
-    size = backend.write(url, blobs)
     fetched.clear()
     got = backend.read(url, list(blobs))  # (names given, no resume: not known to be whole)
     for name in ("big1", "big2", "small"):
@@ -102,20 +120,15 @@ def test_a_damaged_piece_or_padding_is_found_naming_the_blob(
     where: str, fetched: list[tuple[list[tuple[int, int]], str]], damage: str,
 ) -> None:
     url = f"{where}/trainer_0.5"
-    blobs = _blobs()
+    blobs, _ = _written(url)
     backend = get_db_type("native")
-    backend.write(url, blobs)
-    fs, path = filesystem_for(url)
-    data = bytearray(fs.cat_file(path))
     if damage == "data":  # a byte in big1's third piece
-        name, at = "big1", data.find(blobs["big1"].tobytes()) + 2 * PIECE + 5
+        name = "big1"
+        old = _flip(url, lambda d, b: d.find(b["big1"].tobytes()) + 2 * PIECE + 5, blobs, 0x10)
     else:  # a byte of the zero padding after big2
-        name, at = "big2", data.find(blobs["big2"].tobytes()) + blobs["big2"].nbytes + 3
-    if damage == "padding":
-        assert data[at] == 0
-    data[at] ^= 0x10
-    fs.pipe_file(path, bytes(data))
-    fs.invalidate_cache()
+        name = "big2"
+        old = _flip(url, lambda d, b: d.find(b["big2"].tobytes()) + b["big2"].nbytes + 3, blobs, 0x10)
+        assert old == 0
     with pytest.raises(CheckpointCorruptError) as e:
         backend.read(url)
     text = str(e.value)
@@ -158,9 +171,8 @@ def test_a_full_load_fetches_the_whole_object_in_one_round_trip(
     where: str, fetched: list[tuple[list[tuple[int, int]], str]],
 ) -> None:
     url = f"{where}/trainer_0.7"
-    blobs = _blobs()
+    blobs, size = _written(url)
     backend = get_db_type("native")
-    size = backend.write(url, blobs)
     fetched.clear()
     got = backend.read(url)  # every blob: header, index and data in one batch
     assert all(got[n].tobytes() == blobs[n].tobytes() for n in ("big1", "big2", "small")) and got["step"] == 12
@@ -194,14 +206,9 @@ def test_damage_is_found_in_a_whole_fetch_and_big_objects_keep_the_open_round_tr
     where: str, fetched: list[tuple[list[tuple[int, int]], str]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     url = f"{where}/trainer_0.8"
-    blobs = _blobs()
+    blobs, size = _written(url)
     backend = get_db_type("native")
-    size = backend.write(url, blobs)
-    fs, path = filesystem_for(url)
-    data = bytearray(fs.cat_file(path))
-    data[data.find(blobs["big2"].tobytes()) + 3 * PIECE // 2] ^= 1
-    fs.pipe_file(path, bytes(data))
-    fs.invalidate_cache()
+    _flip(url, lambda d, b: d.find(b["big2"].tobytes()) + 3 * PIECE // 2, blobs, 1)
     fetched.clear()
     with pytest.raises(CheckpointCorruptError) as e:
         backend.read(url)

@@ -52,9 +52,8 @@ class LoadOptions:
     - ``keep_device``: back to the device a tensor was saved from when this process has it
       (the seed's Load), else to the CPU;
     - ``where``: how errors name the load ("checkpoint DB (node N, epoch E)"; None: the file);
-    - ``whole``: the load reads (nearly) every blob of the db, as a resume does: a format may
-      fetch the whole file at once (a remote db in one wave of requests instead of an open's
-      round trip and then the data; storage/io/fsspec_store.py).
+    - ``whole``: the load reads (nearly) every blob of the db, as a resume does, so a format
+      may fetch the whole file at once (a remote db: storage/io/fsspec_store.py).
     """
 
     map_location: Any = None

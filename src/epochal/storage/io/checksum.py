@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .threads import balanced, run_parallel
+
 try:  # pragma: no cover - depends on the environment
     import crc32c as _crc32c_mod
 
@@ -86,6 +88,27 @@ def checksum(data: Any, algorithm: str | None = None, value: int = 0) -> int:
 def format_checksum(algorithm: str, value: int) -> str:
     """The printable form used in :class:`~epochal.storage.formats.base.BlobInfo`: ``crc32c:1a2b3c4d``."""
     return f"{algorithm}:{value & 0xFFFFFFFF:08x}"
+
+
+def checksum_spans(fn: ChecksumFn, buf: Any, spans: Sequence[tuple[int, int]], threads: int) -> list[int]:
+    """The checksum by ``fn`` (one that releases the GIL) of each ``(offset, length)`` span of
+    ``buf`` (e.g. a memory map of a file: page-cache pages, nothing copied), the spans spread
+    over ``threads`` threads balanced by size."""
+    whole = memoryview(buf)
+    out = [0] * len(spans)
+
+    def job(slots: list[int]) -> Callable[[], None]:
+        def run() -> None:
+            for s in slots:
+                off, n = spans[s]
+                out[s] = fn(whole[off : off + n], 0)
+        return run
+
+    try:
+        run_parallel([job(g) for g in balanced([n for _, n in spans], threads)])
+    finally:
+        whole.release()
+    return out
 
 
 class Checksummer:
@@ -169,7 +192,7 @@ class Checksummer:
 # a CRC over ``n`` zero bytes. ``L_n`` is learnt from the checksum function itself (its images
 # of the 32 unit vectors over one zero byte), composed by squaring, and applied as four
 # byte-indexed tables per base-256 digit of ``n``.
-__all__ = ["combined"]
+__all__ = ["checksum_spans", "combined"]
 
 def _tables(images: np.ndarray) -> np.ndarray:
     """The ``(..., 4, 256)`` byte tables of the linear maps whose images of the 32 unit

@@ -1,10 +1,8 @@
 """Object storage (any fsspec URL: ``s3://``, ``gs://``, ``memory://``, ...) as a
 :mod:`byte store <epochal.storage.io.seam>`.
 
-Reads are ranged requests (``fs.cat_file(path, start, end)``), each its own request, so a
-partial load fetches only the index and the byte ranges it needs; the source says it is
-``remote``, and the native reader then fetches big blobs in pieces, several in flight
-(storage/formats/native/parallel.py). Writes are staged in a local temp file (bounded
+Reads are ranged requests, so a partial load fetches only the index and the byte ranges it
+needs (:class:`FsspecSource`: pieces in flight together, a full load in one round trip). Writes are staged in a local temp file (bounded
 memory: the stream goes to disk as it comes), then uploaded at commit whole or not at all
 (:func:`upload_to_key`): on S3 and GCS straight to the final key (those
 stores show an object whole or not at all; no temp key, no server-side copy), elsewhere to a
@@ -204,25 +202,19 @@ def _not_found(exc: BaseException) -> bool:
 
 
 def scatter(parts: Sequence[memoryview], views: Sequence[memoryview]) -> int:
-    """Copy the bytes of ``parts`` (in order) into ``views`` (in order) until either ends;
-    the number copied. Big copies go through numpy, which releases the GIL for them (the
-    reading threads copy at once)."""
-    pos, vi, vpos = 0, 0, 0
-    outs = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+    """Copy ``parts`` (in order) into ``views`` (in order) until either ends; the bytes
+    copied. numpy copies them (it releases the GIL: the reading threads copy at once)."""
+    outs = (np.frombuffer(v, np.uint8) for v in views)
+    dst, at, done = next(outs, None), 0, 0
     for part in parts:
-        src = part.cast("B") if part.format != "B" or part.ndim != 1 else part
-        spos = 0
-        while spos < len(src) and vi < len(outs):
-            dst = outs[vi]
-            n = min(len(src) - spos, len(dst) - vpos)
-            if n >= 1 << 20:
-                np.copyto(np.frombuffer(dst, np.uint8, n, vpos), np.frombuffer(src, np.uint8, n, spos))
-            else:
-                dst[vpos:vpos + n] = src[spos:spos + n]
-            spos, vpos, pos = spos + n, vpos + n, pos + n
-            if vpos == len(dst):
-                vi, vpos = vi + 1, 0
-    return pos
+        src, sat = np.frombuffer(part, np.uint8), 0
+        while sat < src.size and dst is not None:
+            n = min(src.size - sat, dst.size - at)
+            dst[at:at + n] = src[sat:sat + n]
+            sat, at, done = sat + n, at + n, done + n
+            if at == dst.size:
+                dst, at = next(outs, None), 0
+    return done
 
 
 class FsspecSource:
@@ -343,9 +335,8 @@ class FsspecSource:
 
 
 class FsspecSink:
-    """A new object: staged in a local temp file, uploaded on commit (see the module doc).
-    (Staged in memory instead, the upload from a bytearray was slower on s3fs/moto: paired,
-    N=9, 0.74x put_file's speed, where the staging file costs nothing measurable: 1.01x.)"""
+    """A new object: staged in a local temp file, uploaded on commit (see the module doc;
+    staged in memory, the upload was slower on s3fs/moto: bench/RESULTS.md, session 14)."""
 
     def __init__(self, url: str, size: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.name = url

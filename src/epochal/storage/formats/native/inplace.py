@@ -30,8 +30,9 @@ from ...encoding import codecs as _codecs
 from ...encoding.codecs import flat_writable
 from ...io import direct as _direct
 from ...io import tuning
+from ...io.checksum import checksum_spans
 from ...io.reads import Prefetcher, merged_ranges, read_bytes, read_exact
-from ...io.threads import Worker, balanced, contiguous, cpu_threads, run_parallel
+from ...io.threads import Worker, contiguous, cpu_threads, run_parallel
 from ..base import report_progress
 from .items import Direct, LoadItem, Opened, raise_codec_error
 from .layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
@@ -100,19 +101,9 @@ def verify_direct(f: Opened, direct: list[Direct]) -> list[memoryview] | None:
     if mm is None:
         verify_direct_streamed(f, direct)
         return None
-    fn = f.index.fn
-    crcs = [0] * len(direct)
     try:
+        crcs = checksum_spans(f.index.fn, mm, [(d.off, d.size) for d in direct], cpu_threads())
         whole = memoryview(mm)
-
-        def job(slots: list[int]) -> Callable[[], None]:
-            def run() -> None:
-                for s_ in slots:
-                    d = direct[s_]
-                    crcs[s_] = fn(whole[d.off : d.off + d.size], 0)
-            return run
-
-        run_parallel([job(g) for g in balanced([d.size for d in direct], cpu_threads())])
         for d in direct:
             if d.pad and any(whole[d.off + d.size : d.off + d.size + d.pad]):
                 raise corrupt(path, DAMAGED_PAD, d.name)

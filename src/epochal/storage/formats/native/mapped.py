@@ -7,12 +7,12 @@ cache. Every checksum and padding is still checked before any value is decoded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ...io import direct as _direct
 from ...io import tuning
-from ...io.threads import balanced, cpu_threads, run_parallel
+from ...io.checksum import checksum_spans
+from ...io.threads import cpu_threads
 from ..base import report_progress
 from .items import LoadItem, Opened
 from .layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
@@ -96,18 +96,9 @@ def verified_views(f: Opened, ids: list[int]) -> MappedViews | None:
     whole = memoryview(mm)
     views = [whole[off : off + ln] for off, ln, _, _, _ in spans]
     try:
-        crcs = [0] * len(spans)
-        fn = idx.fn
-
-        def job(slots: list[int]) -> Callable[[], None]:
-            def run() -> None:
-                for s in slots:
-                    crcs[s] = fn(views[s], 0)
-            return run
-
         sizes = [s[1] for s in spans]
         threads = cpu_threads() if sum(sizes) >= tuning.PARALLEL_MIN else 1
-        run_parallel([job(g) for g in balanced(sizes, threads)])
+        crcs = checksum_spans(idx.fn, mm, [(s[0], s[1]) for s in spans], threads)
         for (off, ln, pad, crc, name), got in zip(spans, crcs):
             if got != crc:
                 raise corrupt(f.path, DAMAGED_DATA, name)
