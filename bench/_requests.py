@@ -1,6 +1,7 @@
 """Count the requests epochal makes to an S3 store, at the seam where every one of them goes
-out: ``s3fs.S3FileSystem._call_s3`` (one call = one HTTP request: GET, PUT, HEAD, LIST,
-DELETE, COPY, ...). A bench and test helper, not part of the library; with
+out: aiobotocore's ``AioBaseClient._make_api_call``, under s3fs's ``call_s3`` and under the
+streamed PUT of a db (one call = one HTTP request: GET, PUT, HEAD, LIST, DELETE, COPY, ...;
+botocore's own retries of it inside). A bench and test helper, not part of the library; with
 :func:`fill_committed`, which lays out N committed steps at a URL to count requests against.
 
     with count_requests() as n:
@@ -46,24 +47,25 @@ def count_requests(exclude: tuple[str, ...] = (), latency: float = 0.0) -> Itera
     on a network)."""
     import asyncio
 
-    import s3fs
+    from aiobotocore.client import AioBaseClient
+    from botocore import xform_name
 
     seen = Requests()
-    real = s3fs.S3FileSystem._call_s3
+    real = AioBaseClient._make_api_call
 
-    async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        key = str(kwargs.get("Key", "")) + str(kwargs.get("Prefix", ""))
+    async def counted(self: Any, operation_name: str, api_params: dict[str, Any]) -> Any:
+        key = str(api_params.get("Key", "")) + str(api_params.get("Prefix", ""))
         if not any(x in key for x in exclude):
-            seen.add(method)
+            seen.add(xform_name(operation_name))
         if latency > 0:
             await asyncio.sleep(latency)
-        return await real(self, method, *args, **kwargs)
+        return await real(self, operation_name, api_params)
 
-    s3fs.S3FileSystem._call_s3 = counted  # type: ignore[method-assign]
+    AioBaseClient._make_api_call = counted  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        s3fs.S3FileSystem._call_s3 = real  # type: ignore[method-assign]
+        AioBaseClient._make_api_call = real  # type: ignore[method-assign]
 
 
 def fill_committed(url: str, steps: int, node: str, *, stats: bool = False) -> tuple[bytes, str]:

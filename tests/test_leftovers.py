@@ -92,13 +92,14 @@ def test_the_lease_holder_removes_dead_uploads_at_start(where: tuple[str, dict[s
     fs.rm_file(path)  # the S3 server's state outlives this module: leave no ".tmp." key behind
 
 
-@pytest.mark.parametrize("step", ["put_file", "mv", "upload_part"])
+@pytest.mark.parametrize("step", ["put", "mv", "upload_part"])
 def test_a_failed_upload_leaves_no_staging_file_and_no_temp_key(
     where: tuple[str, dict[str, Any] | None], stage: Path, monkeypatch: pytest.MonkeyPatch, step: str,
 ) -> None:
     """memory:// uploads to a temp key and moves it (a failed PUT, a failed move); S3 uploads
-    straight to the final key, whole or not at all (a failed PUT, a failed part of a
-    multipart upload: the upload is aborted, no part is left)."""
+    straight to the final key, whole or not at all (a failed PUT of a body streamed from the
+    staging file, a failed part of a multipart upload: the upload is aborted, no part is
+    left)."""
     url, _ = where
     s3 = url.startswith("s3://")
     if step == ("mv" if s3 else "upload_part"):
@@ -129,19 +130,98 @@ def test_a_failed_upload_leaves_no_staging_file_and_no_temp_key(
             return await real(method, *a, **k)
 
         monkeypatch.setattr(fs, "_call_s3", flaky)
-    else:
-        monkeypatch.setattr(fs, step, broken)  # a failed PUT, or a failed server-side move
+    elif step == "put" and s3:  # the streamed PUT goes out through s3fs's client
+        puts: list[str] = []
+
+        def put_object(**k: Any) -> None:  # (s3fs picks the request options by this name)
+            puts.append(k["Key"])
+            broken()
+
+        monkeypatch.setattr(fs.s3, "put_object", put_object)
+    else:  # a failed PUT, or a failed server-side move
+        monkeypatch.setattr(fs, "put_file" if step == "put" else step, broken)
     with pytest.raises(OSError, match="injected"):
         backend.write(db, data)
     monkeypatch.undo()
     assert os.listdir(stage) == []
     assert _keys(url) == ["n.0"]
     assert bytes(fs.cat_file(filesystem_for(db)[1])) == before  # the old object stands
+    if step == "put" and s3:
+        assert [k.rsplit("/", 1)[-1] for k in puts] == ["n.0"]  # one PUT, straight to the key
     if step == "upload_part":
         assert 2 in parts and len(parts) >= 2  # it was a multipart upload
         bucket, key, _ = fs.split_path(filesystem_for(db)[1])
         pending = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key).get("Uploads", [])
         assert pending == []  # aborted: no part is left on the server
+
+
+def test_a_streamed_put_cut_off_mid_body_is_sent_again_whole(
+    s3: dict[str, Any], stage: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The db's PUT streams its body from the staging file; a connection lost after 1 MiB of
+    it is retried by botocore from the file's start, so the object holds the whole db (never
+    the rest of the file as the whole object), and the load checks every byte of it."""
+    from aiobotocore.endpoint import AioEndpoint
+    from botocore.exceptions import ConnectionClosedError
+
+    url = f"s3://ckpts/cut-{secrets.token_hex(4)}/run"
+    set_storage_options(url, s3)
+    real = AioEndpoint._send
+    cut: list[int] = []
+
+    async def flaky(self: Any, request: Any) -> Any:
+        if request.method == "PUT" and request.url.endswith("/n.0") and not cut:
+            cut.append(len(request.body.read(1 << 20)))  # part of the body went out...
+            raise ConnectionClosedError(endpoint_url=request.url)  # ... then the line dropped
+        return await real(self, request)
+
+    monkeypatch.setattr(AioEndpoint, "_send", flaky)
+    data = {"v": np.random.default_rng(3).integers(0, 255, 3 << 20, dtype=np.uint8), "k": np.arange(7)}
+    ep.get_db_type("native").write(f"{url}/n.0", data)
+    monkeypatch.undo()
+    assert cut == [1 << 20]
+    got = ep.get_db_type("native").read(f"{url}/n.0")
+    assert got["v"].tobytes() == data["v"].tobytes() and got["k"].tolist() == list(range(7))
+    fs, path = filesystem_for(f"{url}/n.0")
+    assert fs.info(path)["size"] > 3 << 20
+    assert os.listdir(stage) == []
+
+
+def test_a_streamed_put_cut_off_at_every_attempt_fails_and_leaves_the_old_object(
+    s3: dict[str, Any], stage: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once botocore's attempts are spent the save fails: no further call re-sends the same,
+    already read body (s3fs's ``call_s3`` would, and store the rest of the file as the whole
+    object); the object committed before stands."""
+    from aiobotocore.endpoint import AioEndpoint
+    from botocore.exceptions import ConnectionClosedError
+
+    url = f"s3://ckpts/cutall-{secrets.token_hex(4)}/run"
+    set_storage_options(url, {**s3, "config_kwargs": {"retries": {"total_max_attempts": 2, "mode": "standard"}}})
+    backend = ep.get_db_type("native")
+    backend.write(f"{url}/n.0", {"v": np.arange(5)})
+    fs, path = filesystem_for(f"{url}/n.0")
+    before = bytes(fs.cat_file(path))
+    real = AioEndpoint._send
+    cuts: list[int] = []
+
+    async def flaky(self: Any, request: Any) -> Any:
+        if request.method == "PUT" and request.url.endswith("/n.0"):
+            if len(cuts) < 2:  # every attempt botocore makes
+                assert request.body.tell() == 0
+                cuts.append(len(request.body.read(1 << 20)))
+                raise ConnectionClosedError(endpoint_url=request.url)
+        return await real(self, request)
+
+    monkeypatch.setattr(AioEndpoint, "_send", flaky)
+    with pytest.raises(OSError):
+        backend.write(f"{url}/n.0", {"v": np.random.default_rng(4).integers(0, 255, 3 << 20, dtype=np.uint8)})
+    monkeypatch.undo()
+    assert cuts == [1 << 20, 1 << 20]  # both attempts started from the file's first byte
+    fs.invalidate_cache()
+    assert bytes(fs.cat_file(path)) == before
+    assert backend.read(f"{url}/n.0")["v"].tolist() == list(range(5))
+    assert os.listdir(stage) == []
 
 
 def test_a_sink_dropped_without_commit_removes_its_staging_file(

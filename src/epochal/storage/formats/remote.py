@@ -3,7 +3,7 @@
 Checkpoints are written and committed on local disk first (where atomic renames and fsync
 exist), then uploaded, whole or not at all, and its size is checked, so a reader of the
 final key never sees a partial object (on S3/GCS straight to the key, their uploads being
-atomic; elsewhere through a temporary key moved into place: ``fsspec_store.upload_to_key``).
+atomic; elsewhere through a temporary key moved into place: ``uploads.upload_to_key``).
 Downloads land in a temp file and are read with the pickle-free backends, checksums
 verified.
 
@@ -31,8 +31,8 @@ def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:
 
 def upload_file(local: str, url: str, **storage_options: Any) -> int:
     """Copy the local file ``local`` to ``url`` (whole or not at all, size-checked:
-    ``fsspec_store.upload_to_key``). Returns the bytes uploaded."""
-    from ..io.fsspec_store import upload_to_key
+    ``uploads.upload_to_key``). Returns the bytes uploaded."""
+    from ..io.uploads import upload_to_key
 
     size = os.path.getsize(local)
     fs, path = filesystem(url, **storage_options)

@@ -4,7 +4,7 @@
 Reads are ranged requests, so a partial load fetches only the index and the byte ranges it
 needs (:class:`FsspecSource`: pieces in flight together, a full load in one round trip). Writes are staged in a local temp file (bounded
 memory: the stream goes to disk as it comes), then uploaded at commit whole or not at all
-(:func:`upload_to_key`): on S3 and GCS straight to the final key (those
+(:func:`~epochal.storage.io.uploads.upload_to_key`): on S3 and GCS straight to the final key (those
 stores show an object whole or not at all; no temp key, no server-side copy), elsewhere to a
 temporary key next to the final one, size-checked and moved into place; an abort (or a failed
 upload) removes the temp file and the temp key, so a reader of the final key never sees a
@@ -34,7 +34,6 @@ import errno
 import logging
 import os
 import re
-import secrets
 import shutil
 import tempfile
 import threading
@@ -46,8 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointCorruptError, CheckpointNotFoundError
+from ...errors import CheckpointNotFoundError
 from . import atomic, tuning
+from .uploads import atomic_put, upload_to_key
 
 logger = logging.getLogger("epochal")
 
@@ -58,6 +58,7 @@ __all__ = [
     "TEMP_KEY_RE",
     "abort_uploads",
     "atomic_put",
+    "upload_to_key",
     "clean_stage_dir",
     "filesystem_for",
     "scoped_storage_options",
@@ -390,61 +391,6 @@ class FsspecSink:
         if not self._done:
             self._done = True
             self._finalizer()
-
-
-#: the fsspec protocols whose stores make an uploaded object visible whole or not at all (a
-#: PUT, or a multipart upload's completion, is atomic; a failed or killed one leaves the old
-#: object): S3 and GCS. An upload there goes straight to its final key; elsewhere through a
-#: temp key that is size-checked, then moved (a server-side copy on object stores)
-ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
-
-
-def atomic_put(fs: Any) -> bool:
-    """True when ``fs`` stores an uploaded object atomically (:data:`ATOMIC_PUT_PROTOCOLS`)."""
-    proto = fs.protocol
-    return any(p in ATOMIC_PUT_PROTOCOLS for p in ((proto,) if isinstance(proto, str) else proto))
-
-
-def upload_to_key(fs: Any, path: str, local: str, size: int, name: str) -> None:
-    """Upload the local file ``local`` (``size`` bytes) to ``path``. ``name``: the URL, for
-    errors.
-
-    On a store with atomic uploads (:func:`atomic_put`: S3, GCS) straight to ``path`` with
-    the store's own upload (s3fs: one PUT below twice its ``chunksize``, else a multipart
-    upload whose parts go up ``max_concurrency`` at a time and which is aborted on an error);
-    there is no temp key and no server-side copy, which cost as much as the upload. S3 itself
-    refuses a body that does not match its Content-Length (and botocore's request checksum),
-    so no HEAD follows; on GCS the size is checked with one. Elsewhere through a temp key
-    beside ``path`` (size-checked, then moved; removed whatever happens). (A db that still
-    came out short fails the quick check of its manifest's digest, which holds its size.)"""
-    parent = path.rsplit("/", 1)[0] if "/" in path else ""
-    if atomic_put(fs):
-        part = tuning.UPLOAD_PART
-        try:
-            fs.put_file(local, path, **({} if part is None else {"chunksize": part}))
-            fs.invalidate_cache(path)
-            got = size if hasattr(fs, "call_s3") else int(fs.info(path)["size"])
-        finally:
-            fs.invalidate_cache(parent or None)
-        if got != size:
-            raise CheckpointCorruptError(name, f"uploaded {got} bytes, expected {size}")
-        return
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp.upload.{secrets.token_hex(4)}"
-    try:
-        fs.put_file(local, tmp)
-        got = int(fs.info(tmp)["size"])
-        if got != size:
-            raise CheckpointCorruptError(name, f"uploaded {got} bytes, expected {size}")
-        fs.mv(tmp, path)
-    finally:
-        try:
-            if fs.exists(tmp):
-                fs.rm(tmp)
-        except Exception:  # a failed cleanup must not hide the real error
-            pass
-        fs.invalidate_cache(parent or None)
 
 
 def abort_uploads(folder: str, storage_options: dict[str, Any] | None = None) -> list[str]:
