@@ -119,17 +119,19 @@ def test_a_failed_upload_leaves_no_staging_file_and_no_temp_key(
 
         monkeypatch.setattr(tuning, "UPLOAD_PART", 5 << 20)
         data = {"v": np.arange(12 << 20, dtype=np.uint8)}
-        real = fs._call_s3
+        from aiobotocore.client import AioBaseClient
+
+        real = AioBaseClient._make_api_call
         parts: list[int] = []
 
-        async def flaky(method: str, *a: Any, **k: Any) -> Any:
-            if method == "upload_part":
-                parts.append(k["PartNumber"])
-                if k["PartNumber"] == 2:
+        async def flaky(self: Any, operation: str, params: dict[str, Any]) -> Any:
+            if operation == "UploadPart":
+                parts.append(params["PartNumber"])
+                if params["PartNumber"] == 2:
                     broken()
-            return await real(method, *a, **k)
+            return await real(self, operation, params)
 
-        monkeypatch.setattr(fs, "_call_s3", flaky)
+        monkeypatch.setattr(AioBaseClient, "_make_api_call", flaky)
     elif step == "put" and s3:  # the streamed PUT goes out through s3fs's client
         puts: list[str] = []
 
@@ -184,6 +186,49 @@ def test_a_streamed_put_cut_off_mid_body_is_sent_again_whole(
     assert got["v"].tobytes() == data["v"].tobytes() and got["k"].tolist() == list(range(7))
     fs, path = filesystem_for(f"{url}/n.0")
     assert fs.info(path)["size"] > 3 << 20
+    assert os.listdir(stage) == []
+
+
+def test_a_multipart_upload_sends_each_part_from_its_slice_and_again_whole_when_cut(
+    s3: dict[str, Any], stage: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Above twice the part size the db goes up in parts, each streamed from its slice of the
+    staging file; part 2 cut after 1 MiB is sent again from its own first byte (not the
+    file's, not where it was cut), and the object is the db, bit for bit."""
+    from aiobotocore.endpoint import AioEndpoint
+    from botocore.exceptions import ConnectionClosedError
+
+    from epochal.storage.io import tuning
+
+    monkeypatch.setattr(tuning, "UPLOAD_PART", 5 << 20)  # 12 MiB: parts of 5, 5 and 2 MiB
+    url = f"s3://ckpts/parts-{secrets.token_hex(4)}/run"
+    set_storage_options(url, s3)
+    real = AioEndpoint._send
+    seen: list[tuple[str, int, bytes]] = []  # (part number, body position at the start, first bytes)
+
+    async def flaky(self: Any, request: Any) -> Any:
+        if request.method == "PUT" and "partNumber=" in request.url:
+            number = request.url.split("partNumber=")[1].split("&")[0]
+            at = request.body.tell()
+            head = request.body.read(16)
+            request.body.seek(at)
+            seen.append((number, at, head))
+            if number == "2" and sum(1 for n, _, _ in seen if n == "2") == 1:
+                request.body.read(1 << 20)
+                raise ConnectionClosedError(endpoint_url=request.url)
+        return await real(self, request)
+
+    monkeypatch.setattr(AioEndpoint, "_send", flaky)
+    data = {"v": np.random.default_rng(5).integers(0, 255, 12 << 20, dtype=np.uint8)}
+    ep.get_db_type("native").write(f"{url}/n.0", data)
+    monkeypatch.undo()
+    fs, path = filesystem_for(f"{url}/n.0")
+    blob = bytes(fs.cat_file(path))
+    part = 5 << 20
+    assert sorted(n for n, _, _ in seen) == ["1", "2", "2", "3"]
+    for number, at, head in seen:  # every attempt starts at its part's first byte
+        assert at == 0 and head == blob[(int(number) - 1) * part:][:16], number
+    assert ep.get_db_type("native").read(f"{url}/n.0")["v"].tobytes() == data["v"].tobytes()
     assert os.listdir(stage) == []
 
 
@@ -264,14 +309,14 @@ import epochal as ep
 from epochal.storage.io import fsspec_store, tuning
 opts = {"endpoint_url": sys.argv[2], "key": "test", "secret": "test", "client_kwargs": {"region_name": "us-east-1"}}
 fsspec_store.set_storage_options(sys.argv[1], opts)
-fs, _ = fsspec_store.filesystem_for(sys.argv[1])
 tuning.UPLOAD_PART = 5 << 20  # 12 MiB: a multipart upload of 3 parts
-real = fs._call_s3
-async def killed(method, *a, **k):
-    if method == "complete_multipart_upload":  # killed with every part sent, before the object exists
+from aiobotocore.client import AioBaseClient
+real = AioBaseClient._make_api_call
+async def killed(self, operation, params):
+    if operation == "CompleteMultipartUpload":  # killed with every part sent, before the object exists
         os.kill(os.getpid(), signal.SIGKILL)
-    return await real(method, *a, **k)
-fs._call_s3 = killed
+    return await real(self, operation, params)
+AioBaseClient._make_api_call = killed
 ep.get_db_type("native").write(sys.argv[1] + "/trainer_0.7", {"w": np.arange(12 << 20, dtype=np.uint8)})
 """
 
