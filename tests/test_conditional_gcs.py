@@ -171,3 +171,14 @@ def test_a_checkpointer_saves_and_restores_at_a_gs_url(gcs: dict[str, Any]) -> N
     with ep.Checkpointer(where, storage_options=gcs, async_save=False) as cp:
         assert cp.restore(state, step=0) == 0
     assert state["w"].tobytes() == states[0]["w"].tobytes() and state["b"].tobytes() == states[0]["b"].tobytes()
+
+
+def test_a_missing_bucket_is_an_error_naming_the_url(gcs: dict[str, Any]) -> None:
+    from epochal.errors import CheckpointNotFoundError
+
+    url = f"gs://no-such-bucket-{secrets.token_hex(3)}/run/.epochal/lease.json"
+    objects = _objects(url, gcs)
+    assert objects.get(url) is None
+    with pytest.raises(CheckpointNotFoundError) as e:
+        objects.create(url, b"one")
+    assert url in str(e.value) and "does the bucket exist" in str(e.value)
