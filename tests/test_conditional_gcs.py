@@ -182,3 +182,28 @@ def test_a_missing_bucket_is_an_error_naming_the_url(gcs: dict[str, Any]) -> Non
     with pytest.raises(CheckpointNotFoundError) as e:
         objects.create(url, b"one")
     assert url in str(e.value) and "does the bucket exist" in str(e.value)
+
+
+def test_without_the_generation_header_get_reads_the_bytes_of_the_generation_it_reports(
+    url: str, gcs: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    objects = _objects(url, gcs)
+    g1 = objects.create(url, b"one")
+    assert g1 is not None
+    real = objects.fs.call
+    seen: list[str] = []
+
+    def call(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        out = real(method, path, *args, **kwargs)
+        if method == "GET" and "alt=media" in path:
+            seen.append(path)
+            headers, data = out
+            return {k: v for k, v in headers.items() if k.lower() != "x-goog-generation"}, data
+        return out
+
+    monkeypatch.setattr(objects.fs, "call", call)
+    got = objects.get(url)
+    assert got is not None and (got.data, got.version) == (b"one", g1)
+    assert len(seen) == 2 and f"generation={g1}" in seen[1]  # the bytes of exactly that generation
+    g2 = objects.replace(url, b"two", got.version)
+    assert g2 is not None and _stored(url, gcs) == (b"two", g2)
