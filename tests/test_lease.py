@@ -1,4 +1,4 @@
-"""The fenced writer lease at a URL (memory:// and moto's S3 server on 127.0.0.1): a job that
+"""The fenced writer lease at a URL (memory://, moto's S3 server and fake-gcs-server on 127.0.0.1): a job that
 lost the lease writes nothing more, renewal never takes it back, release deletes only its own,
 of two takers exactly one wins, background renewal, takeover of a dead holder's or an
 unreadable lease, and failures injected at the store seam."""
@@ -33,11 +33,12 @@ from epochal.storage.io import (
 from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 
-@pytest.fixture(params=["memory", "s3"])
+@pytest.fixture(params=["memory", "s3", "gcs"])
 def where(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any] | None]:
     if request.param == "memory":
         return f"memory://lease-{secrets.token_hex(4)}/run", None
-    url, opts = f"s3://ckpts/lease-{secrets.token_hex(4)}/run", request.getfixturevalue("s3")
+    scheme = {"s3": "s3", "gcs": "gs"}[request.param]
+    url, opts = f"{scheme}://ckpts/lease-{secrets.token_hex(4)}/run", request.getfixturevalue(request.param)
     set_storage_options(url, opts)  # for the test's own reads and writes too
     return url, opts
 

@@ -4,7 +4,8 @@ Object stores have no flock, and a holder may die without a word (its machine is
 the lock is a *fenced* lease. The object names its holder (host, pid, a random token), a
 ``generation`` (one more than the lease it replaced) and when it expires. Every change to it
 is a compare-and-swap on the version the holder last wrote
-(:mod:`epochal.storage.io.conditional`: S3 ``If-None-Match: *`` / ``If-Match: <etag>``):
+(:mod:`epochal.storage.io.conditional`: S3 ``If-None-Match: *`` / ``If-Match: <etag>``,
+GCS ``ifGenerationMatch=0`` / ``ifGenerationMatch=<generation>``, checked by the store):
 
 * ``acquire`` creates it only if absent; a live lease of another holder is
   :class:`~epochal.errors.CheckpointLockedError` naming it; an expired one, one whose holder
@@ -20,7 +21,7 @@ is a compare-and-swap on the version the holder last wrote
   dies, whatever the time between commits.
 * ``release`` stops that thread and deletes the object only if it is still this holder's.
 
-On stores without conditional writes the same steps run as read-compare-write with a read
+On stores without conditional writes (neither S3 nor GCS) the same steps run as read-compare-write with a read
 back after each write (see docs/remote.md: exactly what is and is not guaranteed there).
 """
 
