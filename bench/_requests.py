@@ -1,4 +1,4 @@
-"""Count the requests epochal makes to an S3 store, at the seam where every one of them goes
+"""Start moto's S3 server for a bench (:func:`moto_server`) and count the requests epochal makes to an S3 store, at the seam where every one of them goes
 out: aiobotocore's ``AioBaseClient._make_api_call``, under s3fs's ``call_s3`` and under the
 streamed PUT of a db (one call = one HTTP request: GET, PUT, HEAD, LIST, DELETE, COPY, ...;
 botocore's own retries of it inside). A bench and test helper, not part of the library; with
@@ -16,6 +16,36 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
+
+
+def moto_server(bucket: str = "bench") -> tuple[Any, dict[str, Any]]:
+    """moto's S3 server on 127.0.0.1 as a process of its own (as a real store is: not sharing
+    our GIL), with ``bucket`` created: (the process, to ``terminate()``; the fsspec storage
+    options that reach it)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")).read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    opts = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
+            "client_kwargs": {"region_name": "us-east-1"}}
+    return server, opts
 
 
 class Requests:

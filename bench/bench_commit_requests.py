@@ -17,45 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
-import urllib.request
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _requests import count_requests, fill_committed  # noqa: E402
+from _requests import count_requests, fill_committed, moto_server  # noqa: E402
 
 import epochal as ep  # noqa: E402
 from epochal.checkpoint.handler.metadata import DbReport  # noqa: E402
 from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 NODE = "trainer_0"
-
-
-def _server() -> tuple[Any, dict[str, Any]]:
-    """moto's S3 server as a process of its own (as a real store is: not sharing our GIL)."""
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    server = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/bench", method="PUT")).read()
-            break
-        except OSError:
-            time.sleep(0.1)
-    opts = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
-            "client_kwargs": {"region_name": "us-east-1"}}
-    return server, opts
 
 
 def _fill(url: str, steps: int) -> tuple[bytes, str]:
@@ -181,7 +156,7 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=20.0, help="with --paired: added to each request")
     ap.add_argument("--rounds", type=int, default=3, help="with --paired")
     args = ap.parse_args()
-    server, opts = _server()
+    server, opts = moto_server()
     if args.paired:
         try:
             got = paired(args.paired, args.rounds, args.latency_ms / 1000, opts)

@@ -25,22 +25,16 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from typing import Any
 
 import numpy as np
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _requests import moto_server  # noqa: E402
 
 
 def _node(conn: Any, opts: dict[str, Any] | None, mib: int, node: int) -> None:
@@ -103,20 +97,8 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,2,3")
     ap.add_argument("--local", action="store_true", help="also the local disk")
     args = ap.parse_args()
-    port = _free_port()
-    server = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/bench", method="PUT")).read()
-            break
-        except OSError:
-            time.sleep(0.1)
-    opts = {"endpoint_url": endpoint, "key": "test", "secret": "test",
-            "client_kwargs": {"region_name": "us-east-1"}}
+    server, opts = moto_server()
+    endpoint = opts["endpoint_url"]
     local_root = tempfile.mkdtemp(prefix="epochal-bench-remote-")
     variants = ["s3", "plain"] + (["local"] if args.local else [])
     print(f"{args.mib} MiB per node, N = {args.rounds} rounds, moto_server at {endpoint}; {_load()}")

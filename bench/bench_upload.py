@@ -15,24 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _requests import moto_server  # noqa: E402
+
 from epochal.storage.io.fsspec_store import filesystem_for
 from epochal.storage.io.uploads import upload_to_key
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:
@@ -40,22 +34,9 @@ def main() -> None:
     ap.add_argument("--mib", default="64,256", help="sizes in MiB, comma-separated")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    port = _free_port()
-    server = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
+    server, opts = moto_server()
     folder = tempfile.mkdtemp(prefix="epochal-bench-upload-")
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(urllib.request.Request(f"{endpoint}/bench", method="PUT")).read()
-                break
-            except OSError:
-                time.sleep(0.1)
-        opts = {"endpoint_url": endpoint, "key": "test", "secret": "test",
-                "client_kwargs": {"region_name": "us-east-1"}}
         print(f"N = {args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
         print("| MiB | put_file s | ours s | put_file / ours |")
         print("|---:|---:|---:|---:|")

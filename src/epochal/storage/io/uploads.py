@@ -146,20 +146,17 @@ def put_streamed(fs: Any, path: str, local: str, size: int) -> None:
                 await s3.abort_multipart_upload(**ids)
             raise
 
+    from botocore.exceptions import BotoCoreError, ClientError
+
     try:
         sync(fs.loop, put)
-    except OSError:
-        raise
-    except Exception as ex:
+    except ClientError as ex:  # the store's answer: as s3fs names it (FileNotFoundError, ...)
         from s3fs.errors import translate_boto_error
 
-        translated = translate_boto_error(ex)  # a ClientError: as s3fs names it
-        if translated is not ex:
-            raise translated from ex
-        if type(ex).__module__.startswith(("botocore", "aiobotocore", "aiohttp")):
-            # a connection lost or timed out on every attempt: a storage error like the others
-            raise OSError(errno.EIO, f"upload of {path} failed: {ex}") from ex
-        raise
+        raise translate_boto_error(ex) from ex
+    except BotoCoreError as ex:  # a connection lost or timed out on every attempt (aiobotocore
+        # wraps aiohttp's errors in these): a storage error like the others
+        raise OSError(errno.EIO, f"upload of {path} failed: {ex}") from ex
 
 
 def _streams(fs: Any, size: int) -> bool:
