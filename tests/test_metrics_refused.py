@@ -18,7 +18,7 @@ from epochal.checkpoint.handler.directory import DirectoryMetadataHandler  # noq
 from epochal.checkpoint.location.manifest import encode_manifest  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory, best_of_directory
 from epochal.cli.main import run as cli_run  # noqa: E402
-from epochal.errors import MissingBlobError, UnsupportedBlobError  # noqa: E402
+from epochal.errors import MissingBlobError, MissingMetricError, UnsupportedBlobError  # noqa: E402
 from epochal.storage.formats.base import get_db_type  # noqa: E402
 
 
@@ -73,8 +73,9 @@ def test_a_stored_unreadable_metric_shows_as_unreadable(tmp_path, capsys):
 
 def test_checkpointer_keep_best_metric_never_reported_raises_naming_it_and_the_keys(tmp_path):
     with Checkpointer(tmp_path, keep_best=2, metric="val_loss") as ckpt:
-        with pytest.raises(MissingBlobError) as info:
+        with pytest.raises(MissingMetricError) as info:
             ckpt.save(1, {"w": np.zeros(2)}, metrics={"val_los": 1.0, "acc": 0.5})
+        assert not isinstance(info.value, MissingBlobError)  # a metric is no blob
         text = str(info.value)
         assert "'val_loss'" in text and "'val_los'" in text and "'acc'" in text
         assert ckpt.steps() == []
@@ -85,15 +86,31 @@ def test_checkpointer_keep_best_metric_never_reported_raises_naming_it_and_the_k
         assert CheckpointDirectory(str(tmp_path)).read_manifest(2).metrics == {"val_loss": 0.25}
 
 
-def test_job_runner_keep_best_metric_never_reported_raises_at_the_first_save(tmp_path):
+def test_job_runner_saves_without_metrics_are_unranked(tmp_path):
+    """No metric reported at all (the run evaluates less often than it saves): every save is
+    committed unranked, and retention falls to keep_last; never a MissingBlobError."""
     import _crash_job as cj
 
     job, _ = cj.build_job(3)
-    handler = DirectoryMetadataHandler(keep_best=1, metric="val_loss")
+    handler = DirectoryMetadataHandler(keep_best=1, keep_last=2, metric="val_loss")
     manager = MultiNodeCheckpointManager(str(tmp_path), "native", metadata_handler=handler)
-    with pytest.raises(MissingBlobError, match="metric 'val_loss'.*metrics given: none.*no blob 'val_loss'"):
-        JobRunner(job, manager, progress=False).train(LocalSession(Workspace()))
-    assert CheckpointDirectory(str(tmp_path)).committed_epochs() == []
+    JobRunner(job, manager, progress=False).train(LocalSession(Workspace()))
+    d = CheckpointDirectory(str(tmp_path))
+    assert d.committed_epochs() == [2, 3]  # keep_last=2; nothing counted as a best one
+    assert all(d.read_manifest(e).metrics == {"val_loss": None} for e in (2, 3))
+
+
+def test_checkpointer_keep_best_with_unranked_saves(tmp_path):
+    """keep_best=1 with evaluations every third save: the unranked saves are kept or dropped
+    by keep_last, the best evaluated one is kept, the metric-less ones never count as best."""
+    with Checkpointer(tmp_path, keep_best=1, keep_last=1, metric="val_loss") as ckpt:
+        for step in range(1, 8):
+            ev = {"val_loss": float(10 - step) if step != 6 else 0.5} if step % 3 == 0 else None
+            ckpt.save(step, {"w": np.full(2, step)}, metrics=ev)
+        assert ckpt.steps() == [6, 7]  # the best ranked (6: 0.5) and the newest (unranked)
+        assert ckpt.best_steps() == [6]
+    d = CheckpointDirectory(str(tmp_path))
+    assert d.read_manifest(7).metrics == {"val_loss": None}
 
 
 def test_handler_without_keep_best_records_no_metric_and_does_not_raise(tmp_path):

@@ -30,6 +30,7 @@ so read it back from ``state`` after ``restore``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -38,9 +39,10 @@ import signal
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint.engine import CheckpointEngine, Done, Results
+from .checkpoint.engine import CheckpointEngine, Done, LoadPlan, Results
 from .checkpoint.handler.directory import DirectoryMetadataHandler
 from .checkpoint.location.view import best_of_directory
 from .checkpoint.tasks.background import BackgroundSaver
@@ -57,14 +59,14 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    MissingBlobError,
+    MissingMetricError,
     UnsupportedBlobError,
 )
 from .jobs.cadence import Cadence, parse_interval
 from .jobs.preemption import SignalGuard
 from .storage.io.seam import is_url, local_path
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "RestoreReport"]
 
 logger = logging.getLogger("epochal")
 
@@ -90,6 +92,22 @@ def _check_state(state: Mapping[str, Any], what: str) -> list[str]:
             )
         names.append(name)
     return names
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What the last :meth:`Checkpointer.restore` did: the ``step`` restored (None: a fresh
+    start), the ``seconds`` it took, and with ``strict=False`` the keys that were not
+    restored, per entry of the state (as torch's ``_IncompatibleKeys``): ``missing_keys``
+    (live keys the checkpoint lacks: they keep their values), ``unexpected_keys`` (the
+    checkpoint's keys the live object lacks). ``missing_blobs``: entries of the state the
+    checkpoint lacks (they keep their values)."""
+
+    step: int | None
+    seconds: float
+    missing_keys: dict[str, list[str]] = field(default_factory=dict)
+    unexpected_keys: dict[str, list[str]] = field(default_factory=dict)
+    missing_blobs: list[str] = field(default_factory=list)
 
 
 class Checkpointer:
@@ -172,6 +190,8 @@ class Checkpointer:
         self.async_save = bool(async_save)
         self._saver = BackgroundSaver(max_host_bytes=max_host_bytes)
         self._restored = False  # restore() was called (no warning about older steps then)
+        #: what the last :meth:`restore` did (None before one)
+        self.last_restore: RestoreReport | None = None
         self._saved = False
         self._last_save = time.monotonic()
         self._guard = SignalGuard((signal.SIGTERM,), word="step").__enter__()
@@ -195,18 +215,32 @@ class Checkpointer:
         """The db of ``step`` (``<directory>/local.<step>``)."""
         return self._dir.db_path(NODE, int(step))
 
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int | None:
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
+                strict: bool = True) -> int | None:
         """Restore ``state`` from the newest intact checkpoint and return its step; None (and
         ``state`` untouched) on a fresh start. Every checksum is verified before any object
         is touched; damaged newer steps are skipped with a warning. ``step``: restore that
         committed step instead (the seed's ``resume_from_epoch``): an uncommitted or damaged
         one raises (CheckpointNotFoundError / CheckpointCorruptError naming the step and the
         file), with ``state`` untouched. Entries the checkpoint lacks keep their values (one
-        warning names them); see the module doc for what is restored in place."""
-        with _in_steps():
-            return self._restore(state, step)
+        warning names them); see the module doc for what is restored in place.
 
-    def _restore(self, state: MutableMapping[str, Any], step: int | None) -> int | None:
+        ``strict`` (as ``load_state_dict``'s): a module, or a state dict held in the state
+        (``{"model": model.state_dict()}``), must have the checkpoint's keys exactly, else
+        BlobMismatchError names the keys and nothing is written. ``strict=False`` restores the
+        keys both have; the others keep their values and are listed in :attr:`last_restore`
+        (``missing_keys``, ``unexpected_keys``, per entry of ``state``)."""
+        with _in_steps():
+            t0 = time.perf_counter()
+            self.last_restore = None
+            found = self._restore(state, step, strict)
+            if self.last_restore is None:  # a fresh start
+                self.last_restore = RestoreReport(found, time.perf_counter() - t0)
+            else:
+                self.last_restore = dataclasses.replace(self.last_restore, seconds=time.perf_counter() - t0)
+            return found
+
+    def _restore(self, state: MutableMapping[str, Any], step: int | None, strict: bool) -> int | None:
         self._check_open()
         names = _check_state(state, "restore")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -215,7 +249,7 @@ class Checkpointer:
         self._last_save = time.monotonic()
         self._restored = True
         first = self._chosen_step(step)
-        found = self._engine.resume(first, lambda s: self._load(s, names, state), fallback=step is None)
+        found = self._engine.resume(first, lambda s: self._load(s, names, state, strict), fallback=step is None)
         if self.async_save:  # the run starts: its first snapshot will copy into warm memory
             prepare = PrepareSaves(self.db_path(0), names, node=NODE, saver=self._saver)
             self._engine.prepare_saves(lambda: prepare(state))
@@ -234,22 +268,26 @@ class Checkpointer:
             raise CheckpointNotFoundError(
                 f"step {step} of {self.directory} is not committed (committed steps: {committed}): {ex}") from ex
 
-    def _load(self, step: int | None, names: list[str], state: MutableMapping[str, Any]) -> None:
+    def _load(self, step: int | None, names: list[str], state: MutableMapping[str, Any], strict: bool) -> None:
         """Load ``step`` into ``state`` (every checksum verified, and every live object
         checked, before anything is touched)."""
         if step is None:
             return
         db = self.db_path(step)
         load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True,
-                         storage_options=self._storage_options, whole=True)
+                         storage_options=self._storage_options, whole=True, strict=strict)
 
-        def run() -> Results:
+        def checked(fn: Any) -> Any:
             try:
-                return {NODE: load.run(state)}
+                return fn()
             except CheckpointCorruptError as ex:  # found before any object was touched
                 raise _reworded(ex, f"step {step} cannot be restored: {ex}") from ex
 
-        self._engine.load("checkpoint_load", step, run)
+        plan = LoadPlan(check=lambda: checked(lambda: load.check(state)),
+                        write=lambda: checked(lambda: {NODE: load.run(state)}), nodes=[NODE])
+        self._engine.load("checkpoint_load", step, plan)
+        self.last_restore = RestoreReport(step, 0.0, dict(load.keys.missing), dict(load.keys.unexpected),
+                                          list(load.missing))
         if load.missing:  # (the db is opened once: no separate listing of its blobs)
             logger.warning("The checkpoint of step %d (%s) has no %s: they keep their current values",
                            step, db, ", ".join(map(repr, load.missing)))
@@ -286,17 +324,19 @@ class Checkpointer:
         self._engine.save(step, lambda: Done({NODE: save.run(state)}), metrics=metrics)
 
     def _check_ranked(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
-        """With ``keep_best``, the metric must come with the save (in ``metrics`` or as a scalar
-        of ``state``): refused before anything is written, naming the metric and the keys
-        given (a typo in ``metric=`` would otherwise keep no best, silently)."""
+        """With ``keep_best``, metrics given must hold the metric (or ``state`` a scalar of
+        it): refused before anything is written, naming the metric and the keys given (a typo
+        in ``metric=`` would otherwise keep no best, silently). A save without metrics
+        (``metrics=None``: a run that evaluates less often than it saves) is unranked: kept
+        or deleted by ``keep_last``, never counted among the best."""
         policy = self.handler.policy
-        if policy.keep_best is None or not policy.metric:
+        if policy.keep_best is None or not policy.metric or not metrics:
             return
-        if policy.metric in (metrics or {}) or policy.metric in state:
+        if policy.metric in metrics or policy.metric in state:
             return
-        given = ", ".join(sorted(map(repr, map(str, metrics or {})))) or "none"
+        given = ", ".join(sorted(map(repr, map(str, metrics))))
         keys = ", ".join(sorted(map(repr, map(str, state))))
-        raise MissingBlobError(
+        raise MissingMetricError(
             f"keep_best ranks by metric {policy.metric!r}, but the save of step {step} has no value "
             f"of it: metrics given: {given}; state keys: {keys}")
 

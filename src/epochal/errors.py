@@ -52,6 +52,12 @@ class BlobMismatchError(CheckpointError, ValueError):
     """A saved blob does not fit the live object it is restored into (shape, dtype, keys)."""
 
 
+class MissingMetricError(CheckpointError, ValueError):
+    """A save gave metrics, but not the one ``keep_best`` ranks by (a typo in ``metric=`` or
+    in the metrics' keys would otherwise keep no best, silently). A save with no metrics at
+    all is unranked, not an error."""
+
+
 class NodeLostError(CheckpointError):
     """A node's process or machine was lost mid-run, and the node's workspace with it.
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,7 +45,7 @@ from .handler.metadata import DbReport
 from .location.best import metric_number
 from .tasks.steps import StepResult
 
-__all__ = ["FATAL_SAVE_ERRORS", "CheckpointEngine", "Done", "EngineEvents", "Records", "SaveHandle"]
+__all__ = ["FATAL_SAVE_ERRORS", "CheckpointEngine", "Done", "EngineEvents", "LoadPlan", "Records", "SaveHandle"]
 
 logger = logging.getLogger("epochal")
 
@@ -81,6 +81,8 @@ class Records(Protocol):
 
     def reject_epoch(self, epoch: int, reason: str) -> bool: ...
 
+    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None) -> None: ...
+
     def cp_accessible(self, epoch: int | None = None) -> bool: ...
 
     def commit(self, epoch: int, reports: Mapping[str, DbReport],
@@ -104,6 +106,27 @@ class EngineEvents(Protocol):
 
     def checkpoint_end(self, action: str, epoch: int, seconds: float, nbytes: int, ok: bool,
                        error: str | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A door's load of one epoch, which the engine runs in this order (:meth:`CheckpointEngine.load`):
+
+    1. the dbs of ``nodes`` (None: every node of the epoch) against what their commit recorded
+       (size, digest: :meth:`Records.check_dbs`; skipped for an epoch the resume just chose,
+       which ``resume_epoch`` checked so);
+    2. ``check()``: every blob of every node against the live object it goes into (key sets,
+       shapes, dtypes, parameter groups), from the dbs' indexes alone, writing nothing;
+    3. ``write()``: the load (each format's reader verifies every checksum of what it reads
+       before any live byte is written) and its results, which are reported.
+
+    A door names the live objects and the epoch; no door writes before all three checks pass,
+    whichever door it is and whichever process wrote the checkpoint.
+    """
+
+    check: Callable[[], None]
+    write: Callable[[], Results]
+    nodes: Sequence[str] | None = None
 
 
 @dataclass
@@ -141,6 +164,7 @@ class CheckpointEngine:
         self.last_committed: int | None = None
         self._failed: list[int] = []  # epochs of the failed saves since the last commit
         self._pending: _Pending | None = None
+        self._vetted: int | None = None  # the epoch resume() is loading (its dbs checked)
 
     # -- lifecycle
     def open(self) -> None:
@@ -167,6 +191,7 @@ class CheckpointEngine:
         is False or the handler keeps the error."""
         epoch = first
         while True:
+            self._vetted = epoch  # resume_epoch checked its dbs against the manifest
             try:
                 load(epoch)
             except CheckpointCorruptError as ex:
@@ -179,12 +204,18 @@ class CheckpointEngine:
             self.last_committed = epoch if epoch is not None else self.last_committed
             return epoch
 
-    def load(self, action: str, epoch: int, run: Callable[[], Results]) -> Results:
-        """Run a load of ``epoch`` and report it (one stats line per db, the events)."""
+    def load(self, action: str, epoch: int, plan: LoadPlan) -> Results:
+        """Run a door's load of ``epoch`` (see :class:`LoadPlan`: the dbs against the manifest,
+        every live object against its blob, then the write) and report it (one stats line
+        per db, the events). Raises before anything is written when a check fails."""
         start = time.perf_counter()
         self._start(action, epoch)
+        vetted, self._vetted = self._vetted == epoch, None
         try:
-            results = run()
+            if not vetted and (plan.nodes is None or plan.nodes):
+                self.records.check_dbs(epoch, plan.nodes)
+            plan.check()
+            results = plan.write()
         except Exception as ex:
             self._end(action, epoch, start, 0, False, str(ex))
             raise

@@ -41,6 +41,7 @@ from ..storage.encoding.codecs import (
     check_shape,
     register_codec,
 )
+from ..storage.encoding.fit import BLOB, KeyReport
 
 __all__ = [
     "TensorCodec",
@@ -425,6 +426,11 @@ def _module_problems(module: Any, saved: Any, live: Any) -> list[str]:
         return []
     out = []
     missing, unexpected = set(live) - set(saved), set(saved) - set(live)
+    opts = LOAD_OPTIONS.get()
+    if not opts.strict:  # restore(..., strict=False): load_state_dict(strict=False) takes the rest
+        if isinstance(opts.keys, KeyReport):
+            opts.keys.add(BLOB.get(), sorted(map(str, missing)), sorted(map(str, unexpected)))
+        return []
     if missing:
         out.append(f"keys missing from the checkpoint: {_names(missing)}")
     if unexpected:

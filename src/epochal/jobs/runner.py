@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import knobs
-from ..checkpoint.engine import FATAL_SAVE_ERRORS, CheckpointEngine, Results
+from ..checkpoint.engine import FATAL_SAVE_ERRORS, CheckpointEngine, LoadPlan, Results
 from ..checkpoint.tasks.background import close_process_saver
 from ..checkpoint.tasks.handler_calls import NO_RECORDS
 from ..checkpoint.tasks.handles import (
@@ -356,19 +356,20 @@ class JobRunner:
             self._engine.prepare_saves(lambda: session.run(prepare()))
 
     def _load(self, session: Any, epoch: int) -> None:
-        """Load every node's checkpoint of ``epoch`` (with several nodes, every node's live
-        objects are checked first, so a misfit on one node leaves every node untouched)."""
+        """Load every node's checkpoint of ``epoch`` through the engine's :class:`LoadPlan`:
+        every node's dbs and live objects are checked (a task on each node) before any
+        node loads, so a misfit anywhere leaves every node untouched."""
         manager = self.checkpoint_manager
         assert manager is not None
 
-        def run() -> Results:
-            if len(self.job.nodes_to_checkpoint()) > 1:
-                session.run(manager.check_live(epoch))
+        def write() -> Results:
             task = manager.load(epoch)
             session.run(task)
             return task.results()
 
-        self._engine.load("checkpoint_load", epoch, run)
+        plan = LoadPlan(check=lambda: session.run(manager.check_live(epoch)), write=write,
+                        nodes=[str(n) for n in self.job.nodes_to_checkpoint()])
+        self._engine.load("checkpoint_load", epoch, plan)
 
     def _epochs(self, session: Any, guard: SignalGuard, epoch: int, finished: bool) -> int:
         """The epoch loop; returns the last epoch run (``preempted_by`` set if a signal
@@ -419,12 +420,14 @@ class JobRunner:
         self._engine.records = manager
         found: list[bool] = []
 
-        def run() -> Results:
+        def write() -> Results:  # (checks every node it loads before any loads)
             results, complete = manager.partial_load(self.job.nodes_to_checkpoint(), blob_names, epoch, session)
             found.append(complete)
             return results
 
-        self._engine.load("checkpoint_partial_load", epoch, run)
+        # the seed's partial load skips nodes without a db (and those after it): the dbs
+        # that exist are checked against the manifest inside, node by node, before any loads
+        self._engine.load("checkpoint_partial_load", epoch, LoadPlan(check=lambda: None, write=write, nodes=[]))
         return found[0]
 
     def save_checkpoints(self, epoch: int, session: Any, *, wait: bool = True) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -221,6 +221,19 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
                 return True
         self._rejected.add(epoch)
         return True
+
+    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None) -> None:
+        """Each db of committed ``epoch`` (of ``nodes``; None: all) against its manifest entry
+        (size and digest, at the level a verifying load needs: see :meth:`resume_epoch`);
+        CheckpointCorruptError naming the files that differ. ``verify="none"``: the user
+        trusts the files, nothing is checked; nor before ``set_params`` (the seed's
+        ``load_blobs_from_checkpoints`` without a run: no directory known to compare with)."""
+        level = self._load_level()
+        if level == "none" or self.directory is None:
+            return
+        problems = self._dir().epoch_problems(int(epoch), level, nodes=nodes)
+        if problems:
+            raise CheckpointCorruptError(problems[0].path, f"epoch {epoch} cannot be loaded: " + _lines(problems))
 
     def _load_level(self) -> VerifyLevel:
         """The check a candidate gets when its load verifies: "full" becomes "quick" for db

@@ -7,6 +7,7 @@ the five keeps working.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -88,6 +89,9 @@ class MetadataHandlerExtensions(Protocol):
       chose, found it damaged (``reason``). True: the handler will not choose it again in this
       run and the caller asks ``resume_epoch`` again (an older epoch, or None); False: the
       caller raises the load's error.
+    - ``check_dbs(epoch, nodes)``: before a load of committed ``epoch`` that ``resume_epoch``
+      did not choose (a partial load, a recovery reload, an explicit epoch) writes anything,
+      each db of ``nodes`` against the size and digest its commit recorded.
     """
 
     def report_bytes(self, action_name: str, sizes: dict[str, int]) -> None: ...
@@ -111,6 +115,8 @@ class MetadataHandlerExtensions(Protocol):
     def resume_epoch(self, user_epoch: int | None = None) -> int | None: ...
 
     def reject_epoch(self, epoch: int, reason: str) -> bool: ...
+
+    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None) -> None: ...
 
 
 class BaseMetadataHandler:
@@ -176,13 +182,19 @@ class BaseMetadataHandler:
         """No fallback: the load's error stands."""
         return False
 
+    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None) -> None:
+        """Before a load of committed ``epoch`` writes anything: each db of ``nodes`` (None:
+        all) against what the commit recorded of it, CheckpointCorruptError naming the file
+        when it differs. A handler that records nothing checks nothing."""
+        return None
+
 
 class _Extended(BaseMetadataHandler):
     """A five-method (seed) handler seen through the full interface: each extension it has is
     forwarded, each it lacks is the base's no-op."""
 
     _EXTENSIONS = ("report_bytes", "report_dbs", "node_push_target", "expect_final", "mark_final", "is_final", "flush",
-                   "acquire_lock", "release_lock", "location", "resume_epoch", "reject_epoch")
+                   "acquire_lock", "release_lock", "location", "resume_epoch", "reject_epoch", "check_dbs")
 
     def __init__(self, handler: Any) -> None:
         self.handler = handler

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ...errors import CheckpointError, MissingBlobError, UnsupportedBlobError
+from ...errors import CheckpointError, MissingMetricError, UnsupportedBlobError
 from ...storage.formats.base import get_db_type
 from .manifest import KeepBest, Manifest
 from .retention import RetentionPolicy, best_epochs, metric_unreadable, metric_value
@@ -85,22 +85,24 @@ def collect_metrics(
     """The ``metrics`` a manifest records: ``metrics`` as JSON numbers (UnsupportedBlobError
     naming a metric that is none, see :func:`metric_number`), plus the policy's metric from the
     scalar blob of that name in the dbs when ``metrics`` lacks it (a blob that is no number is
-    recorded as null, with a warning). With ``keep_best``, a metric in neither raises
-    MissingBlobError naming the metric, the keys given and the dbs (a typo in ``metric=``
+    recorded as null, with a warning). A save with no metrics and no such blob is unranked
+    (null: never among the best, kept or deleted by ``keep_last``/``keep_every``). With
+    ``keep_best``, metrics given without the metric (and no such blob) raise
+    MissingMetricError naming the metric, the keys given and the dbs (a typo in ``metric=``
     would otherwise keep no best, silently)."""
     values = {str(k): metric_number(str(k), v) for k, v in (metrics or {}).items()}
     metric = policy.metric
     if metric and metric not in values:
         raw = _blob_scalar(db_paths, db_type, metric)
         if raw is _ABSENT:
-            if policy.keep_best is not None:
+            if policy.keep_best is not None and values:
                 at = "" if epoch is None else f" of epoch {epoch}"
-                given = ", ".join(map(repr, sorted(values))) or "none"
-                raise MissingBlobError(
+                given = ", ".join(map(repr, sorted(values)))
+                raise MissingMetricError(
                     f"keep_best ranks by metric {metric!r}, but the save{at} has no value of it: "
                     f"metrics given: {given}; no blob {metric!r} in {', '.join(db_paths) or 'its dbs'}"
                 )
-            raw = None
+            raw = None  # no metrics with this save: unranked (kept or deleted by keep_last/keep_every)
         try:
             values[metric] = metric_number(metric, raw)
         except TypeError as ex:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CheckpointError
@@ -139,6 +139,12 @@ class HandlerCalls:
         """The load of ``epoch`` found it damaged: True when the handler will choose another
         (ask :meth:`resume_epoch` again), False when the load's error must stand."""
         return bool(self._handler.reject_epoch(int(epoch), reason)) if self._handler is not None else False
+
+    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None) -> None:
+        """Each db of committed ``epoch`` (of ``nodes``) against what its commit recorded
+        (size, digest), before a load writes anything (no-op without a handler)."""
+        if self._handler is not None:
+            self._handler.check_dbs(int(epoch), nodes)
 
     def cp_accessible(self, epoch: int | None = None) -> bool:
         if self._metadata_handler is not None:

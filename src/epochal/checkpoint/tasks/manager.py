@@ -434,7 +434,7 @@ class MultiNodeCheckpointManager(HandlerCalls):
         else:
             self._create_managers(nodes)
         assert self._node_managers is not None
-        return _partial_load([m for _, m in self._node_managers], blob_names, epoch, session)
+        return _partial_load([m for _, m in self._node_managers], blob_names, epoch, session, self.check_dbs)
 
     def load_blobs_locally(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int, session: Any) -> bool:
         """Load ``blob_names`` from every node's db of ``epoch``, node by node; False (after
@@ -467,11 +467,12 @@ class MultiNodeCheckpointManager(HandlerCalls):
 
 
 def _partial_load(managers: list[CheckpointManager], blob_names: Sequence[str], epoch: int,
-                  session: Any) -> tuple[dict[str, StepResult], bool]:
+                  session: Any, check_dbs: Any = None) -> tuple[dict[str, StepResult], bool]:
     """Load ``blob_names`` from each manager's db of ``epoch``, node by node, up to the first
     node whose db does not exist (the seed's order: the nodes before it are loaded, and the
-    second value is False). With several nodes, every node that is loaded is checked against
-    its live objects before any loads. ({node: result}, whether every db existed)."""
+    second value is False). Every node that is loaded is checked (its db against the
+    manifest, with ``check_dbs``, and its live objects) before any loads. ({node: result},
+    whether every db existed)."""
     for manager in managers:  # the seed's calls that follow report only what this call loads
         manager._last = None
     found: list[CheckpointManager] = []
@@ -481,9 +482,10 @@ def _partial_load(managers: list[CheckpointManager], blob_names: Sequence[str], 
         if not bool(exists_task.outputs()[0].fetch()):
             break
         found.append(manager)
-    if len(managers) > 1:
-        for manager in found:
-            session.run(manager.check_live(epoch, blob_names))
+    if check_dbs is not None and found:  # the dbs that exist, against the manifest
+        check_dbs(epoch, [m.node_name for m in found])
+    for manager in found:
+        session.run(manager.check_live(epoch, blob_names))
     results: dict[str, StepResult] = {}
     for manager in found:
         task = manager.load_blobs_from_checkpoint(blob_names, epoch)

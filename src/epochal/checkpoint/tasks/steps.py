@@ -21,7 +21,8 @@ from ...errors import (
     MissingBlobError,
     UnsupportedBlobError,
 )
-from ...storage.encoding.codecs import PLAIN_VALUES, LoadOptions, check_all_live, load_options
+from ...storage.encoding.codecs import PLAIN_VALUES, LoadOptions, load_options
+from ...storage.encoding.fit import KeyReport, check_all_live
 from ...storage.formats.base import ReadStats, get_db_type
 from ...storage.io.location import Location, location_for
 from ...storage.io.seam import is_url
@@ -154,9 +155,14 @@ class LoadBlobs:
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
         whole: bool = False,
+        strict: bool = True,
     ) -> None:
         self.db, self.db_type = db, db_type
         self.whole = whole
+        #: a dict of tensors held in the state must have the checkpoint's keys (see
+        #: :mod:`epochal.storage.encoding.fit`); False: what differs goes to :attr:`keys`
+        self.strict = strict
+        self.keys = KeyReport()
         self.location = db_location(db, storage_options)
         self.names = list(names) if names is not None else None
         self.node, self.epoch = node, epoch
@@ -182,13 +188,20 @@ class LoadBlobs:
             )
         return backend
 
+    def _options(self, where: str) -> LoadOptions:
+        return LoadOptions(map_location=self.map_location, keep_device=self.keep_device, where=where,
+                           whole=self.whole, strict=self.strict, keys=self.keys)
+
     def check(self, ws: Any) -> None:
         """Only the check of :meth:`__call__` (the db's index against the live objects),
-        writing nothing: a load of several nodes checks every node before any node loads."""
+        writing nothing: every door runs it before the load (the engine's
+        :class:`~epochal.checkpoint.engine.LoadPlan`), for every node before any loads."""
         with self.location.active():
             backend = self._open()
             existing = {n: ws[n] for n in (self.names or []) if n in ws}
-            self._check_live(backend, existing, self._where())
+            where = self._where()
+            with load_options(self._options(where)):
+                self._check_live(backend, existing, where)
 
     def __call__(self, ws: Any) -> int:
         with self.location.active():
@@ -199,11 +212,11 @@ class LoadBlobs:
         names = self.names
         existing = {n: ws[n] for n in (names or []) if n in ws}
         where = self._where()
+        opts = self._options(where)
         if not backend.checks_live:
-            self._check_live(backend, existing, where)
+            with load_options(opts):
+                self._check_live(backend, existing, where)
         stats = ReadStats()
-        opts = LoadOptions(map_location=self.map_location, keep_device=self.keep_device, where=where,
-                           whole=self.whole)
         with load_options(opts):
             values = backend.read(
                 self.db, names, allow_incomplete=self.allow_incomplete, existing=existing,

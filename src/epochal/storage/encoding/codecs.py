@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import importlib
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ...errors import BlobMismatchError, UnsupportedBlobError
+from ...errors import UnsupportedBlobError
 from .dtypes import check_shape, dtype_from_json, dtype_to_json, expected_nbytes
 
 Buffer = memoryview
@@ -53,13 +53,18 @@ class LoadOptions:
       (the seed's Load), else to the CPU;
     - ``where``: how errors name the load ("checkpoint DB (node N, epoch E)"; None: the file);
     - ``whole``: the load reads (nearly) every blob of the db, as a resume does, so a format
-      may fetch the whole file at once (a remote db: storage/io/fsspec_store.py).
+      may fetch the whole file at once (a remote db: storage/io/fsspec_store.py);
+    - ``strict``: a dict of tensors held in the state must have the checkpoint's key set
+      (False: the keys both have are restored, the differences go to ``keys``, a
+      :class:`~epochal.storage.encoding.fit.KeyReport`; see that module).
     """
 
     map_location: Any = None
     keep_device: bool = True
     where: str | None = None
     whole: bool = False
+    strict: bool = True
+    keys: Any = None
 
 
 #: The :class:`LoadOptions` of the load in progress, set around a load with
@@ -366,6 +371,11 @@ def register_lazy_codecs(prefix: str, module: str, install: str = "", value_pack
     _lazy[prefix] = LazyCodecs(module, install, value_package)
 
 
+def lazy_integrations() -> list[LazyCodecs]:
+    """The lazily imported integrations (see :func:`register_lazy_codecs`)."""
+    return list(_lazy.values())
+
+
 def register_codec(codec: Codec, *, first: bool = True) -> None:
     """Add a codec; ``first`` puts it ahead of the others when values are matched."""
     if codec.kind in _by_kind:
@@ -452,49 +462,3 @@ def encode(value: Any, name: str = "?") -> Encoded:
 
 #: values a load replaces rather than restores in place (nothing to check against)
 PLAIN_VALUES = (np.ndarray, np.generic, int, float, complex, str, bytes, bool, type(None))
-
-
-def check_all_live(blobs: Iterable[tuple[str, str, dict[str, Any], Any]], where: str) -> None:
-    """:func:`check_live` for every ``(name, kind, meta, live object)`` whose live object is
-    restored in place (not one of PLAIN_VALUES), all before any is touched: one
-    BlobMismatchError listing every blob that does not fit, ``"<where> does not fit the live
-    objects; nothing was restored: blob 'a': ...; blob 'b': ..."``."""
-    problems = []
-    for name, kind, meta, live in blobs:
-        if isinstance(live, PLAIN_VALUES):
-            continue
-        try:
-            check_live(kind, meta, live)
-        except BlobMismatchError as ex:
-            problems.append(f"blob {name!r}: {ex}")
-    if problems:
-        raise BlobMismatchError(
-            f"{where} does not fit the live objects; nothing was restored: " + "; ".join(problems)
-        )
-
-
-def check_live(kind: str, meta: dict[str, Any], existing: Any) -> None:
-    """Raise :class:`BlobMismatchError` when a saved blob (``kind``, ``meta``) cannot be
-    restored into the live object ``existing`` (keys, shapes, dtypes, layout), without
-    touching it. Loaders call this for every blob before any live object is written, so a
-    mismatch in one blob never leaves another half-restored. Codecs opt in with a
-    ``check(meta, existing)`` method; the others accept anything. A live stateful object
-    (module, optimizer, sampler, RNGState) only takes a tree blob: any other kind would
-    replace it, so it is refused."""
-    if kind != "tree" and _stateful(existing):
-        raise BlobMismatchError(
-            f"the checkpoint holds a {kind} where the live object is a {type(existing).__name__}: a "
-            "stateful object is restored in place (load_state_dict) or not at all, never replaced"
-        )
-    fn = getattr(codec_for_kind(kind), "check", None)
-    if fn is not None:
-        fn(meta, existing)
-
-
-def _stateful(value: Any) -> bool:
-    """Objects that restore themselves through a state dict (as ``storage.skeleton.is_stateful``)."""
-    return (
-        not isinstance(value, (dict, list, tuple, type))
-        and callable(getattr(value, "state_dict", None))
-        and callable(getattr(value, "load_state_dict", None))
-    )

@@ -4,11 +4,13 @@ the live leaves a format may read straight into (in-place loads), and the restor
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ...errors import BlobMismatchError
 from . import codecs
+from .fit import BLOB, KeyReport, in_place_container
 from .skeleton import MAX_DEPTH, Decoder, check_leaves, is_stateful, path_str, type_name
 
 __all__ = ["live_pairs", "register_fixed_shapes", "register_inplace_stateful", "register_state_check", "restore_into",
@@ -251,6 +253,8 @@ def _nested_problems(saved: Any, live: Any, path: tuple[Any, ...]) -> list[str]:
     if isinstance(saved, dict) and isinstance(live, dict):
         if {"state", "param_groups"} <= saved.keys() and {"state", "param_groups"} <= live.keys():
             out.extend(_optimizer_dict_problems(saved, live, path))
+        elif in_place_container(live):
+            out.extend(_key_set_problems(saved, live, path))
         for k, v in saved.items():
             if k in live:
                 out.extend(_nested_problems(v, live[k], (*path, k)))
@@ -258,6 +262,35 @@ def _nested_problems(saved: Any, live: Any, path: tuple[Any, ...]) -> list[str]:
         for i, (a, b) in enumerate(zip(saved, live)):
             out.extend(_nested_problems(a, b, (*path, i)))
     return out
+
+
+def _key_set_problems(saved: dict[Any, Any], live: dict[Any, Any], path: tuple[Any, ...]) -> list[str]:
+    """A dict restored in place (a state dict held in the state) must have the checkpoint's
+    keys, as ``load_state_dict(strict=True)``; with ``strict=False`` (the load's options) the
+    differences are recorded in the options' :class:`~.fit.KeyReport` instead."""
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    if not missing and not unexpected:
+        return []
+    opts = codecs.LOAD_OPTIONS.get()
+    if not opts.strict:
+        if isinstance(opts.keys, KeyReport):
+            def named(k: Any) -> str:
+                return path_str((*path, k)) if path else str(k)
+            opts.keys.add(BLOB.get(), map(named, missing), map(named, unexpected))
+        return []
+    parts = []
+    if missing:
+        parts.append("keys missing from the checkpoint: " + _keys(missing))
+    if unexpected:
+        parts.append("keys the live dict lacks: " + _keys(unexpected))
+    where = f"{path_str(path)}: " if path else ""
+    return [where + "; ".join(parts) + " (restore(..., strict=False) restores the keys both have)"]
+
+
+def _keys(keys: list[Any]) -> str:
+    shown = ", ".join(map(str, keys[:8]))
+    return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -314,9 +347,20 @@ def restore_into(existing: Any, state: Any) -> Any:
     if problems:
         raise BlobMismatchError(f"state dict does not fit the live {what}: " + "; ".join(problems))
     try:
-        existing.load_state_dict(state)
+        if not codecs.LOAD_OPTIONS.get().strict and _takes_strict(existing):
+            existing.load_state_dict(state, strict=False)  # the key differences were recorded
+        else:
+            existing.load_state_dict(state)
     except BlobMismatchError:
         raise
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
         raise BlobMismatchError(f"the live {what} rejected the state dict: {e}") from e
     return existing
+
+
+def _takes_strict(obj: Any) -> bool:
+    """Whether ``obj.load_state_dict`` takes ``strict=`` (``nn.Module``'s does)."""
+    try:
+        return "strict" in inspect.signature(obj.load_state_dict).parameters
+    except (TypeError, ValueError):
+        return False

@@ -10,6 +10,7 @@ from typing import Any
 
 from ...errors import BlobMismatchError, UnsupportedBlobError
 from . import codecs
+from .fit import in_place_container
 
 __all__ = ["MAX_DEPTH", "TREE_KIND", "Decoder", "Encoder", "check_leaves", "is_stateful", "path_str", "type_name"]
 
@@ -199,6 +200,9 @@ class Decoder:
                 if isinstance(k, (list, dict)):
                     raise ValueError("unhashable dict key")
                 out[k] = self.node(item[1], depth + 1, ex.get(k))
+            if ex and not codecs.LOAD_OPTIONS.get().strict and in_place_container(ex):
+                # strict=False: the live keys, with the saved value where both have one
+                out = type(out)((k, out[k] if k in out else v) for k, v in ex.items())
             if tag == "o" and len(n) == 3 and n[2] is not None:
                 out._metadata = self.node(n[2], depth + 1)  # type: ignore[attr-defined]
             return out

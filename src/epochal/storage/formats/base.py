@@ -114,7 +114,7 @@ class DbBackend(abc.ABC):
     #: separate full check and read the checkpoint once
     load_verifies: bool = False
     #: ``read(existing=...)`` checks every live object it restores with
-    #: :func:`~epochal.storage.encoding.codecs.check_all_live` before touching any (with the index it
+    #: :func:`~epochal.storage.encoding.fit.check_all_live` before touching any (with the index it
     #: opened): a loader may then skip its own check, one more open and parse of the db
     checks_live: bool = False
 

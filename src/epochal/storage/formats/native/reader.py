@@ -25,6 +25,7 @@ import numpy as np
 from ....errors import CheckpointError, MissingBlobError
 from ...encoding import codecs as _codecs
 from ...encoding.codecs import flat_writable
+from ...encoding.fit import check_all_live
 from ...io import direct as _direct
 from ...io import tuning
 from ...io.checksum import checksum_function
@@ -251,7 +252,7 @@ class NativeFile:
         wanted = set(ids)
         found = [(n, i) for n in live if (i := idx.find(n)) is not None and i in wanted]
         where = _codecs.LOAD_OPTIONS.get().where or f"checkpoint {self.path}"
-        _codecs.check_all_live(((n, *idx.entry(i), live[n]) for n, i in sorted(found, key=lambda p: p[1])), where)
+        check_all_live(((n, *idx.entry(i), live[n]) for n, i in sorted(found, key=lambda p: p[1])), where)
 
     def _resolve(self, names: Sequence[str] | None, allow_incomplete: bool) -> list[int]:
         """Blob indices to load, in file order (so reads go forward through the file)."""
