@@ -222,16 +222,22 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         self._rejected.add(epoch)
         return True
 
-    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None) -> None:
+    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None, *, db_prefix: str | None = None) -> None:
         """Each db of committed ``epoch`` (of ``nodes``; None: all) against its manifest entry
         (size and digest, at the level a verifying load needs: see :meth:`resume_epoch`);
         CheckpointCorruptError naming the files that differ. ``verify="none"``: the user
-        trusts the files, nothing is checked; nor before ``set_params`` (the seed's
-        ``load_blobs_from_checkpoints`` without a run: no directory known to compare with)."""
+        trusts the files, nothing is checked. ``db_prefix``: where to look before
+        ``set_params`` (the seed's ``load_blobs_from_checkpoints`` without a run; read-only)."""
         level = self._load_level()
-        if level == "none" or self.directory is None:
+        if level == "none":
             return
-        problems = self._dir().epoch_problems(int(epoch), level, nodes=nodes)
+        if self.directory is not None:
+            d = self.directory
+        elif db_prefix is not None:
+            d = CheckpointDirectory(db_prefix, None, self.storage_options or None)
+        else:
+            return
+        problems = d.epoch_problems(int(epoch), level, nodes=nodes)
         if problems:
             raise CheckpointCorruptError(problems[0].path, f"epoch {epoch} cannot be loaded: " + _lines(problems))
 

@@ -143,8 +143,13 @@ class HandlerCalls:
     def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None) -> None:
         """Each db of committed ``epoch`` (of ``nodes``) against what its commit recorded
         (size, digest), before a load writes anything (no-op without a handler)."""
-        if self._handler is not None:
-            self._handler.check_dbs(int(epoch), nodes)
+        h = self._handler
+        if h is None:
+            return
+        if getattr(h, "directory", True) is None and "db_prefix" in inspect.signature(h.check_dbs).parameters:
+            h.check_dbs(int(epoch), nodes, db_prefix=self._db_prefix)  # (no run has told it where)
+        else:
+            h.check_dbs(int(epoch), nodes)
 
     def cp_accessible(self, epoch: int | None = None) -> bool:
         if self._metadata_handler is not None:
