@@ -182,7 +182,7 @@ class BaseMetadataHandler:
         """No fallback: the load's error stands."""
         return False
 
-    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None) -> None:
+    def check_dbs(self, epoch: int, nodes: Sequence[str] | None = None, *, db_prefix: str | None = None) -> None:
         """Before a load of committed ``epoch`` writes anything: each db of ``nodes`` (None:
         all) against what the commit recorded of it, CheckpointCorruptError naming the file
         when it differs. A handler that records nothing checks nothing."""
