@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import logging
 from typing import Any
 
@@ -198,3 +199,57 @@ def test_backend_reports_bytes_during_real_saves_and_loads(tmp_path: Any) -> Non
     _train(tmp_path, Recorder(force=True, stream=FakeTTY()), job=job, resume_from_epoch=2)
     assert seen[0][0] == "checkpoint_load" and seen[0][1] >= 8000
     assert IO_PROGRESS.get() is None
+
+
+# ------------------------------------------------------------------ the Checkpointer's display
+_BIG = """
+import sys, numpy as np, epochal
+with epochal.Checkpointer(sys.argv[1]) as ck:
+    state = {"w": np.ones(80 << 18, dtype=np.float32), "small": np.zeros(4)}
+    ck.save(1, state)                        # 80 MiB: a bar and a line
+    ck.save(2, {"small": np.zeros(4)})       # small: nothing
+    ck.restore(state, step=1)                # 80 MiB back: a line
+print("DONE", flush=True)
+"""
+
+
+def _run_checkpointer_script(tmp_path: Any, tty: bool) -> str:
+    import pty
+    import subprocess
+    import sys
+
+    script = tmp_path / "big.py"
+    script.write_text(_BIG)
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "EPOCHAL_QUIET")}
+    if not tty:
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stderr
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck")], stdout=subprocess.DEVNULL,
+                            stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(master)
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.system
+def test_checkpointer_shows_its_long_saves_and_loads_on_a_terminal_only(tmp_path: Any) -> None:
+    shown = _run_checkpointer_script(tmp_path, tty=True)
+    assert "step 1: saved 80.0 MiB" in shown, shown
+    assert "step 1: loaded 80.0 MiB" in shown, shown
+    assert "step 2:" not in shown  # a small save passes silently
+    (tmp_path / "again").mkdir()
+    quiet = _run_checkpointer_script(tmp_path / "again", tty=False)
+    assert "step 1:" not in quiet and "saved" not in quiet

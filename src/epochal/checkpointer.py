@@ -63,6 +63,7 @@ from .errors import (
     UnsupportedBlobError,
 )
 from .jobs.cadence import Cadence, parse_interval
+from .jobs.events import CheckpointEvent, RunListener, auto_progress
 from .jobs.preemption import SignalGuard
 from .storage.io.seam import is_url, local_path
 
@@ -129,7 +130,9 @@ class Checkpointer:
     warning, the step is not committed and training goes on, until the N-th failure in a
     row raises CheckpointError naming the steps and the newest committed one (the JobRunner's
     policy, whose default is 3); None: never (each failure a warning). A value no format
-    stores always raises at once.
+    stores always raises at once. ``progress``: None (default) shows a bar and a line for
+    each save or load of 64 MiB or more when stderr is a terminal (not under ``CI`` or
+    ``EPOCHAL_QUIET``); True always (on stderr); False never.
 
     Installs a SIGTERM handler (in the main thread only) so that :attr:`preempted` turns
     True; a second SIGTERM exits at once. Holds the directory's writer lock (a second writer
@@ -161,6 +164,7 @@ class Checkpointer:
         max_host_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
         max_failed_saves: int | None = 1,
+        progress: bool | None = None,
     ) -> None:
         self.directory = local_path(directory)  # file:// is the local disk
         #: the fsspec options every step of this Checkpointer carries (a URL directory)
@@ -183,9 +187,12 @@ class Checkpointer:
         assert self.handler.directory is not None
         self._dir = self.handler.directory
         #: resume, save, commit and the failure policy, shared with the JobRunner
+        #: the terminal display of long saves and loads (None: quiet; see ``progress``)
+        self._display = None if progress is False else auto_progress(force=bool(progress), big_only=True,
+                                                                        word="step")
         self._engine = CheckpointEngine(HandlerLink(self.handler, self.directory, DB_TYPE, [NODE]),
                                         max_failed_saves=max_failed_saves, word="step",
-                                        own_error=True)
+                                        own_error=True, events=_Shown(self._display) if self._display else None)
         self._engine.open()  # one writer per directory, until close()
         self.async_save = bool(async_save)
         self._saver = BackgroundSaver(max_host_bytes=max_host_bytes)
@@ -386,6 +393,8 @@ class Checkpointer:
             self._saver.close()
             self._guard.__exit__(None, None, None)
             self._engine.close()
+            if self._display is not None:
+                self._display.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -404,6 +413,21 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
 
+
+
+class _Shown:
+    """The engine's events to the terminal display (:func:`~epochal.jobs.events.auto_progress`):
+    a bar while a big save or load moves its bytes, one line when it ends."""
+
+    def __init__(self, display: RunListener) -> None:
+        self.display = display
+
+    def checkpoint_start(self, action: str, epoch: int) -> None:
+        self.display.on_checkpoint_start(action, epoch)
+
+    def checkpoint_end(self, action: str, epoch: int, seconds: float, nbytes: int, ok: bool,
+                       error: str | None) -> None:
+        self.display.on_checkpoint(CheckpointEvent(action, epoch, seconds, nbytes, ok, error))
 
 
 class _Background:

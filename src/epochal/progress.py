@@ -108,8 +108,14 @@ class TerminalProgress(RunListener):
         stream: IO[str] | None = None,
         threshold: int = DEFAULT_THRESHOLD,
         use_rich: bool | None = None,
+        big_only: bool = False,
+        word: str = "epoch",
     ) -> None:
         self.stream: IO[str] = sys.stderr if stream is None else stream
+        #: a line only for a save or load of ``threshold`` bytes or more, or one that failed
+        #: (a training loop's Checkpointer: its small saves pass silently)
+        self.big_only = bool(big_only)
+        self.word = word
         self.enabled = bool(force) or display_wanted(self.stream)
         self.threshold = int(threshold)
         self.rich = HAVE_RICH if use_rich is None else (bool(use_rich) and HAVE_RICH)
@@ -182,6 +188,8 @@ class TerminalProgress(RunListener):
         self._stop_io()
         if event.ok and event.nbytes:
             self._last_size[event.action] = event.nbytes
+        if self.big_only and event.ok and max(event.nbytes, self._io_done) < self.threshold:
+            return
         word = _ACTION_WORDS.get(event.action, event.action)
         if event.ok:
             rate = f" ({event.nbytes / 1e6 / event.seconds:.0f} MB/s)" if event.nbytes and event.seconds > 0 else ""
@@ -196,7 +204,8 @@ class TerminalProgress(RunListener):
             self._emit(f"epoch {epoch:>4}  {human_seconds(seconds):>9} | {ck}", style=style)
         else:
             self._flush_pending()
-            self._emit(f"checkpoint {event.epoch}: {ck}", style=style)
+            self._emit(f"checkpoint {event.epoch}: {ck}" if self.word == "epoch" else f"{self.word} {event.epoch}: {ck}",
+                       style=style)
 
     def on_train_end(self, epoch: int, preempted: bool) -> None:
         self._flush_pending()
@@ -231,7 +240,7 @@ class TerminalProgress(RunListener):
         verb = "saving" if self._io_action == "checkpoint_save" else "loading"
         try:
             bar = Progress(
-                TextColumn(f"{verb} epoch {self._io_epoch}"),
+                TextColumn(f"{verb} {self.word} {self._io_epoch}"),
                 BarColumn(),
                 DownloadColumn(binary_units=True),
                 TransferSpeedColumn(),

@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from .. import knobs
 
@@ -50,7 +51,7 @@ class RunListener:
     def close(self) -> None: ...
 
 
-def auto_progress(force: bool = False) -> RunListener | None:
+def auto_progress(force: bool = False, **options: Any) -> RunListener | None:
     """The terminal progress display: when forced, or when stderr is a terminal outside CI and
     the ``quiet`` knob is off (:func:`epochal.knobs.is_quiet`: by default, EPOCHAL_QUIET unset)."""
     if not force and (os.environ.get("CI") or knobs.is_quiet() or not sys.stderr.isatty()):
@@ -60,4 +61,4 @@ def auto_progress(force: bool = False) -> RunListener | None:
         display = getattr(importlib.import_module(module), name)
     except ImportError:
         return None
-    return display(force=force)  # type: ignore[no-any-return]
+    return display(force=force, **options)  # type: ignore[no-any-return]
