@@ -228,8 +228,10 @@ class DistributedCheckpointer:
                  ) -> tuple[RecordingSavePlanner, bool]:
         """One all-reduce: whether every rank's local plan is the one kept from the last save
         (then the save reuses the kept plans: no DCP planning collectives), that no rank
-        failed (``problem``, or to plan), that rank 0 found ``step`` not committed yet, and
-        that the plain values are the same on every rank (else ValueError naming them)."""
+        failed (``problem``, or to plan), that rank 0 found ``step`` not committed yet, that
+        every rank saves the same step (else CheckpointError naming the steps, on every rank,
+        before anything is written) and that the plain values are the same on every rank
+        (else ValueError naming them)."""
         planner, same = RecordingSavePlanner(), False
         try:
             if problem is None:
@@ -241,9 +243,14 @@ class DistributedCheckpointer:
             problem = ex
         names = sorted(k for k, v in sd.items() if isinstance(v, Whole) and not k.startswith("__rank"))
         digest = _plain_digest(sd, names)
-        got = ranks.all_max(ranks.slots(problem) + [int(not same), digest, -digest])
+        got = ranks.all_max(ranks.slots(problem) + [int(not same), digest, -digest, step, -step])
         ranks.settle(got[:ranks.world], problem, f"plan step {step}")
-        if got[-2] != -got[-1]:
+        hi, lo = got[-2], -got[-1]
+        if hi != lo:  # the step is part of what the ranks agree on: nothing is written
+            raise CheckpointError(
+                f"{self.directory}: the ranks passed different steps to save: rank {ranks.rank} step {step}, "
+                f"others from step {lo} to step {hi}; every rank must save the same step (nothing was written)")
+        if got[-4] != -got[-3]:
             self._check_replicated(sd, names, ranks)
         return planner, not got[ranks.world]
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -157,6 +158,9 @@ class EpochalStorageWriter(StorageWriter):
         #: after a save: the step it committed (on the coordinator)
         self.committed: int | None = None
         self._step: int | None = None
+        #: the handler holding the writer lock from the plan to the commit (``lock=True``)
+        self._held: DirectoryMetadataHandler | None = None
+        self._finalizer: weakref.finalize | None = None
 
     @property
     def checkpoint_id(self) -> str:
@@ -187,11 +191,38 @@ class EpochalStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        committed = CheckpointDirectory(self.path).committed_epochs()
-        step = self.step if self.step is not None else (committed[-1] + 1 if committed else 0)
-        if step in committed:
-            raise CheckpointError(f"{self.path}: step {step} is already committed (a DCP save never replaces one)")
+        """On the coordinator, before any rank writes: take the directory's writer lock (a
+        second job saving there fails here, naming the holder: CheckpointLockedError) and
+        hold it until the commit, then choose the step (a committed one is refused)."""
+        if self.lock:
+            self._hold_lock()
+        try:
+            committed = CheckpointDirectory(self.path).committed_epochs()
+            step = self.step if self.step is not None else (committed[-1] + 1 if committed else 0)
+            if step in committed:
+                raise CheckpointError(f"{self.path}: step {step} is already committed (a DCP save never replaces one)")
+        except BaseException:
+            self._let_go()
+            raise
         return [dataclasses.replace(p, storage_data=Target(step, rank_node(i))) for i, p in enumerate(plans)]
+
+    def _hold_lock(self) -> None:
+        """The writer lock, held from the plan to the commit by a handler of this writer (let
+        go by the commit, a failed plan, or when this writer is collected)."""
+        self._let_go()  # a previous save of this writer that failed after its plan
+        h = self.handler if self.handler is not None else DirectoryMetadataHandler()
+        h.set_params(db_prefix=self.path, db_type="native", node_names=[], path_prefix=None, path_type=None)
+        h.acquire_lock()
+        self._held = h
+        self._finalizer = weakref.finalize(self, h.release_lock)
+
+    def _let_go(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.release_lock()
+            if self._finalizer is not None:
+                self._finalizer.detach()
+                self._finalizer = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target = plan.storage_data
@@ -275,6 +306,7 @@ class EpochalStorageWriter(StorageWriter):
         """Let go of this rank's snapshot of a deferred save that will not be written (another
         rank failed): the host buffer goes back to the staging pool."""
         self.pending_db, self.pending_blobs, self._pending_finish = None, {}, None
+        self._let_go()
         if self._pooled:
             self._pooled = False
             self.staging.release()
@@ -292,6 +324,12 @@ class EpochalStorageWriter(StorageWriter):
         return self.committed
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._commit_held(metadata, results)
+        finally:
+            self._let_go()
+
+    def _commit_held(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage: dict[MetadataIndex, ItemLocation] = {}
         reports: dict[str, DbReport] = {}
         step = self._step
@@ -315,7 +353,8 @@ class EpochalStorageWriter(StorageWriter):
         write_native(meta_db, {META_BLOB: metadata_to_json(metadata, self.save_id)})
         st = stat_native(meta_db)
         reports[META_NODE] = DbReport(st.file_bytes, st.digest)
-        commit_step(self.path, step, reports, self.handler, self.lock, self.metrics)
+        held = self._held
+        commit_step(self.path, step, reports, held or self.handler, self.lock and held is None, self.metrics)
         self.committed = step
 
 
@@ -329,6 +368,10 @@ def commit_step(path: str, step: int, reports: dict[str, DbReport],
     if lock:
         h.acquire_lock()
     try:
+        d = CheckpointDirectory(path)
+        if d.records.exists(d.manifest_path(step)):  # another writer committed it meanwhile
+            raise CheckpointError(f"{path}: step {step} was committed by another writer while this save ran; "
+                                  "a committed step is never replaced (this save is not committed)")
         h.report_dbs(step, reports)
         h.write(step, metrics=metrics or None)
     finally:
@@ -381,6 +424,7 @@ class EpochalStorageReader(StorageReader):
         if META_NODE not in manifest.nodes:
             raise CheckpointNotFoundError(f"{d.manifest_path(step)}: step {step} was not written by DCP")
         db = d.db_path(META_NODE, step)
+        _check_dbs(d, step, [META_NODE])
         with NativeFile(db, mmap=False) as f:
             text = f.read([META_BLOB])[META_BLOB]
         if not isinstance(text, str):
@@ -412,8 +456,27 @@ class EpochalStorageReader(StorageReader):
         """Read the blobs of the saved chunks (of a chunk stored as row blocks, the blocks) that
         ``plan``'s items overlap, each once and every one checksum-verified before any live
         tensor is written, then copy each item's region (see :mod:`.reads`)."""
+        by_step: dict[int, set[str]] = {}
+        for item in plan.items:
+            loc = self.storage_data.get(item.storage_index)
+            split = split_db_file(loc.db) if loc is not None else None
+            if split is not None:
+                by_step.setdefault(split[1], set()).add(split[0])
+        d = CheckpointDirectory(self.path)
+        for step, nodes in by_step.items():  # before any byte reaches a live tensor
+            _check_dbs(d, step, sorted(nodes))
         read_items(self.path, self.storage_data, self.chunk_rows, plan, planner)
         return _done(None)
+
+
+def _check_dbs(d: CheckpointDirectory, step: int, nodes: list[str]) -> None:
+    """Each db of ``nodes`` of committed ``step`` against its manifest entry (size, digest:
+    the header alone, no data read): a db replaced (by an older step's, of the same shapes)
+    or truncated is a CheckpointCorruptError naming the file, before anything is read."""
+    problems = d.epoch_problems(step, "quick", nodes=nodes)
+    if problems:
+        raise CheckpointCorruptError(problems[0].path, f"step {step} cannot be loaded: "
+                                     + "; ".join(p.text for p in problems))
 
 
 def _located(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> str:
