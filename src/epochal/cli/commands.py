@@ -34,6 +34,7 @@ from .common import (
 from .dbs import inspect_blob, inspect_db
 from .diff import diff_dbs
 from .export import export_db
+from .hf_dirs import hf_db
 from .names import RECORDS_DIR
 from .problems import Problem
 from .records import list_prefix, stats_prefix, verify_target
@@ -151,6 +152,7 @@ def inspect_cmd(ctx: click.Context, db: str, blob: str | None, db_type: str | No
     dicts and other containers).
     """
     out = _out(ctx)
+    db = hf_db(db)  # a Hugging Face checkpoint folder: its db
     if blob is not None:
         info = inspect_blob(db, blob, db_type)
         if as_json:
@@ -244,6 +246,8 @@ def verify_cmd(ctx: click.Context, target: str, db_type: str | None, as_json: bo
             where = f", blob {p['blob']!r}" if p.get("blob") is not None else ""
             out.console.print(Text.assemble(("DAMAGED ", "bold red"), f"{label}{where}: {p['message']}"))
     for e in result["epochs"]:
+        if "folder" in e and e["ok"]:  # a Hugging Face checkpoint folder, every recorded file checked
+            out.console.print(Text.assemble(("ok      ", "green"), e["folder"]))
         for p in e["problems"]:
             out.console.print(Text.assemble(("PROBLEM ", "bold red"), f"epoch {e['epoch']}: {p}"))
     nbad = sum(1 for f in result["files"] if not f["ok"])

@@ -13,6 +13,7 @@ from ..checkpoint.location.view import EpochProblem
 from ..errors import CheckpointError
 from ..storage.io.seam import is_url
 from .dbs import verify_file
+from .hf_dirs import hf_checkpoints, list_hf, verify_hf
 from .names import RECORDS_DIR, parse_db_name
 from .problems import Problem, one_line
 from .values import iso_time
@@ -138,6 +139,9 @@ def _file_record(path: str | None) -> dict[str, Any]:
 
 def list_prefix(prefix: str) -> dict[str, Any]:
     """``epochal ls``: every epoch with its db files per node, commit state, sizes, times, pins."""
+    folders = hf_checkpoints(prefix)
+    if folders:  # a Hugging Face Trainer's output directory
+        return list_hf(prefix, folders)
     rec = Records(prefix)
     present = rec.scan()
     committed = set(rec.committed())
@@ -219,7 +223,11 @@ def _is_prefix(target: str) -> bool:
 
 def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
     """``epochal verify PREFIX|DB``: every db file of a prefix (or the one db), and every
-    committed epoch's records (files missing, sizes and digests not as recorded)."""
+    committed epoch's records (files missing, sizes and digests not as recorded). A Hugging
+    Face Trainer's checkpoint folder (or output directory): every file each step records."""
+    folders = hf_checkpoints(target)
+    if folders:
+        return verify_hf(target, folders)
     if not _is_prefix(target):
         f = verify_file(target, db_type)
         return {"target": target, "ok": f["ok"], "files": [f], "epochs": []}

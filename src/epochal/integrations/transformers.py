@@ -43,6 +43,7 @@ from ..errors import CheckpointError
 from ..storage.formats.base import get_db_type
 from . import hf_folder
 from .rng import RNGState
+from .state_check import check_weights_fit, safetensors_header
 
 __all__ = ["EpochalTrainerMixin", "Trainer", "TESTED_TRANSFORMERS", "OVERRIDDEN", "CALLED"]
 
@@ -260,6 +261,10 @@ class EpochalTrainerMixin:
         _, data = self._epochal_take(folder, "weights")
         if data is None:
             data = hf_folder.read_file_checked(folder, SAFE_WEIGHTS_NAME)
+        # the checkpoint's keys and shapes (its header alone) against the live model, before
+        # any tensor of it is written: load_state_dict(strict=False) below copies the keys
+        # that fit and then raises, or drops the rest without a word
+        check_weights_fit(os.path.join(folder, SAFE_WEIGHTS_NAME), safetensors_header(data), model)
         state_dict = safetensors.torch.load(data)
         del data
         result = model.load_state_dict(state_dict, False)
