@@ -393,3 +393,42 @@ def test_sigkill_then_resume_last_matches_torch_io(tmp_path: Path, zygote: Zygot
     r = subprocess.run([sys.executable, "-m", "epochal.cli.main", "verify", str(tmp_path / "inside-write-epochal")],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------ the load promise
+RESUME_OTHER = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+sys.path.insert(0, sys.argv[3])
+import torch
+import lightning.pytorch as L
+import _lightning_bits as bits
+from epochal.integrations.lightning import EpochalCheckpointIO
+torch.manual_seed(3)
+model = bits.TinyModule(hidden=int(sys.argv[2]))
+before = {k: v.clone() for k, v in model.state_dict().items()}
+trainer = L.Trainer(max_steps=30, plugins=[EpochalCheckpointIO()], logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                    enable_checkpointing=False, accelerator="cpu", devices=1)
+error = None
+try:
+    trainer.fit(model, bits.loader(), ckpt_path=sys.argv[1])
+except Exception as ex:
+    error = f"{type(ex).__name__}: {ex}"
+changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+print(json.dumps({"error": error, "changed": changed}))
+"""
+
+
+@pytest.mark.system
+def test_a_resume_into_a_module_of_another_shape_changes_nothing(tmp_path: Path) -> None:
+    bits.run(bits.Run(str(tmp_path), max_steps=6))
+    last = str(tmp_path / "last.ckpt")
+    out = subprocess.run([sys.executable, "-c", RESUME_OTHER, last, "24", os.path.dirname(os.path.abspath(__file__))],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["error"] is not None and got["error"].startswith("BlobMismatchError"), got
+    assert "nothing was restored" in got["error"] and "last.ckpt" in got["error"]
+    assert "net.0.weight: checkpoint shape (16, 6), live shape (24, 6)" in got["error"], got["error"]
+    assert got["changed"] == []  # Lightning's own load_state_dict copies net.3.bias, then raises

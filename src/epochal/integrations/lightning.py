@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -50,13 +51,14 @@ except ImportError as _ex:  # pragma: no cover - depends on the environment
     ) from _ex
 
 from ..checkpoint.location.lock import pid_alive
-from ..errors import CheckpointError, UnsupportedBlobError
+from ..errors import BlobMismatchError, CheckpointError, UnsupportedBlobError
 from ..storage.encoding.codecs import LoadOptions, load_options
 from ..storage.encoding.skeleton import is_stateful, path_str, type_name
 from ..storage.formats.base import get_db_type, sniff_db_type
 from ..storage.io import atomic
 from ..storage.io.seam import is_url, local_path, store_for
 from .rng import RNGState
+from .state_check import keys_of, state_fit
 
 __all__ = ["EpochalCheckpointIO", "RNGStateCallback", "load_checkpoint", "load_lightning_module"]
 
@@ -224,8 +226,23 @@ class EpochalCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """The checkpoint dict at ``path`` (see :func:`load_checkpoint`). ``weights_only`` is
         accepted and needs nothing: nothing is ever unpickled. A callable ``map_location``
-        (Lightning passes none on a resume) is treated as "where saved"."""
-        return load_checkpoint(path, map_location=None if callable(map_location) else map_location)
+        (Lightning passes none on a resume) is treated as "where saved".
+
+        Called by a Trainer's strategy to resume, the checkpoint's ``state_dict`` is checked
+        against the live LightningModule before it is returned (keys, unless the module sets
+        ``strict_loading = False``, and shapes always): Lightning's own ``load_state_dict``
+        would copy the keys that fit before raising. A misfit is a BlobMismatchError naming
+        the keys, with nothing written."""
+        checkpoint = load_checkpoint(path, map_location=None if callable(map_location) else map_location)
+        module = _resuming_module(sys._getframe(1))
+        if module is not None and isinstance(checkpoint.get("state_dict"), dict):
+            fit = state_fit(keys_of(checkpoint["state_dict"].items()), module)
+            if not getattr(module, "strict_loading", True):
+                fit.missing, fit.unexpected = [], []  # strict=False: only the shapes must fit
+            if not fit.ok:
+                raise BlobMismatchError(fit.message(f"Lightning checkpoint {os.fspath(path)}",
+                                                    f"the live {type(module).__name__}"))
+        return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` if it exists (as Lightning's TorchCheckpointIO)."""
@@ -235,6 +252,22 @@ class EpochalCheckpointIO(CheckpointIO):
         if fs.exists(path):
             fs.rm(path, recursive=True)
             logger.debug("Removed checkpoint: %s", path)
+
+
+def _resuming_module(frame: Any) -> Any:
+    """The LightningModule of the strategy whose ``load_checkpoint`` called this IO (a few
+    frames up: Lightning gives a CheckpointIO no reference to its strategy); None when the
+    caller is not a strategy (a user's own call, Fabric) or it holds no module."""
+    from lightning.pytorch.strategies import Strategy
+
+    for _ in range(4):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, Strategy):
+            return caller.lightning_module
+        frame = frame.f_back
+    return None
 
 
 class RNGStateCallback(Callback):
