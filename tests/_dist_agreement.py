@@ -32,3 +32,99 @@ def disagreeing_steps(rank: int, world: int, path: str, out: str) -> None:
         json.dump(seen, f)
 
 
+
+
+def _model_and_opt(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def tensor_bytes(*objs: Any) -> dict[str, str]:
+    """Every tensor of the objects' state dicts as hex (a bit-for-bit comparison in JSON)."""
+    import hashlib
+
+    out: dict[str, str] = {}
+    for i, o in enumerate(objs):
+        stack: list[tuple[str, Any]] = [(str(i), o.state_dict())]
+        while stack:
+            path, v = stack.pop()
+            if isinstance(v, dict):
+                stack.extend((f"{path}/{k}", x) for k, x in v.items())
+            elif isinstance(v, (list, tuple)):
+                stack.extend((f"{path}/{k}", x) for k, x in enumerate(v))
+            elif isinstance(v, torch.Tensor):
+                out[path] = hashlib.sha256(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
+
+
+def save_one_process(path: str, out: str) -> None:
+    """A debug run at world size 1: a plain Checkpointer saves step 4."""
+    import epochal
+
+    model, opt = _model_and_opt(1)
+    with epochal.Checkpointer(path) as ck:
+        ck.save(4, {"model": model, "opt": opt, "step": 4})
+    with open(os.path.join(out, "saved.json"), "w") as f:
+        json.dump(tensor_bytes(model, opt), f)
+
+
+def resume_on_ranks(rank: int, world: int, path: str, out: str) -> None:
+    """The run scaled up: DDP over ``world`` ranks restores the one-process step."""
+    import epochal
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, _ = _model_and_opt(10 + rank)  # other values on each rank before the restore
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    ddp(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    state = {"model": ddp, "opt": opt, "step": 0}
+    with epochal.Checkpointer(path) as ck:
+        got = ck.restore(state)
+    with open(os.path.join(out, f"resumed{rank}.json"), "w") as f:
+        json.dump({"step": got, "plain": state["step"], "tensors": tensor_bytes(model, opt),
+                   "same_wrapper": state["model"] is ddp}, f)
+
+
+def fsdp_restore_step(rank: int, world: int, path: str, expect: str, step: int) -> None:
+    """Restore ``step`` (saved by fsdp_save at any world size) into an FSDP2 model on ``world``
+    ranks (one included); the gathered full state equals the saved one bit for bit."""
+    from _dist_workers import tiny_model
+    from _torch_bits import bits
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import epochal
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = tiny_model(7)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).pow(2).mean().backward()
+    opt.step()  # (state of its own before the restore)
+    state = {"model": model, "opt": opt, "note": ""}
+    with epochal.Checkpointer(path) as ck:
+        assert type(ck).__name__ == "DistributedCheckpointer"
+        assert ck.restore(state) == step
+    assert state["note"] == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+    full = get_model_state_dict(model, options=opts)
+    fopt = get_optimizer_state_dict(model, opt, options=opts)
+    if rank == 0:
+        with open(expect) as f:
+            want = json.load(f)
+        got = {f"model.{k}": bits(v).hex() for k, v in full.items()}
+        got.update({f"opt.{p}.{k}": bits(v).hex() for p, s in fopt["state"].items() for k, v in s.items()})
+        assert got == want, sorted(k for k in want if got.get(k) != want[k])

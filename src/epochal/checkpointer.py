@@ -141,7 +141,7 @@ class Checkpointer:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Checkpointer:
-        """Under torch.distributed with more than one rank, or on a directory written by ranks:
+        """In a torch.distributed process group (of any size), or on a directory written by ranks:
         a DistributedCheckpointer (docs/distributed.md)."""
         from .integrations.world import use_distributed
 

@@ -59,12 +59,13 @@ from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
 from ..storage.io.location import location_for
 from ..storage.io.seam import local_path
-from .dcp import EpochalStorageReader, EpochalStorageWriter, Whole
+from .dcp import META_NODE, EpochalStorageReader, EpochalStorageWriter, Whole
 from .dcp.background import Pending, Worker
 from .dcp.plan_cache import RecordingSavePlanner, SavePlanCache
 from .dcp.staging import HostStaging
 from .rank_state import dcp_state
 from .ranks import RankGroup, process_world, unwrap_failure
+from .world_change import SINGLE_NODE, load_one_process_step
 
 __all__ = ["DistributedCheckpointer", "process_world"]
 
@@ -415,6 +416,10 @@ class DistributedCheckpointer:
         )
 
     def _load(self, step: int, state: MutableMapping[str, Any]) -> None:
+        manifest = CheckpointDirectory(self.directory).read_manifest(step)
+        if META_NODE not in manifest.nodes and list(manifest.nodes) == [SINGLE_NODE]:
+            load_one_process_step(self.directory, step, state, self.ranks, self._options)
+            return
         reader = EpochalStorageReader(self.directory, step=step, storage_options=self._options)
         saved = set(reader.read_metadata().state_dict_metadata)
         # the ranks that saved per-rank values: all of a world of the same size, or none

@@ -1,8 +1,9 @@
 """Which Checkpointer a process needs, decided without importing torch.
 
 :class:`epochal.Checkpointer` asks :func:`use_distributed`: a process of a ``torch.distributed``
-group of more than one rank, or one process opening a directory whose newest step was written
-by ranks (``epochal.integrations.dcp``'s layout: ``rank<r>.<step>`` and ``dcp.<step>``), gets
+group (of any size, one included: FSDP2's DTensors need the group), or one process opening a
+directory whose newest step was written by ranks (``epochal.integrations.dcp``'s layout:
+``rank<r>.<step>`` and ``dcp.<step>``), gets
 :class:`~epochal.integrations.distributed.DistributedCheckpointer`.
 """
 
@@ -16,7 +17,7 @@ from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointError
 from ..storage.io.seam import is_url
 
-__all__ = ["distributed_world", "use_distributed", "written_by_ranks"]
+__all__ = ["distributed_world", "process_group_initialized", "use_distributed", "written_by_ranks"]
 
 #: the node of a ranks-written step's DCP metadata db (epochal.integrations.dcp.META_NODE)
 META_NODE = "dcp"
@@ -49,6 +50,15 @@ def written_by_ranks(directory: str | os.PathLike[str], storage_options: dict[st
         raise
 
 
+def process_group_initialized() -> bool:
+    """Whether this process is in an initialized default process group (of any size: an FSDP2
+    model's DTensor parameters need one even at world size 1)."""
+    td = sys.modules.get("torch.distributed")
+    return td is not None and td.is_available() and td.is_initialized()
+
+
 def use_distributed(directory: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
-    """A DistributedCheckpointer is needed for ``directory`` in this process."""
-    return distributed_world() > 1 or written_by_ranks(directory, storage_options)
+    """A DistributedCheckpointer is needed for ``directory`` in this process: it is in a
+    process group (a world of one included, where DTensor state lives), or the directory's
+    newest step was written by ranks."""
+    return process_group_initialized() or written_by_ranks(directory, storage_options)
