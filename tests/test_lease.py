@@ -404,3 +404,34 @@ def test_a_checkpointer_whose_lease_is_taken_raises_at_its_next_save(
         assert "host thief" in str(e.value)
         assert cp.steps() == [0]
     assert _read(_lease_url(url))["host"] == "thief"  # close() did not delete the new holder's lease
+
+
+def test_a_writer_paused_between_its_fence_and_its_manifest_never_replaces_a_commit(
+    where: tuple[str, dict[str, Any] | None],
+) -> None:
+    """A passed its fence, then stalled past its lease (a GC pause, a frozen VM); B took the
+    lease over and committed the same epoch. A's manifest write, when it wakes, is refused:
+    CheckpointLockedError, and B's commit stays as it was."""
+    url, opts = where
+    a = _handler(url, opts, seconds=0.3)
+    a.acquire_lock()
+    _save_db(url, 0)
+    a.write(0)
+    a._lock.stop_renewal()  # type: ignore[union-attr]
+    time.sleep(0.4)
+    b = _handler(url, opts)
+    b.acquire_lock()
+    _save_db(url, 1)
+    b.write(1)
+    committed = CheckpointDirectory(url).manifest(1)
+    fs, path = filesystem_for(f"{url}/.epochal/manifest.1.json")
+    fs.invalidate_cache()
+    before = bytes(fs.cat_file(path))
+    a._fence = lambda: None  # type: ignore[method-assign]  # (its fence passed before the pause)
+    with pytest.raises(CheckpointLockedError):
+        a.write(1)
+    fs.invalidate_cache()
+    assert bytes(fs.cat_file(path)) == before and CheckpointDirectory(url).manifest(1) == committed
+    b.write(1)  # the holder may still save the same epoch again
+    b.release_lock()
+    a.release_lock()

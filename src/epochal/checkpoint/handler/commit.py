@@ -5,22 +5,26 @@ A node that reported its db (:class:`~.metadata.DbReport`, through the manager) 
 its word: the driver never opens that file (it may be on another machine, or at a URL). A
 db nobody reported (a handler driven without a manager) is fsynced and measured here, or at
 a URL asked of the store; the directory is synced after, so the dbs are durable before the
-manifest that names them is written.
+manifest that names them is written. The manifest itself is written by
+:func:`commit_manifest` (create-only at a URL).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ...errors import CheckpointNotFoundError
 from ...storage.formats.base import DbBackend
 from ...storage.io import atomic
 from ..location.manifest import DbEntry
+from ..location.record_cache import CachedRecords
+from ..location.records import RecordStore
 from ..location.view import CheckpointDirectory
 from .metadata import DbReport
 
-__all__ = ["durable_entries"]
+__all__ = ["commit_manifest", "durable_entries"]
 
 
 def durable_entries(
@@ -63,3 +67,28 @@ def _entry(d: CheckpointDirectory, backend: DbBackend, node: str, path: str, got
             ) from None
         got = DbReport(size, backend.digest(path))
     return DbEntry(os.path.basename(path), int(got.size), got.digest)
+
+
+def commit_manifest(records: RecordStore, path: str, data: bytes, storage_options: dict[str, Any] | None,
+                    fence: Callable[[], None] | None) -> None:
+    """Write the manifest ``data`` that commits an epoch at ``path``. At a URL it is created
+    only where none is (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``): a writer paused
+    past its lease between its fence and this write (a GC pause, a frozen VM) cannot replace
+    the manifest the new holder committed meanwhile. When one is there, ``fence`` (the lease's)
+    is asked again: a job that lost the lease fails with CheckpointLockedError and nothing
+    changes; the holder replaces it (a save of the same epoch again). On a local disk the
+    writer lock is a flock: written atomically in place."""
+    if not records.remote:
+        records.write(path, data)
+        return
+    from ...storage.io.conditional import conditional_for
+
+    objects = conditional_for(path, storage_options)
+    if objects.create(path, data) is not None:
+        objects.fs.invalidate_cache(path.rsplit("/", 1)[0].split("://", 1)[-1])
+        if isinstance(records, CachedRecords):
+            records.note_written(path, data)
+        return
+    if fence is not None:
+        fence()  # CheckpointLockedError naming the new holder
+    records.write(path, data)

@@ -49,7 +49,7 @@ from ..location.view import (
 )
 from ..mirroring.sync import MirrorSync
 from . import cleanup, room
-from .commit import durable_entries
+from .commit import commit_manifest, durable_entries
 from .metadata import BaseMetadataHandler, DbReport, PushTarget
 
 logger = logging.getLogger("epochal")
@@ -309,7 +309,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         )
         d.records.makedirs(d.records_dir)
         self._fence()  # a job that lost the lease stops here, before writing (CheckpointLockedError)
-        self._write_manifest(d.manifest_path(epoch), manifest)
+        self._commit_manifest(d.manifest_path(epoch), manifest)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
         try:
             self.apply_retention(epoch)
@@ -486,6 +486,13 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         d = self._dir()
         self._fence()  # a job that lost the lease does not rewrite the new holder's pins
         d.write_pins((d.pins() | add) - remove)
+
+    def _commit_manifest(self, path: str, manifest: Manifest) -> None:
+        """Write the manifest that commits an epoch: create-only at a URL, the fence asked
+        again when one is there (:func:`.commit.commit_manifest`)."""
+        lock = self._lock
+        commit_manifest(self._dir().records, path, manifest.encode(), self.storage_options or None,
+                        lock.fence if lock is not None else None)
 
     def _write_manifest(self, path: str, manifest: Manifest) -> None:
         """Write a manifest atomically, with its content checksum."""

@@ -200,6 +200,11 @@ class CachedRecords:
                 if listed is not None:
                     listed.pop(name, None)
 
+    def note_written(self, path: str, data: bytes) -> None:
+        """``data`` was written at ``path`` by another way than :meth:`write` (a
+        create-only request): remember it as :meth:`write` would."""
+        self._written(path, bytes(data))
+
     def _written(self, path: str, data: bytes) -> None:
         folder, name = _split(path)
         with self._lock:
