@@ -74,8 +74,9 @@ def save_one_process(path: str, out: str) -> None:
 
 def resume_on_ranks(rank: int, world: int, path: str, out: str) -> None:
     """The run scaled up: DDP over ``world`` ranks restores the one-process step."""
-    import epochal
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import epochal
 
     model, _ = _model_and_opt(10 + rank)  # other values on each rank before the restore
     ddp = DDP(model)
@@ -89,42 +90,3 @@ def resume_on_ranks(rank: int, world: int, path: str, out: str) -> None:
         json.dump({"step": got, "plain": state["step"], "tensors": tensor_bytes(model, opt),
                    "same_wrapper": state["model"] is ddp}, f)
 
-
-def fsdp_restore_step(rank: int, world: int, path: str, expect: str, step: int) -> None:
-    """Restore ``step`` (saved by fsdp_save at any world size) into an FSDP2 model on ``world``
-    ranks (one included); the gathered full state equals the saved one bit for bit."""
-    from _dist_workers import tiny_model
-    from _torch_bits import bits
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import epochal
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = tiny_model(7)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.randn(5, 4)).pow(2).mean().backward()
-    opt.step()  # (state of its own before the restore)
-    state = {"model": model, "opt": opt, "note": ""}
-    with epochal.Checkpointer(path) as ck:
-        assert type(ck).__name__ == "DistributedCheckpointer"
-        assert ck.restore(state) == step
-    assert state["note"] == "fsdp"
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
-    full = get_model_state_dict(model, options=opts)
-    fopt = get_optimizer_state_dict(model, opt, options=opts)
-    if rank == 0:
-        with open(expect) as f:
-            want = json.load(f)
-        got = {f"model.{k}": bits(v).hex() for k, v in full.items()}
-        got.update({f"opt.{p}.{k}": bits(v).hex() for p, s in fopt["state"].items() for k, v in s.items()})
-        assert got == want, sorted(k for k in want if got.get(k) != want[k])

@@ -261,9 +261,10 @@ def fsdp_save(rank: int, world: int, path: str, out: str) -> None:
             json.dump(flat, f)
 
 
-def fsdp_restore(rank: int, world: int, path: str, expect: str) -> None:
-    """Restore a step saved by one process into an FSDP2 model on ``world`` ranks; the
-    gathered full state equals the saved one bit for bit."""
+def fsdp_restore(rank: int, world: int, path: str, expect: str, step: int = 5, note: str = "plain") -> None:
+    """Restore ``step`` (saved by one process, or by fsdp_save at any world size: ``note``
+    says which) into an FSDP2 model on ``world`` ranks, one included; the gathered full
+    state equals the saved one bit for bit."""
     import json
 
     from _torch_bits import bits
@@ -286,8 +287,8 @@ def fsdp_restore(rank: int, world: int, path: str, expect: str) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     state = {"model": model, "opt": opt, "note": ""}
     with epochal.Checkpointer(path) as ck:
-        assert ck.restore(state) == 5
-    assert state["note"] == "plain"
+        assert ck.restore(state) == step
+    assert state["note"] == note
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
     full = get_model_state_dict(model, options=opts)
     fopt = get_optimizer_state_dict(model, opt, options=opts)

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from epochal import Checkpointer  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
-from epochal.integrations.dcp import EpochalStorageReader, EpochalStorageWriter  # noqa: E402
+from epochal.integrations.dcp import EpochalStorageWriter  # noqa: E402
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore:.*assuming the intent is to")]
 

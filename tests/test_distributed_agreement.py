@@ -56,15 +56,14 @@ def test_a_step_one_process_wrote_resumes_on_two_ranks_bit_identical(tmp_path: P
 
 
 def test_fsdp2_at_world_one_saves_and_reshards_to_and_from_it(tmp_path: Path) -> None:
-    from _dist_agreement import fsdp_restore_step
-    from _dist_workers import fsdp_save
+    from _dist_workers import fsdp_restore, fsdp_save
 
     one, full1 = str(tmp_path / "one"), str(tmp_path / "one.json")
     run_ranks(fsdp_save, 1, one, full1)  # DTensor parameters in a world of one rank
     assert CheckpointDirectory(one).committed_epochs() == [4]
     assert "dcp" in CheckpointDirectory(one).read_manifest(4).nodes
-    run_ranks(fsdp_restore_step, 2, one, full1, 4)  # 1 -> 2
-    run_ranks(fsdp_restore_step, 1, one, full1, 4)  # 1 -> 1
+    run_ranks(fsdp_restore, 2, one, full1, 4, "fsdp")  # 1 -> 2
+    run_ranks(fsdp_restore, 1, one, full1, 4, "fsdp")  # 1 -> 1
     two, full2 = str(tmp_path / "two"), str(tmp_path / "two.json")
     run_ranks(fsdp_save, 2, two, full2)
-    run_ranks(fsdp_restore_step, 1, two, full2, 4)  # 2 -> 1, still sharded
+    run_ranks(fsdp_restore, 1, two, full2, 4, "fsdp")  # 2 -> 1, still sharded

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import io
-import os
 import logging
+import os
 from typing import Any
 
 import numpy as np
