@@ -196,12 +196,13 @@ def test_the_bound_is_held_by_waiting_for_the_write_in_flight(tmp_path, bound_ar
     saver.close()
 
 
-def test_a_state_bigger_than_the_bound_still_gets_fresh_memory(tmp_path):
+def test_a_state_bigger_than_the_bound_is_written_synchronously_without_a_copy(tmp_path):
     saver = BackgroundSaver(max_host_bytes=1000)
     blobs = _state([5000], 1)
     _save(saver, tmp_path / "n.1", blobs)
     _same(tmp_path / "n.1", blobs)
-    assert (saver.pool.allocated, saver.pool.fresh, saver.pool.pooled_bytes) == (0, 1, 0)
+    assert (saver.pool.allocated, saver.pool.fresh, saver.pool.pooled_bytes) == (0, 0, 0)
+    assert saver.synchronous == 1  # max_host_bytes holds: no snapshot memory at all
     saver.close()
 
 

@@ -132,7 +132,7 @@ def test_an_arena_in_flight_is_never_reused(tmp_path, monkeypatch):
 def test_max_host_bytes_bounds_the_pool(tmp_path):
     state = _state(2)
     layout = [v.nbytes for v in (state["w"], state["b"])]
-    small = BackgroundSaver(max_host_bytes=state["w"].nbytes // 2)  # below one state: no pooling
+    small = BackgroundSaver(max_host_bytes=state["w"].nbytes // 2)  # below one state: no snapshot memory
     with pytest.raises(ValueError, match="max_host_bytes"):
         BackgroundSaver(max_host_bytes=-1)
     seen = []
@@ -143,7 +143,8 @@ def test_max_host_bytes_bounds_the_pool(tmp_path):
         small.start(str(tmp_path / f"n.{epoch}"), "native", snap)
         small.join(str(tmp_path / f"n.{epoch}"))
         assert _read(tmp_path / f"n.{epoch}")["w"].tobytes() == state["w"].tobytes()
-    assert seen == [0, 0, 0] and small.pool.fresh == 3 and small.pool.allocated == 0
+    assert seen == [0, 0, 0] and small.pool.fresh == 0 and small.pool.allocated == 0
+    assert small.synchronous == 3  # below one state: each save written from the live state, no copy
     small.close()
     # the default bound is two states' worth per owner; saves joined before the next
     # snapshot use one arena each: two owners, two arenas

@@ -121,7 +121,9 @@ class Checkpointer:
     takes a snapshot (a copy in memory) and writes it on a background thread; it is committed
     by :meth:`wait`, the next :meth:`save`, :meth:`restore` or :meth:`close`; :meth:`restore`
     has the snapshot's memory faulted in off the training thread. The snapshot's
-    memory is reused from save to save, up to ``max_host_bytes`` (None: two states' worth, a second only while a write is in flight; see
+    memory is reused from save to save, up to ``max_host_bytes`` (None: two states' worth, a
+    second only while a write is in flight; N: at most N bytes, and a state bigger than N is
+    saved synchronously, with no copy; 0: every save synchronous; see
     :mod:`epochal.checkpoint.tasks.background`).
     ``storage_options``: for a remote (URL) directory, passed to the handler where it
     supports them. ``max_failed_saves`` (default 1): how many saves in a row may fail before

@@ -33,8 +33,9 @@ is mostly how warm that memory is (:mod:`.background` takes the snapshot and wri
   pool allocates on demand), so its extra memory stays one state. When the bound allows no
   further arena, the snapshot **waits** for the owner's write in flight to end and reuses
   its arena: host memory stays within ``max_host_bytes``, and that write is what the next
-  save would wait for anyway. Only a state bigger than the bound alone gets fresh memory,
-  freed once written.
+  save would wait for anyway. A state bigger than the bound alone is not copied: the saver
+  writes it synchronously from the live state once no write holds memory
+  (:meth:`SnapshotPool.fits`), so the bound holds whatever the state.
 - **Arenas faulted in off the training thread.** :meth:`BackgroundSaver.prepare` (and
   :meth:`SnapshotPool.prepare`) allocates the arenas a state will need and has a thread
   fault them in (``madvise(MADV_POPULATE_WRITE)``, the GIL released; else a zero written per
@@ -213,6 +214,24 @@ class SnapshotPool:
             return self.max_host_bytes
         return self.ARENAS * sum(self._state_bytes.values())
 
+    def fits(self, owner: str, layout: tuple[int, ...]) -> bool:
+        """Whether a snapshot of ``layout`` fits the bound at all (with every other arena let
+        go): False means a copy of it would break ``max_host_bytes``, so the save is written
+        synchronously from the live state instead (:meth:`.background.BackgroundSaver.snapshot`).
+        With the default bound (two states' worth) every state fits."""
+        need = arena_bytes(layout)
+        if self.max_host_bytes is None:
+            return True
+        return need <= self.max_host_bytes
+
+    def wait_idle(self) -> None:
+        """Wait until no arena is being written (a synchronous save then holds no snapshot
+        memory beside the live state)."""
+        with self._lock:
+            while any(a.writing for a in self._arenas):
+                self.waited += 1
+                self._ended.wait()
+
     def _fitting(self, owner: str, need: int, layout: tuple[int, ...]) -> _Arena | None:
         """The owner's free arena for ``layout``: one of that layout, else the smallest that fits."""
         free = [a for a in self._arenas if a.owner == owner and not a.busy and a.nbytes >= need]
@@ -229,7 +248,8 @@ class SnapshotPool:
         3. else, when an arena of the owner that would fit is being written, that one once its
            write ended (host memory stays within the bound; the write in flight is what the
            next save would wait for anyway);
-        4. else fresh unpooled memory, freed once written (a state bigger than the bound)."""
+        4. else fresh unpooled memory, freed once written (only a caller that did not ask
+           :meth:`fits` first: the saver writes such a state synchronously instead)."""
         need = arena_bytes(layout)
         with self._lock:
             self._state_bytes[owner] = need

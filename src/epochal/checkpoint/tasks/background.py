@@ -122,6 +122,8 @@ class BackgroundSaver:
         self._pending: dict[str, tuple[Future[SaveDone], Snapshot]] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        #: saves written synchronously because a snapshot would not fit ``max_host_bytes``
+        self.synchronous = 0
 
     @property
     def switch_interval(self) -> float | None:
@@ -149,6 +151,13 @@ class BackgroundSaver:
         started = time.perf_counter_ns()
         encoded: dict[str, Encoded] = {name: encode(value, name) for name, value in blobs.items()}
         layout = tuple(s.nbytes for enc in encoded.values() for s in enc.segments)
+        if not self.pool.fits(owner, layout):
+            # a copy would break max_host_bytes: no snapshot; :meth:`start` writes the live
+            # state's segments at once, on this thread, once no other write holds memory
+            self.pool.wait_idle()
+            self.synchronous += 1
+            return Snapshot({n: Frozen.of(enc) for n, enc in encoded.items()}, sum(layout), started,
+                            time.perf_counter_ns() - started, None)
         arena = self.pool.lease(owner, layout)
         try:
             frozen = {name: Frozen.of(copy_segments(enc, arena.take)) for name, enc in encoded.items()}
@@ -177,7 +186,12 @@ class BackgroundSaver:
         return self._executor
 
     def start(self, db: str, db_type: str, snap: Snapshot) -> None:
-        """Write ``snap`` to ``db`` on the writer thread; :meth:`join` waits for it."""
+        """Write ``snap`` to ``db`` on the writer thread; :meth:`join` waits for it. A snapshot
+        without an arena (it did not fit ``max_host_bytes``: it holds the live state's own
+        segments) is written here, before this returns."""
+        if snap.arena is None:
+            self._start_synchronous(db, db_type, snap)
+            return
         with self._lock:
             if db in self._pending:
                 self.pool.release(snap.arena)
@@ -193,6 +207,22 @@ class BackgroundSaver:
                 self.pool.release(snap.arena)
                 raise
             self._pending[db] = (future, snap)
+
+    def _start_synchronous(self, db: str, db_type: str, snap: Snapshot) -> None:
+        """Write a snapshot that holds the live state's segments now, on this thread (its
+        error is raised by :meth:`join`, as a background write's)."""
+        if self.pending(db):
+            raise CheckpointError(f"checkpoint {db}: a background save of it is still running")
+        done: Future[SaveDone] = Future()
+        try:
+            start = time.perf_counter_ns()
+            nbytes = int(get_db_type(db_type).write(db, snap.blobs))
+            end = time.perf_counter_ns()
+            done.set_result(SaveDone(nbytes, snap.started_ns, end, snap.snapshot_ns, end - start))
+        except Exception as ex:
+            done.set_exception(ex)
+        with self._lock:
+            self._pending[db] = (done, snap)
 
     def _write(self, db_type: str, db: str, snap: Snapshot) -> SaveDone:
         start = time.perf_counter_ns()
