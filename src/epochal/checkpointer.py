@@ -31,7 +31,6 @@ so read it back from ``state`` after ``restore``.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import os
 import re
@@ -174,12 +173,6 @@ class Checkpointer:
         kw: dict[str, Any] = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "mode": mode}
         remote = is_url(self.directory)
         if remote or storage_options is not None:
-            if "storage_options" not in inspect.signature(DirectoryMetadataHandler).parameters:
-                raise CheckpointError(
-                    f"Checkpointer({self.directory!r}): this epochal keeps checkpoints in local "
-                    "directories only (storage_options and URLs are not supported); give a local "
-                    "path, and DirectoryMetadataHandler(mirror=URL) to copy commits to remote storage"
-                )
             kw["storage_options"] = storage_options
         self.handler = DirectoryMetadataHandler(**kw)
         if not remote:
