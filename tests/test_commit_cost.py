@@ -254,3 +254,31 @@ def test_a_record_is_one_get_and_an_empty_one_reads_as_empty(s3: dict[str, Any])
         CheckpointDirectory(url).manifest(0)
     with pytest.raises(FileNotFoundError):
         records.read(f"{url}/.epochal/manifest.1.json")
+
+
+def test_opening_and_restoring_costs_the_same_requests_whatever_the_history(s3: dict[str, Any]) -> None:
+    """A Checkpointer at a URL of 20 or 200 committed steps: its construction reads the newest
+    manifest only (not every one), and the restore of the newest step costs the same too."""
+    data, digest = _db()
+    counts = []
+    for steps in (20, 200):
+        url = _url(s3)
+        fs, root = filesystem_for(url)
+        batch = {}
+        for e in range(steps):
+            batch[f"{root}/local.{e}"] = data
+            batch[f"{root}/.epochal/manifest.{e}.json"] = Manifest(
+                epoch=e, db_type="native", created="2026-12-02T00:00:00.000+00:00",
+                nodes={"local": DbEntry(f"local.{e}", len(data), digest)}).encode()
+        fs.pipe(batch)
+        fs.invalidate_cache()
+        with count_requests() as n:
+            ck = ep.Checkpointer(url, storage_options=s3)
+            opened = n.total
+            state = {"w": np.zeros(8, dtype=np.float32)}
+            assert ck.restore(state) == steps - 1
+            counts.append((opened, n.total - opened))
+        ck.close()
+        assert state["w"].tolist() == list(range(8))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] <= 12, counts  # listing pages, the newest manifest, the lease

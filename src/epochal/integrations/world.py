@@ -40,8 +40,8 @@ def written_by_ranks(directory: str | os.PathLike[str], storage_options: dict[st
         return False
     try:
         d = CheckpointDirectory(path, storage_options=storage_options)
-        steps = d.committed_epochs()
-        return bool(steps) and META_NODE in d.read_manifest(steps[-1]).nodes
+        newest = d.newest_committed()  # (the newest manifest alone, not every one)
+        return newest is not None and META_NODE in d.read_manifest(newest).nodes
     except (CheckpointError, OSError, ValueError):
         return False
     except Exception:  # a URL's store failing some other way: the Checkpointer says so itself

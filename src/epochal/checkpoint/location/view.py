@@ -149,6 +149,18 @@ class CheckpointDirectory:
             out.append(epoch)
         return out
 
+    def newest_committed(self) -> int | None:
+        """The newest epoch with a valid manifest, reading manifests from the newest down and
+        stopping at the first valid one (one read where the newest is intact, whatever the
+        history); None when there is none."""
+        for epoch in reversed(self.manifest_epochs()):
+            try:
+                self.manifest(epoch)
+            except CheckpointError:
+                continue
+            return epoch
+        return None
+
     def manifest(self, epoch: int) -> dict[str, Any]:
         """The parsed manifest of ``epoch``.
 
