@@ -282,3 +282,24 @@ def test_opening_and_restoring_costs_the_same_requests_whatever_the_history(s3: 
         assert state["w"].tolist() == list(range(8))
     assert counts[0] == counts[1], counts
     assert counts[0][0] <= 12, counts  # listing pages, the newest manifest, the lease
+
+
+def test_the_first_commit_reads_what_retention_decides_on_not_the_history(s3: dict[str, Any]) -> None:
+    """keep_last=3, keep_every=1 (every step kept): the first commit of a job over 20 or 200
+    committed steps makes the same requests (the newest manifests keep_last counts, none of
+    the older ones keep_every keeps anyway)."""
+    data, digest = _db()
+    counts = []
+    for steps in (20, 200):
+        url = _url(s3)
+        _fill(url, range(steps), data, digest)
+        h = ep.DirectoryMetadataHandler(keep_last=3, keep_every=1, storage_options=s3)
+        h.set_params(url, "native", [NODE])
+        h.acquire_lock()
+        assert h.resume_epoch() == steps - 1
+        with count_requests() as n:
+            _commit(h, url, steps, data, digest)
+        counts.append(n.total)
+        h.release_lock()
+        assert CheckpointDirectory(url).committed_epochs() == list(range(steps + 1))
+    assert counts[0] == counts[1] and counts[0] <= 12, counts

@@ -133,7 +133,10 @@ def test_keep_every_epoch_with_a_flipped_bit_in_its_manifest_is_kept_not_a_lefto
         commit(h, 4)
     assert os.path.exists(path) and open(path, "rb").read() == bytes(raw)  # the manifest stays
     assert dbs_of(d) == [0, 2, 4]  # epoch 2's intact dbs stay; 3 dropped by keep_last
-    assert any("keeps epoch(s) 2" in r.getMessage() and "manifest.2.json" in r.getMessage() for r in caplog.records)
+    # keep_every keeps epoch 2 whatever its manifest holds, so retention never reads it (its
+    # reads grow with what it deletes, not with the history); a damaged manifest of an epoch
+    # it would delete is read, kept and named (the keep_last test above)
+    assert not any("keeps epoch(s) 2" in r.getMessage() for r in caplog.records)
 
 
 def test_leftovers_are_only_dbs_without_any_manifest_file_older_than_the_newest(tmp_path):

@@ -48,6 +48,31 @@ def read_manifests(d: CheckpointDirectory, epochs: Iterable[int]) -> tuple[dict[
     return good, bad
 
 
+def _read_needed(d: CheckpointDirectory, manifests: list[int], newest: int, pins: set[int],
+                 policy: RetentionPolicy) -> tuple[dict[int, Manifest], dict[int, str], set[int]]:
+    """The manifests keep_last/keep_every need, read once: from ``newest`` down until
+    ``keep_last`` of them are valid, then every older epoch the rules would drop (each is read
+    before it is deleted: an unreadable one is kept). The older epochs the rules keep anyway
+    (pinned, multiples of ``keep_every``) are not read: ``assumed`` committed. So the reads
+    of a commit grow with what it deletes, not with the history."""
+    good: dict[int, Manifest] = {}
+    bad: dict[int, str] = {}
+    older = [e for e in sorted(manifests, reverse=True) if e <= newest]
+    want = max(policy.keep_last or 0, 1)
+    i = 0
+    while i < len(older) and len(good) < want:
+        g, b = read_manifests(d, [older[i]])
+        good.update(g)
+        bad.update(b)
+        i += 1
+    rest = older[i:]
+    kept = {e for e in rest if e in pins or (policy.keep_every is not None and e % policy.keep_every == 0)}
+    g, b = read_manifests(d, [e for e in rest if e not in kept])
+    good.update(g)
+    bad.update(b)
+    return good, bad, kept
+
+
 def _manifest_absent(d: CheckpointDirectory, epoch: int) -> bool:
     """True only when the store says the manifest file of ``epoch`` does not exist (an error
     asking it means: it may exist, keep the epoch)."""
@@ -75,13 +100,16 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
         logger.warning("Retention skipped: %s", ex)
         return []
     manifests = d.manifest_epochs()
-    good, unreadable = read_manifests(d, manifests)
+    if policy.keep_best is None:  # only what keep_last/keep_every decide on is read
+        good, unreadable, assumed = _read_needed(d, manifests, newest, set(pins), policy)
+    else:  # every candidate's recorded metric
+        (good, unreadable), assumed = read_manifests(d, manifests), set()
     if unreadable:
         logger.warning(
             "Retention keeps epoch(s) %s: their manifest exists but cannot be read or is damaged (%s)",
             ", ".join(map(str, sorted(unreadable))), "; ".join(unreadable[e] for e in sorted(unreadable)),
         )
-    committed = sorted(good)
+    committed = sorted(set(good) | assumed)
     newer = {e for e in manifests if e > newest}
     metrics = None
     if policy.keep_best is not None:  # epochs whose manifest could not be read are absent: kept

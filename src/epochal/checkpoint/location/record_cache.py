@@ -12,10 +12,10 @@ S3 server). :class:`CachedRecords` wraps the URL's record store and remembers:
   write through this store while its user holds the location's lease; a stats report never
   changes). Pins and the lease are always read from the store.
 
-A record missing from the remembered bytes is read once; when a second one of the same
-folder is missed, every listed record of that kind not yet read is fetched at once with
-parallel requests (a resume reads the newest manifest alone; retention and ``epochal ls``
-read them all, in parallel).
+A record missing from the remembered bytes is read once; when ``PREFETCH_AFTER`` of the
+same folder were missed, every listed record of that kind not yet read is fetched at once
+with parallel requests (a resume reads the newest manifest alone, retention the few it keeps
+or deletes; ``epochal ls`` reads them all, in parallel).
 
 What it may trust, and where it is used:
 
@@ -44,6 +44,10 @@ __all__ = ["PARALLEL_REQUESTS", "CachedRecords"]
 
 #: requests in flight at once when many records are read
 PARALLEL_REQUESTS = 16
+#: misses in one folder after which every listed record of it is fetched at once (a reader
+#: going through them all: ``epochal ls``); below it, each is read alone (a resume reads the
+#: newest manifest, retention the few it keeps or deletes)
+PREFETCH_AFTER = 8
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -87,7 +91,7 @@ class CachedRecords:
         with self._lock:
             self._missed[folder] = missed = self._missed.get(folder, 0) + 1
             listed = self._listings.get(folder)
-        if missed >= 2 and listed is not None:  # reading them all: fetch the rest at once
+        if missed >= PREFETCH_AFTER and listed is not None:  # reading them all: fetch the rest at once
             self.prefetch([p for p, _ in listed.values() if _immutable(p)])
             with self._lock:
                 data = self._data.get(path)
