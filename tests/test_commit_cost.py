@@ -303,3 +303,27 @@ def test_the_first_commit_reads_what_retention_decides_on_not_the_history(s3: di
         h.release_lock()
         assert CheckpointDirectory(url).committed_epochs() == list(range(steps + 1))
     assert counts[0] == counts[1] and counts[0] <= 12, counts
+
+
+def test_ls_shows_the_newest_epochs_reading_their_records_only(s3: dict[str, Any]) -> None:
+    import json
+    import subprocess
+
+    data, digest = _db()
+    url = _url(s3)
+    _fill(url, range(60), data, digest)
+    from epochal.cli.records import list_prefix
+
+    with count_requests() as n:
+        got = list_prefix(url, 20)
+    assert [e["epoch"] for e in got["epochs"]] == list(range(40, 60)) and got["older"] == 40
+    assert all(e["state"] == "committed" for e in got["epochs"])
+    assert n.by_method.get("get_object", 0) <= 21  # the shown epochs' manifests and the pins, not all 60
+    opts = [a for k, v in s3.items() if isinstance(v, str) for a in ("-o", f"{k}={v}")]
+    out = subprocess.run([sys.executable, "-m", "epochal", "ls", *opts, url, "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["older"] == 40
+    out = subprocess.run([sys.executable, "-m", "epochal", "ls", *opts, url, "--all", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert len(json.loads(out.stdout)["epochs"]) == 60 and json.loads(out.stdout)["older"] == 0

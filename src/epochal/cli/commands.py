@@ -67,19 +67,25 @@ STATE_STYLE = {"final": "bold green", "committed": "green", "uncommitted": "yell
                "missing files": "bold red", "unknown": "dim"}
 
 
+#: the epochs ``epochal ls`` shows without ``--all`` (the newest)
+LS_NEWEST = 20
+
+
 @cli.command("ls", context_settings=CONTEXT)
 @click.argument("prefix", type=PrefixArg)
+@click.option("--all", "show_all", is_flag=True, help=f"Every epoch, not only the newest {LS_NEWEST}.")
 @storage_options_option
 @json_option
 @click.pass_context
-def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
+def ls_cmd(ctx: click.Context, prefix: str, show_all: bool, as_json: bool) -> int:
     """Epochs x nodes under PREFIX: committed or not, sizes, timestamps, retention pins.
 
     An epoch is committed once every node's db was saved and the metadata handler recorded it;
     other db files (a save that was cut short, or written without records) are listed too.
+    The newest 20 epochs are shown (only their records are read); --all shows every one.
     """
     out = _out(ctx)
-    listing = list_prefix(prefix)
+    listing = list_prefix(prefix, None if show_all else LS_NEWEST)
     from ..checkpoint.location.view import best_of_directory
 
     best = best_of_directory(prefix)
@@ -130,6 +136,9 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
             row.append(f"{have}/{len(nodes)}")
         table.add_row(*row)
     out.console.print(table)
+    if listing.get("older"):
+        out.console.print(Text(f"{listing['older']} older epoch(s) not shown: epochal ls --all {prefix}",
+                               style="dim"))
     if not listing["records"]:
         out.note(f"note: {prefix} has no {RECORDS_DIR}/ records (written without "
                  "DirectoryMetadataHandler): commit state unknown")

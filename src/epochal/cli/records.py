@@ -96,6 +96,16 @@ class Records:
             out.setdefault(parsed[1], {})[parsed[0]] = full
         return out
 
+    def prefetch_manifests(self, epochs: list[int]) -> None:
+        """Read these epochs' manifests at once (a URL's, in parallel requests)."""
+        records = getattr(self._dir, "records", None)
+        if records is not None and hasattr(records, "prefetch"):
+            records.prefetch([self._dir.manifest_path(e) for e in epochs])
+
+    def manifest_epochs(self) -> list[int]:
+        """Epochs with a manifest file (valid or not): a listing, nothing read."""
+        return sorted(int(e) for e in self._call("manifest_epochs", default=[]) or [])
+
     def committed(self) -> list[int]:
         return sorted(int(e) for e in self._call("committed_epochs", default=[]) or [])
 
@@ -137,16 +147,23 @@ def _file_record(path: str | None) -> dict[str, Any]:
     return {"path": path, "present": True, "size": st.st_size, "modified": iso_time(st.st_mtime)}
 
 
-def list_prefix(prefix: str) -> dict[str, Any]:
-    """``epochal ls``: every epoch with its db files per node, commit state, sizes, times, pins."""
+def list_prefix(prefix: str, newest: int | None = None) -> dict[str, Any]:
+    """``epochal ls``: the epochs (the ``newest`` ones; None: every one) with their db files
+    per node, commit state, sizes, times, pins; ``older``: how many older ones are not shown.
+    Only the manifests of the epochs shown are read (a listing of the rest)."""
     folders = hf_checkpoints(prefix)
     if folders:  # a Hugging Face Trainer's output directory
         return list_hf(prefix, folders)
     rec = Records(prefix)
     present = rec.scan()
-    committed = set(rec.committed())
+    listed = rec.manifest_epochs()
+    every = sorted(set(present) | set(listed))
+    shown = every if newest is None or newest >= len(every) else every[len(every) - newest:]
+    present = {e: present[e] for e in shown if e in present}
+    rec.prefetch_manifests([e for e in shown if e in listed])  # (at a URL: in parallel, these only)
+    manifests = {e: m for e in shown if e in listed and (m := rec.manifest(e)) is not None}
+    committed = set(manifests)
     pins = rec.pins()
-    manifests = {e: rec.manifest(e) for e in sorted(committed)}
     nodes: list[str] = []
     for e in sorted(set(present) | committed):
         m = manifests.get(e)
@@ -191,7 +208,8 @@ def list_prefix(prefix: str) -> dict[str, Any]:
             "files": files,
             "missing": missing,
         })
-    return {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs}
+    return {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs,
+            "older": len(every) - len(shown)}
 
 
 #: file names (suffixes) in a local directory that ``verify PREFIX`` checks besides the
