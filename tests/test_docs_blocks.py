@@ -18,7 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.system
 
 #: the pages, in the order a new user reads them (README -> quickstart -> the door they use)
-PAGES = ["README.md", "docs/quickstart.md", "docs/pytorch.md"]
+PAGES = ["README.md", "docs/quickstart.md", "docs/pytorch.md", "docs/huggingface.md"]
+#: pages whose later blocks need what this machine lacks: how many blocks run (huggingface.md's
+#: second block subclasses TRL's SFTTrainer, which is not installed here)
+FIRST_BLOCKS = {"docs/huggingface.md": 1}
 
 
 def blocks(page: str) -> list[str]:
@@ -35,7 +38,7 @@ def test_the_pages_have_python_blocks() -> None:
 @pytest.mark.parametrize("page", PAGES)
 def test_a_page_runs_as_written_and_again(page: str, tmp_path: Any) -> None:
     script = tmp_path / "page.py"
-    script.write_text("\n\n".join(blocks(page)))
+    script.write_text("\n\n".join(blocks(page)[: FIRST_BLOCKS.get(page)]))
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "EPOCHAL_QUIET")}
     outs = []
     for run in ("first", "again"):
