@@ -256,6 +256,7 @@ def test_a_record_is_one_get_and_an_empty_one_reads_as_empty(s3: dict[str, Any])
         records.read(f"{url}/.epochal/manifest.1.json")
 
 
+@pytest.mark.system  # (hundreds of objects on the moto server; the CLI)
 def test_opening_and_restoring_costs_the_same_requests_whatever_the_history(s3: dict[str, Any]) -> None:
     """A Checkpointer at a URL of 20 or 200 committed steps: its construction reads the newest
     manifest only (not every one), and the restore of the newest step costs the same too."""
@@ -284,6 +285,7 @@ def test_opening_and_restoring_costs_the_same_requests_whatever_the_history(s3: 
     assert counts[0][0] <= 12, counts  # listing pages, the newest manifest, the lease
 
 
+@pytest.mark.system  # (hundreds of objects on the moto server; the CLI)
 def test_the_first_commit_reads_what_retention_decides_on_not_the_history(s3: dict[str, Any]) -> None:
     """keep_last=3, keep_every=1 (every step kept): the first commit of a job over 20 or 200
     committed steps makes the same requests (the newest manifests keep_last counts, none of
@@ -305,6 +307,7 @@ def test_the_first_commit_reads_what_retention_decides_on_not_the_history(s3: di
     assert counts[0] == counts[1] and counts[0] <= 12, counts
 
 
+@pytest.mark.system  # (hundreds of objects on the moto server; the CLI)
 def test_ls_shows_the_newest_epochs_reading_their_records_only(s3: dict[str, Any]) -> None:
     import json
     import subprocess
