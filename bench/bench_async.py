@@ -1,4 +1,5 @@
-"""Background (async) saves against their limits (issue 17.2), in one run.
+"""Background (async) saves against their limits, in one run (figures: bench/RESULTS.md,
+"bench_async.py").
 
 A job whose epochs do numpy work (matrix products, ``--compute`` seconds each, then an in-place
 update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run through
@@ -10,19 +11,19 @@ update of every weight) and checkpoint ``--mib`` MiB of weights every epoch, run
 - ``async-copy``: ``async`` with the zero-copy write off (the ``zero_copy`` knob, ``epochal.knobs``): the
   O_DIRECT sink copies the arena into its staging buffers, as before the zero-copy write;
 - ``async-old``: ``async_save=True`` with the pool bound at 0 (fresh memory for every
-  snapshot) and the switch interval left alone: the behaviour before issue 17.2;
+  snapshot) and the switch interval left alone;
 - ``async-buffered``: ``async`` with arenas below ``tuning.DIRECT_MIN`` written through the
-  page cache (``tuning.DIRECT_MIN_PINNED = None``), as before issue 27;
+  page cache (``tuning.DIRECT_MIN_PINNED = None``);
 - ``memcpy-loop``: no checkpoints; at each epoch's end (where a snapshot is taken) the
   state is copied into allocated, touched arrays: the memcpy the goal compares with, under
   the same conditions (e.g. the BLAS threads of the epoch's matmuls still spinning);
 - ``async-stopwarm``: ``async`` with the lease of an arena still being warmed stopping the
-  warmer (``SnapshotPool.SHARE_WARMING = False``), as before session 15: a new run's init
+  warmer (``SnapshotPool.SHARE_WARMING = False``): a new run's init
   save then faults in the rest of its arena itself instead of alongside the warmer;
 - ``async-warm``: ``async`` with the arena prepared and faulted in before ``train``
   (``BackgroundSaver.prepare``, not timed), so that epoch 0's save copies into warm memory.
-  (Since session 14 the runner itself prepares the arena as a run with ``async_save`` starts;
-  in a new run that is right before the init save, which (since session 15) copies from the
+  (The runner itself prepares the arena as a run with ``async_save`` starts;
+  in a new run that is right before the init save, which copies from the
   front while the warmer goes on from the back; a resumed run prepares after its load, an
   epoch before its first save: what ``async-warm`` shows for epoch 0.)
 
@@ -54,7 +55,7 @@ Reported, as medians of per-round figures (each round's figure is the median ove
     python bench/bench_async.py --quick               # a tiny run that only checks it works
     python bench/bench_async.py --variants sync,async,async-copy   # a subset, rotated
     python bench/bench_async.py --mib 256 --compute 0.3 --epochs 8 --rounds 7 \
-        --variants sync,async,async-buffered,async-warm      # issue 27.3: writes outlast the step
+        --variants sync,async,async-buffered,async-warm      # writes that outlast the step
 """
 
 from __future__ import annotations
@@ -274,8 +275,8 @@ def run(directory: str, ws: Workspace, work: type, epochs: int, compute: float, 
     if variant == "async-warm":  # the arena the runner's snapshots will take, faulted in now
         names = [k for k in ws.keys() if not k.startswith("__")]
         saver.prepare(f"n@{directory}", {k: ws[k] for k in names})
-        saver.pool.wait_warm()  # (before session 15 this waited on a counter of every run:
-        # from the second async-warm run of a process on, epoch 0 copied mid-warming)
+        saver.pool.wait_warm()  # this arena's own warming (a counter of every run would not
+        # wait from the second async-warm run of a process on: epoch 0 would copy mid-warming)
     if variant == "memcpy-loop":
         return loop_memcpy(ws, job, epochs)
     tr = Trace() if trace else None

@@ -1,10 +1,10 @@
 """How fast can a cold file be read *and checksummed* through the page cache, against a
-parallel O_DIRECT read of the same bytes into touched memory (issue 27 item 2's limit)?
+parallel O_DIRECT read of the same bytes into touched memory (the limit of a cold restore)?
 
 A verified load into live memory must hold the bytes somewhere until every checksum of the
 load has passed (no live byte is written before): in the page cache (then copied out of it
 into the live memory) or in fresh memory (whose first-touch faults cost about 1 ms per MiB
-on a VM: bench/RESULTS.md, session 14). This measures the first pass of the page-cache way,
+on a VM: bench/bench_resume.py, bench/RESULTS.md "bench_resume.py"). This measures the first pass of the page-cache way,
 the one the in-place load takes (``inplace.verify_direct_read``), in its variants:
 
 * ``odirect``: 4 threads of O_DIRECT reads into memory touched beforehand, no checksum (the
@@ -18,8 +18,8 @@ the one the in-place load takes (``inplace.verify_direct_read``), in its variant
 The file is evicted (``fsync`` + ``POSIX_FADV_DONTNEED``) before each read; variants rotate;
 reported: medians and the median of the paired per-round ratio to ``odirect``. (``map`` won
 here, 1.12-1.14x against ``pread``'s 1.22-1.28x, but not in the whole in-place load, where
-its A/B against the reads was 0.82, 1.18 and 1.10 in three runs: bench/RESULTS.md, session
-16; the library keeps the reads.)
+its A/B against the reads was 0.82, 1.18 and 1.10 in three runs: bench/RESULTS.md,
+"bench_buffered_read.py"; the library keeps the reads.)
 
     .venv/bin/python bench/bench_buffered_read.py --mib 880 --rounds 7
 """

@@ -1,4 +1,4 @@
-"""Issue 12 groundwork: how long the loopback cluster of tests/_cluster.py takes to start (a head
+"""How long the loopback cluster of tests/_cluster.py takes to start (a head
 and N machines that share no directory), and how long from a machine's loss, mid-run, to its
 node re-placed on a replacement machine and running a task again.
 

@@ -1,5 +1,6 @@
 """Requests (and seconds) per commit at a URL with many committed steps, and the time of
-``epochal ls``/``stats``/``verify`` and of a resume there (issue 25, item 4).
+``epochal ls``/``stats``/``verify`` and of a resume there (figures: bench/RESULTS.md,
+"bench_commit_requests.py").
 
 A moto S3 server runs as its own process on 127.0.0.1 (``moto_server``). For each step count N a location is
 filled with N committed steps (one node, a small native db, its manifest and one stats report

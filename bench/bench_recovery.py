@@ -1,4 +1,4 @@
-"""Issue 12: the time from a machine's loss, mid-run, to training again through
+"""The time from a machine's loss, mid-run, to training again through
 ``JobRunner(max_failures=1)`` on the loopback cluster of tests/_cluster.py (machines that share
 no directory; checkpoints in a directory every machine sees).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark (issue 17.1): a cold resume through ``JobRunner.train()``, the way a restarted
+"""Benchmark: a cold resume through ``JobRunner.train()``, the way a restarted
 training job takes it, against the limits measured in the same run.
 
 The state is a GPT-style LM (``--mib`` MiB of float32 weights, about 3x that with AdamW's two
@@ -11,7 +11,7 @@ Variants, alternated with the order rotated every round:
 * ``train``: ``JobRunner.train()`` with ``DirectoryMetadataHandler()`` (verify="full"): choose
   the epoch, lock, load in place, every checksum checked (one read of the db);
 * ``train_2pass``: the same, with a handler that fully verifies the chosen epoch before the
-  load (what epochal did before issue 17: every byte read and checked twice);
+  load (a two-pass resume: every byte read and checked twice);
 * ``bare``: ``get_db_type("native").read(db, existing=live)``, the in-place load alone;
 * ``bare_r``: the same load of the Checkpointer's db (the file ``restore`` reads): ``restore``
   is compared with it, since two files of the same bytes read at different speeds on a
@@ -23,12 +23,12 @@ Variants, alternated with the order rotated every round:
   the live state dicts, then the optimizer's ``load_state_dict``;
 * ``odirect``: a 4-thread ``O_DIRECT`` read of the db's bytes into touched memory: the disk's
   limit for any load of them (no checksum, nothing decoded);
-* ``bare_map``: ``bare`` verified on the file's map even when it is not cached (before issue 27);
-* ``bare_pc``: ``bare`` through the page cache, with ``tuning.DIRECT_READ`` off (before issue
-  27.2's O_DIRECT reads: fresh arrays read by buffered ``pread``, live tensors verified by
+* ``bare_map``: ``bare`` verified on the file's map even when it is not cached;
+* ``bare_pc``: ``bare`` through the page cache, with ``tuning.DIRECT_READ`` off (no
+  O_DIRECT reads: fresh arrays read by buffered ``pread``, live tensors verified by
   buffered reads and then copied from the page cache).
 
-``--workload arrays`` is issue 27's: 8 float32 arrays of ``--array-mib`` (32) MiB in the
+``--workload arrays``: 8 float32 arrays of ``--array-mib`` (32) MiB in the
 workspace (``train``, ``restore``, ``bare`` and ``bare_r`` with the names, ``dcp``, ``odirect``). ``--busy``
 keeps two processes of numpy matmuls running during the measurement (a training job's cores).
 
@@ -41,7 +41,7 @@ train/bare <= 1.1, train/torch <= 0.8.
 
     python bench/bench_resume.py --mib 300 --rounds 5 --dir /var/tmp/epochal_bench_resume
     python bench/bench_resume.py --quick            # tiny, only checks that it runs
-    python bench/bench_resume.py --workload arrays --rounds 7         # issue 27.1 (8 x 32 MiB)
+    python bench/bench_resume.py --workload arrays --rounds 7         # 8 x 32 MiB arrays
     python bench/bench_resume.py --workload arrays --rounds 7 --busy  # the same, 2 busy processes
 """
 
@@ -136,7 +136,7 @@ def live_state(mib: float, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]
 
 
 class TwoPass(epochal.DirectoryMetadataHandler):
-    """The resume before issue 17: the chosen epoch is fully verified, then loaded."""
+    """A two-pass resume: the chosen epoch is fully verified, then loaded."""
 
     def resume_epoch(self, user_epoch: int | None = None) -> int | None:
         return self.last_epoch(user_epoch)
@@ -237,7 +237,7 @@ def workload_lm(args: argparse.Namespace) -> tuple[str, dict[str, tuple[Any, lis
             assert c.restore(live) == 1
 
     def bare_map() -> None:
-        """The in-place load as before issue 27: verified on the map even when cold."""
+        """The in-place load verified on the map even when cold (page faults, not reads)."""
         cached = inplace.cached
         inplace.cached = lambda f, direct: True
         try:
@@ -271,7 +271,7 @@ def workload_lm(args: argparse.Namespace) -> tuple[str, dict[str, tuple[Any, lis
 
 
 def workload_arrays(args: argparse.Namespace) -> tuple[str, dict[str, tuple[Any, list[str]]], Any, Any, int]:
-    """Issue 27's workload: 8 float32 arrays of ``--array-mib`` MiB in a workspace."""
+    """The arrays workload: 8 float32 arrays of ``--array-mib`` MiB in a workspace."""
     n = args.array_mib * (1 << 20) // 4
     rng = np.random.default_rng(0)
     state = {f"w{i}": rng.standard_normal(n, dtype=np.float32) for i in range(8)}

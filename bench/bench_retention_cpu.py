@@ -1,6 +1,6 @@
-"""CPU time of a commit's retention at a URL with N committed steps (issue 25), now against
-the way it was before session 14 (every manifest parsed again at every commit, every db
-name split again), paired in the same process.
+"""CPU time of a commit's retention at a URL with N committed steps, now against the way it
+was before parsed manifests were kept (every manifest parsed again at every commit, every db
+name split again), paired in the same process (bench/RESULTS.md, "bench_retention_cpu.py").
 
 A ``memory://`` location (no server: only CPU is measured, with ``time.process_time``) is
 filled with N committed steps (one node, a small native db and its manifest each); a

@@ -22,7 +22,7 @@ Loads:
 With ``--cold``, each file is evicted from the page cache (``posix_fadvise(DONTNEED)``)
 before it is loaded. Data goes under ``--dir`` (default /tmp) and is removed at the end.
 
-``--loop`` measures saves the way a training loop makes them (issue 17.4), instead of
+``--loop`` measures saves the way a training loop makes them, instead of
 re-saving one unchanged state over one file: a model + AdamW, one optimizer step before
 every epoch's saves (so every value changes), each epoch saved to a *new* file, retention
 deleting the old ones. epochal saves through ``epochal.Checkpointer(keep_last=K)`` (its
@@ -222,7 +222,7 @@ class Loop:
         self.ckpt.save(epoch, self.state)
 
     def save_epochal_direct(self, epoch: int) -> None:
-        """The same save with O_DIRECT writes (tuning.DIRECT_MIN = 0): the A/B of issue 17.4."""
+        """The same save with O_DIRECT writes (tuning.DIRECT_MIN = 0): the write paths' A/B."""
         direct_min, tuning.DIRECT_MIN = tuning.DIRECT_MIN, 0
         try:
             self.ckpt_direct.save(epoch, self.state)

@@ -1,5 +1,5 @@
 """Fuzzing the readers: damaged and forged db files, each load in a child process with a time
-and memory limit (issue 13; results in bench/RESULTS.md, goal in docs/reliability.md).
+and memory limit (results in bench/RESULTS.md, "fuzz.py"; goal in docs/reliability.md).
 
     PYTHONPATH=src python bench/fuzz.py --flips 10000 --truncations 500 --workers 2
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""GPU check of epochal under torch.distributed (issue 24.5), one short script for a machine
+"""GPU check of epochal under torch.distributed, one short script for a machine
 with one CUDA GPU:
 
     PYTHONPATH=src python bench/gpu_check.py --dir /tmp/epochal_gpu --mib 512 --rounds 5

@@ -1,4 +1,4 @@
-"""Issue 23 item 9: the cost of the checksum-group agreement check (segment checksums
+"""The cost of the checksum-group agreement check (segment checksums
 combined against the group's, from the index alone) on a warm load of 20,000 float32 arrays
 of 1-64 KiB: paired, alternating loads with and without it in one process, medians.
 

@@ -53,7 +53,7 @@ def test_background_error_surfaces_at_join(tmp_path):
         def create(self, path, size=None):
             raise FileNotFoundError(errno.ENOENT, "directory does not exist", path)
 
-    register_store("nodir", NoDirectory)  # (a missing local directory is created: issue 23)
+    register_store("nodir", NoDirectory)  # (a missing local directory is created)
     mgr = CheckpointManager("nodir://missing", "n")
     s.run(mgr.init())
     s.run(mgr.save(1, background=True))  # the snapshot succeeds...

@@ -1,4 +1,4 @@
-"""Snapshot arenas when writes outlast the step (issue 27): an arena reused by a snapshot of
+"""Snapshot arenas when writes outlast the step: an arena reused by a snapshot of
 another layout that fits (its padding zeroed, so the zero-copy O_DIRECT write still
 happens), a second arena while the first is written, the bound held by waiting for a write
 in flight instead of taking fresh memory, arenas pre-faulted on a thread, and background

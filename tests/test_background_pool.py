@@ -1,4 +1,4 @@
-"""Background saves (issue 17.2): snapshot arenas reused across epochs, bounded, never
+"""Background saves: snapshot arenas reused across epochs, bounded, never
 overwritten while their write is in flight; the writer thread shut down when done."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_the_snapshot_arena_is_reused_and_each_file_has_its_epochs_bits(tmp_path
 
 def test_an_arena_in_flight_is_never_reused(tmp_path, monkeypatch):
     """Two saves of one node in flight at once: the second gets a second pooled arena (the
-    default bound allows two per owner, issue 27), and changes to the live values after each
+    default bound allows two per owner), and changes to the live values after each
     snapshot reach neither file."""
     from epochal.storage.formats import base
 
@@ -158,7 +158,7 @@ def test_max_host_bytes_bounds_the_pool(tmp_path):
     one = arena_bytes((*layout, 8, len("epoch 2")))
     assert auto.pool.limit == 4 * one and auto.pool.pooled_bytes == 2 * one
     assert (auto.pool.allocated, auto.pool.reused, auto.pool.fresh) == (2, 4, 0)
-    # a state that changes shape within the arena's capacity: the arena is reused (issue 27)
+    # a state that changes shape within the arena's capacity: the arena is reused
     state["w"] = np.zeros((10, 10), dtype=np.float32)
     auto.start(str(tmp_path / "a.9"), "native", auto.snapshot("a", state))
     auto.join(str(tmp_path / "a.9"))

@@ -249,7 +249,7 @@ def test_the_writer_lock_is_held_and_let_go(tmp_path: Path, door: Any) -> None:
             refused.append(str(ex))
 
     door.run(tmp_path, 2, during=try_lock)
-    # a second lock in the same process says so plainly (issue 23.7), naming the holder
+    # a second lock in the same process says so plainly, naming the holder
     assert len(refused) == 2 and "already held by this process" in refused[0]
     try_lock()  # after the run: free
     assert len(refused) == 2

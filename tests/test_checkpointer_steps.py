@@ -1,4 +1,4 @@
-"""The Checkpointer's steps (issue 23.12 and 23.13): ``restore(state, step=N)`` restores a
+"""The Checkpointer's steps: ``restore(state, step=N)`` restores a
 chosen committed step and refuses an uncommitted or damaged one by name; the first save of a
 step below the newest committed one without a restore warns; errors and the SIGTERM message
 say "step"."""

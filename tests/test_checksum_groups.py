@@ -119,7 +119,7 @@ def test_full_load_checks_groups_not_segments(tmp_path: Path, monkeypatch: pytes
     """A full load makes one checksum call per group for the grouped arrays, and checks from
     the index alone that the segments' checksums combine to the group's: with the arrays'
     segment checksums in the index wrong (the group checksums left right), it is refused
-    like verify and a partial load refuse it (issue 23: a file loads only where it verifies;
+    like verify and a partial load refuse it (a file loads only where it verifies;
     it loaded bit for bit before)."""
     path, blobs = _write(tmp_path)
     parts = NativeParts.parse(path.read_bytes())

@@ -1,5 +1,5 @@
 """The command line on bad input: one line naming the thing at fault, the documented exit
-code (1 a problem, 2 usage), never "internal error" (issue 13)."""
+code (1 a problem, 2 usage), never "internal error"."""
 
 from __future__ import annotations
 

@@ -274,7 +274,7 @@ def test_failed_write_keeps_the_old_file(backend: DbBackend, place: Place) -> No
 #: sha256 of the files epochal wrote for _golden_blobs() before the storage package split
 #: (main at 051c208): the layout is the format, so a refactor must not change one byte.
 #: "native-1.0": written without checksum groups, which must stay byte for byte the 1.0 file;
-#: "native": the 2.0 file (session 12: the same superblock fields but the version, the same
+#: "native": the 2.0 file (the same superblock fields but the version, the same
 #: data area, the index with a group table)
 GOLDEN = {
     "native-1.0": "bb41275f0eb87115d4273d0ae906f6484410f6a4f61ac7116fa67e41a2211eda",  # crc32

@@ -1,4 +1,4 @@
-"""Issue 23 item 10: ``epochal export`` and ``export_safetensors`` never hang on a FIFO, refuse
+"""``epochal export`` and ``export_safetensors`` never hang on a FIFO, refuse
 names that collide once flattened (naming both), never destroy an earlier output when they
 fail, name the file when the disk is full (never "internal error"), and write mode 0644 less
 the umask like every other file epochal writes."""

@@ -1,4 +1,4 @@
-"""The first background save of a run (issue 27.3): a snapshot that leases an arena the
+"""The first background save of a run: a snapshot that leases an arena the
 warmer is still faulting in (a new JobRunner run prepares right before its init save) lets
 a madvise warmer go on alongside its copy instead of stopping it; without madvise (the
 zero-writing fallback) the lease still stops the warmer first. ``prepare`` also starts the

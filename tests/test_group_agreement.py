@@ -1,4 +1,4 @@
-"""Issue 23 item 9: a native 2.0 file whose checksum group disagrees with its segments'
+"""A native 2.0 file whose checksum group disagrees with its segments'
 checksums (forged with every other checksum valid) is refused by every load path (full,
 many-blob, mmap, single blob of the damaged one) exactly where verify and check refuse it:
 a file loads only where it verifies. The agreement is checked from the index alone

@@ -368,7 +368,7 @@ def test_the_lock_without_flock_falls_back_to_the_holder_record(tmp_path, monkey
     (tmp_path / "lock").write_text(json.dumps({"host": lockmod.atomic.hostname(), "pid": 999999999, "since": "x"}))
     a = lockmod.WriterLock(path)
     a.acquire()  # a dead pid of this host: taken over
-    a.release()  # (a second lock in this same process is refused as such: issue 23)
+    a.release()  # (a second lock in this same process is refused as such)
     (tmp_path / "lock").write_text('{"host": "other-host", "pid": 1, "since": "2026-01-01"}')
     b = lockmod.WriterLock(path)
     with pytest.raises(CheckpointLockedError, match="host other-host, pid 1, since 2026-01-01"):
@@ -438,7 +438,7 @@ def test_retention_never_deletes_a_file_a_manifest_names_that_is_not_its_db(tmp_
     assert (tmp_path / "README.1").read_text() == "keep me too"
     assert (tmp_path / "other.1").read_text() == "another job's node"
     assert d.committed_epochs() == [5] and (tmp_path / "n.5").exists()
-    # epoch 1's manifest exists but is refused: its epoch is kept, never a leftover (issue 23)
+    # epoch 1's manifest exists but is refused: its epoch is kept, never a leftover
     assert (tmp_path / "n.1").exists() and (tmp_path / ".epochal" / "manifest.1.json").exists()
     assert not (tmp_path / "n.4").exists()
 
@@ -466,7 +466,7 @@ def test_duplicate_keys_in_a_manifest_are_refused(tmp_path):
         d.manifest(1)
 
 
-# ----------------------------------------------------------------- cadence (issue 15)
+# ----------------------------------------------------------------- cadence
 def test_save_every_k_epochs_and_always_the_last(tmp_path):
     ws = Workspace()
     assert runner(build(epochs=7), tmp_path, save_every=3).train(LocalSession(ws)) == 7

@@ -1,4 +1,4 @@
-"""One Location for local paths and URLs (issue 22.4): location_for, its store and records,
+"""One Location for local paths and URLs: location_for, its store and records,
 and storage options that travel with the Location (steps, threads) instead of leaking
 through a process-wide dict."""
 

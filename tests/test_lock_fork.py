@@ -1,4 +1,4 @@
-"""Issue 23 item 7: the writer lock dies with its holder, not with the children it forked
+"""The writer lock dies with its holder, not with the children it forked
 (DataLoader workers), and a second lock in the same process says so plainly."""
 
 from __future__ import annotations

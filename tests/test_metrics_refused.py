@@ -1,4 +1,4 @@
-"""Issue 23 items 2 and 3: a metric no float holds is refused at save naming it, a stored one
+"""A metric no float holds is refused at save naming it, a stored one
 shows as unreadable (never OverflowError or "internal error"); keep_best with a metric that is
 never reported raises at the first save that lacks it, naming the metric and the keys given."""
 

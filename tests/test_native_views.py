@@ -1,5 +1,5 @@
 """NativeFile.views (native/mapped.verified_views): verified read-only views of whole blobs on
-a map of a cached file, for a reader that copies parts of them out (a DCP reshard, issue 24).
+a map of a cached file, for a reader that copies parts of them out (a DCP reshard).
 Every checksum and padding is checked before a view is returned; the path declines (None,
 nothing read) where it does not apply."""
 

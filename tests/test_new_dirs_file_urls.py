@@ -1,4 +1,4 @@
-"""Issue 23 items 11 and 13: the managers create a checkpoint directory that does not exist yet
+"""The managers create a checkpoint directory that does not exist yet
 (a path under a regular file fails loudly, naming it), and ``file://`` URLs are the local disk
 everywhere a checkpoint location is opened."""
 
@@ -66,7 +66,7 @@ def test_the_two_is_url_agree_on_file_urls():
     from epochal.storage.formats import remote
     from epochal.storage.io import fsspec_store, seam
 
-    assert remote.is_url is seam.is_url  # one definition (issue 22.4), re-exported
+    assert remote.is_url is seam.is_url  # one definition, re-exported
     assert not hasattr(fsspec_store, "is_url")
     for fn in (seam.is_url, remote.is_url):
         assert not fn("file:///tmp/x") and fn("s3://b/k") and fn("memory://a/b") and not fn("/tmp/x")

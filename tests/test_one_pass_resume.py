@@ -1,4 +1,4 @@
-"""One-pass verified resume (issue 17.1): with ``verify="full"`` a resume through ``train()``
+"""One-pass verified resume: with ``verify="full"`` a resume through ``train()``
 or the Checkpointer reads the checkpoint once: the handler checks sizes and digests, the load
 checks every checksum before any live object is touched, and an epoch the load finds damaged
 is skipped for the previous committed one (never a half-restored model)."""

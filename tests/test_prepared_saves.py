@@ -1,4 +1,4 @@
-"""Background saves prepared as a run starts (issue 27): with ``async_save=True`` both doors
+"""Background saves prepared as a run starts: with ``async_save=True`` both doors
 have the engine call ``BackgroundSaver.prepare`` (the Checkpointer in ``restore``, the
 JobRunner before its init save or after its resume load), so the snapshot arena exists and
 is faulted in before the first background save, which then takes it (``reused``, nothing

@@ -1,4 +1,4 @@
-"""Recovery with budget left (issue 23.8): a node lost during the final save, during the
+"""Recovery with budget left: a node lost during the final save, during the
 recovery's own reload, or in the exit group is recovered within ``max_failures``; once the
 budget is spent the error names the node and the last committed epoch."""
 

@@ -1,4 +1,4 @@
-"""Issue 23 item 1: retention and leftover cleanup delete only what they know they may delete.
+"""Retention and leftover cleanup delete only what they know they may delete.
 
 Faults are injected at the record-store seam (:class:`~epochal.checkpoint.location.records.RecordStore`):
 a manifest that exists but cannot be read at that moment (EMFILE, EIO, a failed GET at a URL)

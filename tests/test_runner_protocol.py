@@ -147,7 +147,7 @@ def test_failed_save_skips_write_and_report(tmp_path):
     with Cluster():
         with Job() as job:
             build_pipeline(0)
-        (tmp_path / "a_file").write_text("x")  # a missing directory is created (issue 23): this one cannot be
+        (tmp_path / "a_file").write_text("x")  # a missing directory is created: this one cannot be
         mgr = MultiNodeCheckpointManager(str(tmp_path / "a_file" / "missing"), metadata_handler=h)
         assert JobRunner(job, mgr, max_failed_saves=None).train(LocalSession()) == 4  # the seed's policy
     assert _names(h.calls)[2:] == ["cp_accessible"] * 5

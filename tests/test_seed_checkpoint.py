@@ -189,7 +189,7 @@ def test_upload_failure_propagates(tmp_path):
 
 
 def test_ckpt_save_failure(tmp_path, caplog):
-    # the seed's missing path is now created (issue 23); one under a regular file cannot be
+    # the seed's missing path is now created; one under a regular file cannot be
     (tmp_path / "a_file").write_text("not a directory")
     missing = str(tmp_path / "a_file" / "path_does_not_exist")
     for node_id in range(3):

@@ -1,4 +1,4 @@
-"""Issue 23 items 5 and 6: ``state = {"model": model.state_dict(), ...}`` restores the model in
+"""``state = {"model": model.state_dict(), ...}`` restores the model in
 place (its tensors alias the parameters), an optimizer's state_dict() held in the state is
 restored in place only where nothing is lost and refused otherwise, and a live module,
 sampler or RNGState is never swapped for a saved value of another kind."""

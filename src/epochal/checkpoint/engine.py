@@ -229,7 +229,7 @@ class CheckpointEngine:
         :meth:`~.tasks.background.BackgroundSaver.prepare` where its state lives (the runner:
         a task on every node; the Checkpointer: on its dict), which allocates the snapshot
         memory and has a thread fault it in, so the first background save copies into warm
-        memory (issue 27). Best effort: a failure is logged (the first save meets its cause
+        memory. Best effort: a failure is logged (the first save meets its cause
         and reports it) and False returned; a lost node is raised as it is."""
         try:
             run()

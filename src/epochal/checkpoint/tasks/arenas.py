@@ -14,14 +14,14 @@ is mostly how warm that memory is (:mod:`.background` takes the snapshot and wri
   the zero-copy write needs it zero, as in the file). An arena is leased to the write that
   uses it and comes back only when that write ended (written or failed), so a write in
   flight never sees its bytes overwritten.
-- **When the write outlasts the step** (issue 27). The JobRunner and the Checkpointer join
+- **When the write outlasts the step**. The JobRunner and the Checkpointer join
   the write in flight before they take the next snapshot, so the arena is free again by
   then and what the loop waits for is the write itself: with 0.3 s epochs and a 256 MiB
   state it was the buffered write (copy into new page-cache pages, writeback) that
   outlasted the epoch, not the snapshot (the pool's counters: one arena, reused every
   epoch, nothing fresh). Hence the write of an arena goes O_DIRECT straight from its memory
   from ``tuning.DIRECT_MIN_PINNED`` (16 MiB) on, not only from DIRECT_MIN (512 MiB): 0.40x
-  the write's time, 0.28x the wait (bench/RESULTS.md, session 13). Where the disk is still
+  the write's time, 0.28x the wait (bench/RESULTS.md, "bench_async.py"). Where the disk is still
   slower than the cadence no policy avoids the wait without dropping saves: writes are
   serial on the disk, so a queue of snapshots only grows. The policy for a snapshot taken
   while the owner's arena is being written (a caller that snapshots before it joins):
@@ -45,7 +45,7 @@ is mostly how warm that memory is (:mod:`.background` takes the snapshot and wri
   for the warmer. A snapshot that
   leases an arena still being warmed (a new JobRunner run prepares right before its init
   save) does **not** stop the warmer when it faults in with madvise, which never changes a
-  byte (issue 27.3): the warmer keeps faulting pages in from the back while the copy goes
+  byte: the warmer keeps faulting pages in from the back while the copy goes
   front to back on another core, faulting in what the warmer has not reached; they meet in
   the middle, so the first-touch faults are shared between two cores instead of all paid
   on the training thread. Only the zero-writing fallback is stopped (and waited for)
@@ -182,7 +182,7 @@ class SnapshotPool:
     #: arenas per owner the default bound allows: one written while the next snapshot is taken
     ARENAS = 2
     #: a lease of an arena still being warmed lets a madvise warmer go on alongside the copy
-    #: (False: it stops the warmer, as before session 15; benches compare the two)
+    #: (False: it stops the warmer, the older policy; bench_async.py compares the two)
     SHARE_WARMING = True
 
     def __init__(self, max_host_bytes: int | None = None) -> None:

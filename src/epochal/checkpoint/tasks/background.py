@@ -2,15 +2,15 @@
 
 A background save costs the training loop only the snapshot, a copy of the state in memory;
 the write overlaps the next epoch. Two things decide how long that is and how fast the write
-goes (issue 17.2):
+goes:
 
 - **Snapshot memory**: arenas pooled per owner, reused, prepared off the training thread,
-  a second one while a write is in flight (:mod:`.arenas`, issues 17.2 and 27).
+  a second one while a write is in flight (:mod:`.arenas`).
 - **A writer the training thread does not starve.** The write releases the GIL in its system
   calls and checksums, but takes it back between each 2 MiB piece; with the training thread
   running Python, each take waits up to the interpreter's switch interval (5 ms), which made
-  background writes several times slower than a sync save (bench/RESULTS.md, "Background
-  saves"). While a write is in flight the saver lowers the switch interval to
+  background writes several times slower than a sync save (bench/RESULTS.md, "bench_async.py:
+  background saves"). While a write is in flight the saver lowers the switch interval to
   ``switch_interval`` (0.5 ms; the knob of that name, :mod:`epochal.knobs`) and puts it back
   after the last one.
 

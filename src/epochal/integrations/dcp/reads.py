@@ -12,7 +12,7 @@ want it, and every blob this read needs is verified before any live tensor is wr
    wanted tensor of its live regions' dtype, into CPU memory, in a file that looks cached,
    is *mapped*: verified now on a read-only map of the file (CRC over the page-cache
    pages, no memory allocated: fresh memory costs more in page faults than the read
-   itself, issue 24) and its wanted bytes copied out of that map in step 2; the others
+   itself) and its wanted bytes copied out of that map in step 2; the others
    (another dtype, bytes items, a cold file, a URL) are read now into fresh memory,
    verified, and held (past :data:`HOLD_MAX` bytes they are only verified now and read
    again in step 2); the direct blobs of every db but the one with the most of them are verified

@@ -25,7 +25,7 @@ commit (a background save's snapshot arena, laid out as the file's data area: se
 modulo the page size, its whole pages are handed to the same threads straight from its
 memory (4 MiB pieces, at most DIRECT_BUFFERS in flight); only its unaligned ends are copied.
 
-Reads (issue 27): :func:`open_read` opens a local file for ``O_DIRECT`` reads, :func:`placed`
+Reads: :func:`open_read` opens a local file for ``O_DIRECT`` reads, :func:`placed`
 allocates fresh memory congruent to a file offset modulo the page size, and
 :func:`read_checked` reads a segment into such memory (its whole pages with ``O_DIRECT``,
 straight from the disk into it, its unaligned ends with plain reads) and checksums it in the

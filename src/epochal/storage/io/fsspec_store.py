@@ -337,7 +337,7 @@ class FsspecSource:
 
 class FsspecSink:
     """A new object: staged in a local temp file, uploaded on commit (see the module doc;
-    staged in memory, the upload was slower on s3fs/moto: bench/RESULTS.md, session 14)."""
+    staged in memory, the upload was slower on s3fs/moto: bench/RESULTS.md, "bench_remote.py")."""
 
     def __init__(self, url: str, size: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.name = url

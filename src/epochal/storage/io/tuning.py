@@ -50,10 +50,10 @@ CPU_THREADS = 4
 
 #: local files of at least this many bytes are written with O_DIRECT through reused aligned
 #: buffers (storage/io/direct.py) instead of through the page cache; None: never. Measured
-#: on a quiet machine (session 11, bench/RESULTS.md): a training loop's saves of 0.94 GiB
-#: (bench_torch --loop, N=6) 1.17 s O_DIRECT vs 5.6 s buffered (new page-cache pages cost a
-#: host fault each on this VM); 896 MiB native saves, paired N=6: 1.63x (same file
-#: rewritten) and 2.45x (a new file each time) the buffered speed, and steady (1.1-1.5 s
+#: on a quiet machine (bench/bench_torch.py --loop, bench/RESULTS.md "bench_torch.py"): a
+#: training loop's saves of 0.94 GiB (N=6) 1.18 s O_DIRECT vs 5.6 s buffered (new page-cache
+#: pages cost a host fault each on this VM); 896 MiB native saves, paired N=6: 1.63x (same
+#: file rewritten) and 2.45x (a new file each time) the buffered speed, and steady (1.1-1.5 s
 #: where buffered took 0.5-9.3 s). Under heavy load from other processes the gain was
 #: smaller and sometimes a loss (0.73-1.75x).
 DIRECT_MIN: int | None = 512 << 20
@@ -61,13 +61,15 @@ DIRECT_MIN: int | None = 512 << 20
 #: until the commit (a background save's snapshot arena: storage/native/image.py) is written
 #: with O_DIRECT straight from that memory from this size on (None: DIRECT_MIN applies). No
 #: copy and no page-cache pages: 256 MiB background saves under 0.3 s epochs, paired, N=4 on a
-#: loaded machine: the write 0.40x the buffered one's time, the loop's wait 0.28x (issue 27)
+#: loaded machine: the write 0.40x the buffered one's time, the loop's wait 0.28x
+#: (bench/bench_async.py, bench/RESULTS.md "bench_async.py")
 DIRECT_MIN_PINNED: int | None = 16 << 20
 #: cold loads of big segments from a local file into fresh buffers read their whole pages
 #: with O_DIRECT (storage/io/direct.py :func:`read_checked`), straight from the disk into
-#: arrays placed congruent to their file offsets, checksummed by the reading threads (issue
-#: 27.2; 8 x 32 MiB arrays, paired, N=7, 2 busy cores: 0.83x the time of the page-cache
-#: path; quiet, loaded machine: 1.0-1.1x, within the noise). False: through the page cache
+#: arrays placed congruent to their file offsets, checksummed by the reading threads
+#: (bench/bench_resume.py, bare vs bare_pc, bench/RESULTS.md "bench_resume.py"; 8 x 32 MiB
+#: arrays, paired, N=7, 2 busy cores: 0.83x the time of the page-cache path; quiet, loaded
+#: machine: 1.0-1.1x, within the noise). False: through the page cache
 DIRECT_READ = True
 #: a cold load into live objects may stage the segments read in place through O_DIRECT
 #: copies of at most this many bytes (and half the memory available), checked whole before
@@ -87,7 +89,7 @@ DIRECT_THREADS = 4
 #: checksummed by the thread that fetched it; small segments are coalesced into requests of
 #: about REMOTE_BATCH bytes. A request costs a round trip (and on moto's test server a read
 #: of the whole object): 64 MiB loads from moto on 127.0.0.1, 2 ranges of 32 MiB took 0.18 s,
-#: 4 of 16 MiB 0.24 s, 8 of 8 MiB 0.58 s (bench/RESULTS.md, session 14)
+#: 4 of 16 MiB 0.24 s, 8 of 8 MiB 0.58 s (bench/RESULTS.md, "bench_remote.py")
 REMOTE_PIECE = 32 << 20
 REMOTE_THREADS = 8
 REMOTE_BATCH = 16 << 20

@@ -15,7 +15,7 @@ Why streamed: s3fs's ``put_file`` reads a file below the threshold whole into a 
 ``bytes``, and each part of a bigger one likewise (fresh memory, whose page faults cost
 about 1 ms per MiB on a VM) before sending it; from the open file a body goes out in small
 reused chunks (on moto, paired: 64 MiB in one PUT 1.13x the speed of ``put_file``, 256 MiB
-in 50 MiB parts 1.10x; bench/RESULTS.md, session 16).
+in 50 MiB parts 1.10x; bench/RESULTS.md, "bench_upload.py").
 """
 
 from __future__ import annotations

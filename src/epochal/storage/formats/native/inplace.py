@@ -7,7 +7,7 @@ byte (on a read-only map, or streamed through a small ring when the store cannot
 other segments are read by the general path; only then :func:`read_direct` reads the
 verified segments into the live memory, over a few threads for big loads.
 
-A cold load from a local file is staged instead (:func:`stage_direct`, issue 27): the
+A cold load from a local file is staged instead (:func:`stage_direct`): the
 segments are read with O_DIRECT into fresh memory placed congruent to their file offsets and
 checksummed by the reading threads; once every checksum of the load has passed,
 :func:`read_direct` copies them into the live memory (threads, the GIL released). One read
@@ -89,7 +89,7 @@ def verify_direct(f: Opened, direct: list[Direct]) -> list[memoryview] | None:
     pages, no copy), segments spread over a few threads. When not (a cold resume):
     :func:`verify_direct_read`, whose big parallel reads keep the disk busy where the map's
     page faults read it a small window at a time (874 MiB cold, paired: the map pass 764 ms,
-    4 threads of 8 MiB reads + CRC 376 ms, an O_DIRECT read 333 ms; issue 27). Streamed
+    4 threads of 8 MiB reads + CRC 376 ms, an O_DIRECT read 333 ms). Streamed
     through a small ring of buffers if mapping fails."""
     if getattr(f.src, "nowait", False) and not cached(f, direct):
         staged = stage_direct(f, direct)

@@ -52,7 +52,7 @@ _EMPTY = memoryview(b"")
 #: GROUP_SEGMENT bytes each, cut every GROUP_TARGET bytes, kept when they hold at least
 #: GROUP_MIN segments, in files of at least GROUP_FILE_MIN such segments (readers accept any
 #: grouping). 20,000 small arrays are then ~300 group checksums for a full load to check
-#: instead of 20,000 (bench/RESULTS.md, issue 17.3); a file of a few dozen blobs, which
+#: instead of 20,000 (bench/RESULTS.md); a file of a few dozen blobs, which
 #: loads blob by blob, has none and stays a 1.0 file. GROUP_TARGET = 0 writes no groups.
 GROUP_SEGMENT = 1 << 20
 GROUP_TARGET = 1 << 20
