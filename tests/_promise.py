@@ -21,6 +21,7 @@ import shutil
 import sys
 from typing import Any
 
+import _live
 import torch
 
 import epochal
@@ -62,23 +63,11 @@ def state(case: str = "fits", seed: int = 0) -> dict[str, Any]:
 
 
 def tensors(s: dict[str, Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    stack: list[Any] = [s["model"].state_dict(), s["opt"].state_dict(), s["t"], s["sd"]]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            stack.extend(v[k] for k in sorted(v, key=str))
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, torch.Tensor):
-            out.append(v.detach().clone())
-    return out
+    """Every tensor of a case's live objects."""
+    return _live.tensors(s["model"], s["opt"], s["t"], s["sd"])
 
 
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        x.dtype == y.dtype and x.shape == y.shape
-        and x.reshape(-1).view(torch.uint8).equal(y.reshape(-1).view(torch.uint8)) for x, y in zip(a, b))
+same = _live.bit_equal
 
 
 class Train:
@@ -103,29 +92,7 @@ def job(nodes: list[str]) -> epochal.Job:
     return j
 
 
-class PerNode(epochal.sessions.base.Session):  # type: ignore[name-defined,misc]
-    """Each node its own workspace, as on machines of their own."""
-
-    def __init__(self, wss: dict[str, Any]) -> None:
-        super().__init__()
-        self.wss = wss
-
-    def _run_compiled(self, compiled: Any) -> None:
-        from epochal.sessions.local import run_task
-
-        tasks = compiled.tasks()
-        for task in tasks:
-            ws = self.wss[task.node]
-            for name in task.output_names():
-                if name not in ws:
-                    ws[name] = None
-            for out in task.outputs():
-                out.set(self, task.node)
-        for task in tasks:
-            run_task(task, self.wss[task.node])
-
-    def fetch_blob(self, node: str, name: str) -> Any:
-        return self.wss[node][name]
+PerNode = _live.PerNode
 
 
 def workspace(case: str, seed: int) -> epochal.Workspace:
@@ -189,7 +156,7 @@ def _through(door: str, where: str, live: dict[str, Any]) -> None:
         runner.load_blobs_from_checkpoints(["model", "opt", "t", "sd"], STEP, PerNode(live))
 
 
-def _live(door: str, case: str, seed: int) -> dict[str, Any]:
+def live_objects(door: str, case: str, seed: int) -> dict[str, Any]:
     if door == "checkpointer":
         return {"a": state(case, seed)}
     nodes = ["a"] if door == "train" else ["a", "b"]
@@ -200,7 +167,7 @@ def load(door: str, case: str, root: str) -> dict[str, Any]:
     where = os.path.join(root, {"checkpointer": "ck", "train": "job", "load_blobs": "multi"}[door])
     if case in ("older_db", "flipped"):
         damage(where, case)
-    live = _live(door, case, 7)
+    live = live_objects(door, case, 7)
     before = {n: tensors(s) for n, s in live.items()}
     error = None
     try:
@@ -210,7 +177,7 @@ def load(door: str, case: str, root: str) -> dict[str, Any]:
     untouched = all(same(tensors(s), before[n]) for n, s in live.items())
     restored = False
     if error is None:  # a second load into other values gives the same tensors: the checkpoint's
-        other = _live(door, case, 9)
+        other = live_objects(door, case, 9)
         _through(door, where, other)
         restored = all(same(tensors(live[n]), tensors(other[n])) for n in live)
     return {"error": None if error is None else type(error).__name__,

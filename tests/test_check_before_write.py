@@ -11,6 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import _live  # noqa: E402
+from _live import bit_equal, tensors  # noqa: E402
+
 from epochal import (  # noqa: E402
     BlobMismatchError,
     Checkpointer,
@@ -23,10 +26,7 @@ from epochal import (  # noqa: E402
     Workspace,
 )
 from epochal.checkpoint.tasks.steps import LoadBlobs  # noqa: E402
-from epochal.errors import NodeLostError  # noqa: E402
 from epochal.integrations.torch import ResumableSampler  # noqa: E402
-from epochal.sessions.base import Session  # noqa: E402
-from epochal.sessions.local import run_task  # noqa: E402
 
 NODES = ["a", "b"]
 
@@ -37,32 +37,6 @@ def mlp(layers: int, seed: int) -> Any:
     for _ in range(layers):
         mods += [torch.nn.Linear(4, 4), torch.nn.ReLU()]
     return torch.nn.Sequential(*mods)
-
-
-def tensors(*objs: Any) -> list[Any]:
-    """Every tensor of every object's state dict (and bare tensors), cloned, in order."""
-    out = []
-    for o in objs:
-        if isinstance(o, torch.Tensor):
-            out.append(o.detach().clone())
-            continue
-        stack = [o.state_dict()]
-        while stack:
-            v = stack.pop()
-            if isinstance(v, dict):
-                stack.extend(v[k] for k in sorted(v, key=str))
-            elif isinstance(v, (list, tuple)):
-                stack.extend(v)
-            elif isinstance(v, torch.Tensor):
-                out.append(v.detach().clone())
-    return out
-
-
-def bit_equal(a: list[Any], b: list[Any]) -> bool:
-    return len(a) == len(b) and all(
-        x.dtype == y.dtype and x.shape == y.shape
-        and x.reshape(-1).contiguous().view(torch.uint8).equal(y.reshape(-1).contiguous().view(torch.uint8))
-        for x, y in zip(a, b))
 
 
 def stepped(model: Any) -> Any:
@@ -87,40 +61,11 @@ class Train:
         ws["stop"] = ws["done"] >= 2
 
 
-class PerNode(Session):
-    """Each node its own workspace (as on machines of their own); ``lose``: (node, group
-    kind) pairs at which that node is lost once; ``replacement``: what a node placed again
-    holds (its setup code's fresh live objects)."""
+class PerNode(_live.PerNode):
+    """A session of a workspace per node whose epoch tasks are :class:`Train` steps."""
 
     def __init__(self, wss: dict[str, Workspace], replacement: Any = None) -> None:
-        super().__init__()
-        self.wss = wss
-        self.lose: set[tuple[str, str]] = set()
-        self.replacement = replacement
-
-    def _run_compiled(self, compiled: Any) -> None:
-        tasks = compiled.tasks()
-        for task in tasks:
-            ws = self.wss[task.node]
-            for name in task.output_names():
-                if name not in ws:
-                    ws[name] = None
-            for out in task.outputs():
-                out.set(self, task.node)
-        for task in tasks:
-            kind = "epoch" if any(isinstance(s, Train) for s in task.steps()) else task.name.split("/")[-1]
-            if (task.node, kind) in self.lose:
-                self.lose.discard((task.node, kind))
-                self.wss[task.node] = Workspace()
-                raise NodeLostError(task.node, "its process died (test)")
-            run_task(task, self.wss[task.node])
-
-    def fetch_blob(self, node: str, name: str) -> Any:
-        return self.wss[node][name]
-
-    def replace_node(self, node: str, *, timeout: float = 300.0) -> dict[str, Any]:
-        self.wss[node] = self.replacement(node) if self.replacement else Workspace()
-        return {}
+        super().__init__(wss, replacement, epoch_kind=Train)
 
 
 def node_ws(layers: int, seed: int) -> Workspace:

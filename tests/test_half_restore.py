@@ -7,6 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _live import tensors as snapshot  # noqa: E402
+
 from epochal import BlobMismatchError, get_db_type  # noqa: E402
 from epochal.checkpoint.tasks.steps import LoadBlobs  # noqa: E402
 from epochal.execution.workspace import Workspace  # noqa: E402
@@ -30,26 +32,6 @@ def stepped_adam(model: torch.nn.Module, groups: int = 1) -> torch.optim.Optimiz
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     return opt
-
-
-def snapshot(*objs):
-    """Every tensor of every object's state dict, cloned, in order."""
-    out = []
-    for o in objs:
-        if isinstance(o, torch.Tensor):
-            out.append(o.detach().clone())
-            continue
-        sd = o.state_dict()
-        stack = [sd]
-        while stack:
-            v = stack.pop()
-            if isinstance(v, dict):
-                stack.extend(v[k] for k in sorted(v, key=str))
-            elif isinstance(v, (list, tuple)):
-                stack.extend(v)
-            elif isinstance(v, torch.Tensor):
-                out.append(v.detach().clone())
-    return out
 
 
 def same(a, b) -> bool:

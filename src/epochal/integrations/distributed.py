@@ -65,7 +65,7 @@ from .dcp.plan_cache import RecordingSavePlanner, SavePlanCache
 from .dcp.staging import HostStaging
 from .rank_state import dcp_state
 from .ranks import RankGroup, process_world, unwrap_failure
-from .world_change import SINGLE_NODE, load_one_process_step
+from .world import SINGLE_NODE, load_one_process_step
 
 __all__ = ["DistributedCheckpointer", "process_world"]
 

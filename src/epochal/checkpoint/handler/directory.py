@@ -231,15 +231,11 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         level = self._load_level()
         if level == "none":
             return
-        if self.directory is not None:
-            d = self.directory
-        elif db_prefix is not None:
+        d = self.directory
+        if d is None and db_prefix is not None:
             d = CheckpointDirectory(db_prefix, None, self.storage_options or None)
-        else:
-            return
-        problems = d.epoch_problems(int(epoch), level, nodes=nodes)
-        if problems:
-            raise CheckpointCorruptError(problems[0].path, f"epoch {epoch} cannot be loaded: " + _lines(problems))
+        if d is not None:
+            d.require_intact(int(epoch), level, nodes=nodes)
 
     def _load_level(self) -> VerifyLevel:
         """The check a candidate gets when its load verifies: "full" becomes "quick" for db
@@ -309,7 +305,9 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         )
         d.records.makedirs(d.records_dir)
         self._fence()  # a job that lost the lease stops here, before writing (CheckpointLockedError)
-        self._commit_manifest(d.manifest_path(epoch), manifest)
+        # create-only at a URL: a writer paused past its lease never replaces a commit
+        commit_manifest(d.records, d.manifest_path(epoch), manifest.encode(), self.storage_options or None,
+                        self._lock.fence if self._lock is not None else None)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
         try:
             self.apply_retention(epoch)
@@ -486,13 +484,6 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         d = self._dir()
         self._fence()  # a job that lost the lease does not rewrite the new holder's pins
         d.write_pins((d.pins() | add) - remove)
-
-    def _commit_manifest(self, path: str, manifest: Manifest) -> None:
-        """Write the manifest that commits an epoch: create-only at a URL, the fence asked
-        again when one is there (:func:`.commit.commit_manifest`)."""
-        lock = self._lock
-        commit_manifest(self._dir().records, path, manifest.encode(), self.storage_options or None,
-                        lock.fence if lock is not None else None)
 
     def _write_manifest(self, path: str, manifest: Manifest) -> None:
         """Write a manifest atomically, with its content checksum."""

@@ -282,6 +282,16 @@ class CheckpointDirectory:
         :meth:`epoch_problems`."""
         return [p.text for p in self.epoch_problems(epoch, level, nodes=nodes)]
 
+    def require_intact(self, epoch: int, level: VerifyLevel = "quick", *, nodes: Iterable[str] | None = None,
+                       word: str = "epoch") -> None:
+        """CheckpointCorruptError naming every problem :meth:`epoch_problems` finds with the
+        dbs of ``nodes`` of committed ``epoch`` (at the first file at fault), before a load
+        uses them; nothing when they are intact."""
+        problems = self.epoch_problems(epoch, level, nodes=nodes)
+        if problems:
+            raise CheckpointCorruptError(problems[0].path, f"{word} {epoch} cannot be loaded: "
+                                         + "; ".join(p.text for p in problems))
+
     def epoch_problems(self, epoch: int, level: VerifyLevel = "full", *,
                        nodes: Iterable[str] | None = None) -> list[EpochProblem]:
         """The problems of committed ``epoch``, typed (empty: it is intact) at ``level``:

@@ -424,7 +424,7 @@ class EpochalStorageReader(StorageReader):
         if META_NODE not in manifest.nodes:
             raise CheckpointNotFoundError(f"{d.manifest_path(step)}: step {step} was not written by DCP")
         db = d.db_path(META_NODE, step)
-        _check_dbs(d, step, [META_NODE])
+        d.require_intact(step, nodes=[META_NODE], word="step")  # before it is read
         with NativeFile(db, mmap=False) as f:
             text = f.read([META_BLOB])[META_BLOB]
         if not isinstance(text, str):
@@ -464,19 +464,9 @@ class EpochalStorageReader(StorageReader):
                 by_step.setdefault(split[1], set()).add(split[0])
         d = CheckpointDirectory(self.path)
         for step, nodes in by_step.items():  # before any byte reaches a live tensor
-            _check_dbs(d, step, sorted(nodes))
+            d.require_intact(step, nodes=sorted(nodes), word="step")
         read_items(self.path, self.storage_data, self.chunk_rows, plan, planner)
         return _done(None)
-
-
-def _check_dbs(d: CheckpointDirectory, step: int, nodes: list[str]) -> None:
-    """Each db of ``nodes`` of committed ``step`` against its manifest entry (size, digest:
-    the header alone, no data read): a db replaced (by an older step's, of the same shapes)
-    or truncated is a CheckpointCorruptError naming the file, before anything is read."""
-    problems = d.epoch_problems(step, "quick", nodes=nodes)
-    if problems:
-        raise CheckpointCorruptError(problems[0].path, f"step {step} cannot be loaded: "
-                                     + "; ".join(p.text for p in problems))
 
 
 def _located(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> str:
