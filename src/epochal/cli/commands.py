@@ -36,7 +36,7 @@ from .diff import diff_dbs
 from .export import export_db
 from .names import RECORDS_DIR
 from .problems import Problem
-from .records import list_prefix, stats_prefix, verify_target
+from .records import LS_NEWEST, ls_prefix, stats_prefix, verify_target
 
 
 # ------------------------------------------------------------------ the group
@@ -68,20 +68,19 @@ STATE_STYLE = {"final": "bold green", "committed": "green", "uncommitted": "yell
 
 @cli.command("ls", context_settings=CONTEXT)
 @click.argument("prefix", type=PrefixArg)
+@click.option("--all", "show_all", is_flag=True, help=f"Every epoch (default: the newest {LS_NEWEST}).")
 @storage_options_option
 @json_option
 @click.pass_context
-def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
+def ls_cmd(ctx: click.Context, prefix: str, show_all: bool, as_json: bool) -> int:
     """Epochs x nodes under PREFIX: committed or not, sizes, timestamps, retention pins.
 
     An epoch is committed once every node's db was saved and the metadata handler recorded it;
     other db files (a save that was cut short, or written without records) are listed too.
+    The newest 20 epochs are shown (only their records are read); --all shows every one.
     """
     out = _out(ctx)
-    listing = list_prefix(prefix)
-    from ..checkpoint.location.view import best_of_directory
-
-    best = best_of_directory(prefix)
+    listing, best = ls_prefix(prefix, None if show_all else LS_NEWEST)
     ranks = {e: i + 1 for i, e in enumerate(best.epochs)} if best is not None else {}
     for e in listing["epochs"]:
         e["best"] = ranks.get(e["epoch"])
@@ -129,6 +128,8 @@ def ls_cmd(ctx: click.Context, prefix: str, as_json: bool) -> int:
             row.append(f"{have}/{len(nodes)}")
         table.add_row(*row)
     out.console.print(table)
+    if listing["older"]:
+        out.note(f"{listing['older']} older epoch(s) not shown: epochal ls --all {prefix} lists every one")
     if not listing["records"]:
         out.note(f"note: {prefix} has no {RECORDS_DIR}/ records (written without "
                  "DirectoryMetadataHandler): commit state unknown")

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..checkpoint.location.best import BestEpochs
 from ..checkpoint.location.manifest import DbEntry, Manifest
 from ..checkpoint.location.stats import StatsLine
 from ..checkpoint.location.view import EpochProblem
@@ -17,7 +18,7 @@ from .names import RECORDS_DIR, parse_db_name
 from .problems import Problem, one_line
 from .values import iso_time
 
-__all__ = ["Records", "list_prefix", "stats_prefix", "verify_target"]
+__all__ = ["LS_NEWEST", "Records", "list_prefix", "ls_prefix", "stats_prefix", "verify_target"]
 
 
 class Records:
@@ -98,6 +99,17 @@ class Records:
     def committed(self) -> list[int]:
         return sorted(int(e) for e in self._call("committed_epochs", default=[]) or [])
 
+    def manifest_epochs(self) -> list[int]:
+        """Epochs that have a manifest file, valid or not (the listing alone: nothing read)."""
+        return sorted(int(e) for e in self._call("manifest_epochs", default=[]) or [])
+
+    def manifests(self, epochs: list[int]) -> dict[int, Manifest | None]:
+        """The typed manifest of each of ``epochs`` (read at once, in parallel at a URL); None
+        for one that is gone or does not read."""
+        got = self._call("read_manifests", epochs)
+        good = got[0] if got is not None else {}
+        return {e: good.get(e) for e in epochs}
+
     def manifest(self, epoch: int) -> Manifest | None:
         """The typed manifest of ``epoch``; None when it has none or it does not read."""
         try:
@@ -136,21 +148,38 @@ def _file_record(path: str | None) -> dict[str, Any]:
     return {"path": path, "present": True, "size": st.st_size, "modified": iso_time(st.st_mtime)}
 
 
-def list_prefix(prefix: str) -> dict[str, Any]:
-    """``epochal ls``: every epoch with its db files per node, commit state, sizes, times, pins."""
+#: the epochs ``epochal ls`` shows without ``--all``: the newest ones
+LS_NEWEST = 20
+
+
+def list_prefix(prefix: str, limit: int | None = None) -> dict[str, Any]:
+    """``epochal ls``: the epochs with their db files per node, commit state, sizes, times and
+    pins; the newest ``limit`` of them (None: every one), ``older`` saying how many are left
+    out. Only the manifests of the epochs shown are read."""
+    return ls_prefix(prefix, limit)[0]
+
+
+def ls_prefix(prefix: str, limit: int | None = None) -> tuple[dict[str, Any], BestEpochs | None]:
+    """:func:`list_prefix`, and the best epochs when the job ranks them (see :func:`_best`)."""
     rec = Records(prefix)
     present = rec.scan()
-    committed = set(rec.committed())
+    listed = rec.manifest_epochs()
+    every = sorted(set(present) | set(listed))
+    shown = every if limit is None else every[-limit:] if limit > 0 else []
+    have = set(listed)
+    manifests = rec.manifests([e for e in shown if e in have])
+    committed = {e for e, m in manifests.items() if m is not None}
+    older = len(every) - len(shown)
+    shown = [e for e in shown if e in present or e in committed]  # (a damaged manifest alone: no epoch)
     pins = rec.pins()
-    manifests = {e: rec.manifest(e) for e in sorted(committed)}
     nodes: list[str] = []
-    for e in sorted(set(present) | committed):
+    for e in shown:
         m = manifests.get(e)
         for n in list(m.nodes if m is not None else ()) + sorted(present.get(e, {})):
             if n not in nodes:
                 nodes.append(n)
     epochs = []
-    for e in sorted(set(present) | committed):
+    for e in shown:
         m = manifests.get(e)
         mnodes: dict[str, DbEntry] = m.nodes if m is not None else {}
         files: dict[str, Any] = {}
@@ -187,7 +216,35 @@ def list_prefix(prefix: str) -> dict[str, Any]:
             "files": files,
             "missing": missing,
         })
-    return {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs}
+    listing = {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs,
+               "older": older}
+    return listing, _best(rec, manifests, listed)
+
+
+def _best(rec: Records, manifests: dict[int, Manifest | None], listed: list[int]) -> BestEpochs | None:
+    """The best epochs of the job, when the newest manifest shown that records ``keep_best``
+    says how it ranks (None otherwise): every committed epoch's value from the metrics index,
+    the manifests shown and those the index lacks being read (see
+    :mod:`epochal.checkpoint.location.index`; never written here)."""
+    spec = next((m.keep_best for _, m in sorted(manifests.items(), reverse=True)
+                 if m is not None and m.keep_best is not None), None)
+    if spec is None or rec._dir is None:
+        return None
+    from ..checkpoint.location.index import MetricIndex
+    from ..checkpoint.location.retention import best_epochs, metric_unreadable, metric_value
+
+    unreadable = {e: "" for e, m in manifests.items() if m is None}
+    try:
+        recorded = MetricIndex(rec._dir).metrics(listed, unreadable)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise Problem(one_line(e, rec.prefix)) from None
+    recorded.update({e: dict(m.metrics) for e, m in manifests.items() if m is not None})
+    raw = {e: r.get(spec.metric) for e, r in recorded.items()}
+    values = {e: metric_value(v) for e, v in raw.items()}
+    k = spec.k if spec.k > 0 else None
+    best = best_epochs(values, k if k is not None else len(values), spec.mode)
+    return BestEpochs(spec.metric, spec.mode, k, best, values,
+                      frozenset(e for e, v in raw.items() if metric_unreadable(v)))
 
 
 #: file names (suffixes) in a local directory that ``verify PREFIX`` checks besides the

@@ -149,6 +149,37 @@ class CheckpointDirectory:
             out.append(epoch)
         return out
 
+    def newest_committed(self) -> tuple[int, Manifest] | None:
+        """The newest committed epoch and its manifest (None: none is committed), read from the
+        newest down and stopping at the first valid manifest: one listing and, unless newer
+        manifests are damaged, one read, however long the history (:meth:`committed_epochs`
+        reads them all)."""
+        for epoch in reversed(self.manifest_epochs()):
+            try:
+                return epoch, self.read_manifest(epoch)
+            except CheckpointError:
+                continue
+        return None
+
+    def read_manifests(self, epochs: Iterable[int]) -> tuple[dict[int, Manifest], dict[int, str]]:
+        """Each manifest of ``epochs`` read once (all at once, in parallel, where the record
+        store can): ``({epoch: manifest}, {epoch: why it cannot be read or parsed})``. An epoch
+        whose manifest vanished since the listing is in neither."""
+        wanted = [int(e) for e in epochs]
+        prefetch = getattr(self.records, "prefetch", None)
+        if prefetch is not None and wanted:  # (a remembering store's reads then all hit)
+            prefetch([self.manifest_path(e) for e in wanted])
+        good: dict[int, Manifest] = {}
+        bad: dict[int, str] = {}
+        for epoch in wanted:
+            try:
+                good[epoch] = self.read_manifest(epoch)
+            except CheckpointNotFoundError:
+                continue
+            except CheckpointError as ex:
+                bad[epoch] = str(ex)
+        return good, bad
+
     def manifest(self, epoch: int) -> dict[str, Any]:
         """The parsed manifest of ``epoch``.
 
