@@ -359,3 +359,17 @@ def test_ls_reads_the_manifests_of_the_steps_it_shows(tmp_path: Path) -> None:
         calls[steps] = dict(n)
     assert calls[50] == calls[500], calls
     assert calls[50]["read"] <= 20 + 2, calls  # the 20 shown, the pins, the index
+
+
+def test_the_newest_committed_step_is_read_from_the_newest_down(tmp_path: Path) -> None:
+    where, root, put = _local_location(tmp_path)
+    _fill(root, put, 100)
+    epochs = _history(100)
+    newest = Path(root) / ".epochal" / f"manifest.{epochs[-1]}.json"
+    newest.write_bytes(newest.read_bytes().replace(b'"loss"', b'"lass"'))  # damaged: its checksum fails
+    d = CheckpointDirectory(where)
+    with _record_calls() as n:
+        got = d.newest_committed()
+        assert got is not None and got[0] == epochs[-2] and got[1].epoch == epochs[-2]
+        assert d.is_committed(epochs[-2]) and not d.is_committed(epochs[-1]) and not d.is_committed(epochs[-1] + 1)
+    assert n == {"files": 1, "read": 5}, n  # the listing; the two newest; then one read each

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..checkpoint.location.best import BestEpochs
@@ -56,8 +57,9 @@ class Records:
             self._dir = CheckpointDirectory(self.prefix)
             # one command's snapshot: listings once, sizes from them, records read in parallel
             self._dir.records = CachedRecords(self._dir.records, sizes_from_listing=True)
-            here = self._dir.records.files(self._dir.db_dir)
-            self.has_records = bool(self._dir.records.files(self._dir.records_dir))
+            with ThreadPoolExecutor(2) as pool:  # the two folders listed at once (remembered)
+                here, records = pool.map(self._dir.records.files, [self._dir.db_dir, self._dir.records_dir])
+            self.has_records = bool(records)
         except (CheckpointError, OSError, ValueError) as e:
             raise Problem(one_line(e, prefix)) from None
         if not here and not self.has_records:
@@ -300,8 +302,6 @@ def _serial(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
 
 def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """``[fn(x) for x in items]``, several at a time (requests to object storage), in order."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from ..checkpoint.location.record_cache import PARALLEL_REQUESTS
 
     if len(items) <= 1 or PARALLEL_REQUESTS <= 1:

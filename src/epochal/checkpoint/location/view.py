@@ -161,6 +161,14 @@ class CheckpointDirectory:
                 continue
         return None
 
+    def is_committed(self, epoch: int) -> bool:
+        """Whether ``epoch`` has a valid manifest (that manifest alone is read)."""
+        try:
+            self.read_manifest(int(epoch))
+        except CheckpointError:
+            return False
+        return True
+
     def read_manifests(self, epochs: Iterable[int]) -> tuple[dict[int, Manifest], dict[int, str]]:
         """Each manifest of ``epochs`` read once (all at once, in parallel, where the record
         store can): ``({epoch: manifest}, {epoch: why it cannot be read or parsed})``. An epoch
