@@ -373,3 +373,24 @@ def test_the_newest_committed_step_is_read_from_the_newest_down(tmp_path: Path) 
         assert got is not None and got[0] == epochs[-2] and got[1].epoch == epochs[-2]
         assert d.is_committed(epochs[-2]) and not d.is_committed(epochs[-1]) and not d.is_committed(epochs[-1] + 1)
     assert n == {"files": 1, "read": 5}, n  # the listing; the two newest; then one read each
+
+
+@pytest.mark.system
+def test_a_damaged_newest_step_costs_one_more_manifest_not_the_history_on_s3(s3: dict[str, Any]) -> None:
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    costs = {}
+    for steps in (30, 300):
+        url, root, put = _s3_location(s3)
+        _fill(root, put, steps)
+        newest = _history(steps)[-1]
+        put({f"{root}/.epochal/manifest.{newest}.json": b"{damaged"})
+        h = ep.DirectoryMetadataHandler(storage_options=s3)
+        h.set_params(url, "native", [NODE])
+        h.acquire_lock()
+        try:
+            with _s3_requests() as n:
+                assert h.resume_epoch() == newest - 1
+            costs[steps] = dict(n)
+        finally:
+            h.release_lock()
+    assert costs[30] == costs[300], costs

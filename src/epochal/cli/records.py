@@ -131,7 +131,9 @@ class Records:
         """Epochs whose manifest file exists but does not read (damaged or forged, so the
         epoch is not committed): what is wrong with each."""
         out: dict[int, str] = {}
-        for e in self._call("manifest_epochs", default=[]) or []:
+        epochs = self.manifest_epochs()
+        self.manifests(epochs)  # read at once (in parallel at a URL), then one by one for the errors
+        for e in epochs:
             try:
                 self._dir.read_manifest(e)
             except (CheckpointError, OSError, ValueError) as ex:

@@ -139,15 +139,11 @@ class CheckpointDirectory:
         return sorted(epochs)
 
     def committed_epochs(self) -> list[int]:
-        """Epochs with a valid manifest (the dbs are not read), oldest first."""
-        out = []
-        for epoch in self.manifest_epochs():
-            try:
-                self.manifest(epoch)
-            except CheckpointError:
-                continue
-            out.append(epoch)
-        return out
+        """Epochs with a valid manifest (the dbs are not read), oldest first: every manifest is
+        read (at once, in parallel where the record store can); :meth:`newest_committed` and
+        :meth:`is_committed` read one."""
+        good, _ = self.read_manifests(self.manifest_epochs())
+        return sorted(good)
 
     def newest_committed(self) -> tuple[int, Manifest] | None:
         """The newest committed epoch and its manifest (None: none is committed), read from the
