@@ -7,6 +7,7 @@ Layout, for ``db_prefix=D`` (the dbs are the seed's, ``D/<node>.<epoch>``)::
     D/.epochal/manifest.<epoch>.json          the commit record of an epoch
     D/.epochal/stats.jsonl                    one JSON line per db saved / loaded
     D/.epochal/pins.json                      epochs that retention never deletes
+    D/.epochal/index.json                     with keep_best: the metrics index (a cache, see .index)
 
 An epoch exists (is *committed*) only when its manifest exists and is valid (see
 :mod:`epochal.checkpoint.location.manifest`).
