@@ -31,9 +31,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _requests import count_record_calls, count_requests, fill_committed, moto_server  # noqa: E402
-
 import numpy as np  # noqa: E402
+from _requests import count_record_calls, count_requests, fill_committed, moto_server  # noqa: E402
 
 import epochal as ep  # noqa: E402
 from epochal.checkpoint.location.retention import RetentionPolicy  # noqa: E402
@@ -86,7 +85,7 @@ def run(where: str, steps: int, commits: int, opts: dict[str, Any] | None, all_m
         per, secs = [], []
         for k in range(commits):
             step = epochs[-1] + 1 + k
-            _, n, s_, by = _measure(counter, lambda: ck.save(step, state, metrics={"loss": 9.0}))
+            _, n, s_, by = _measure(counter, lambda s=step: ck.save(s, state, metrics={"loss": 9.0}))
             per.append(n)
             secs.append(s_)
             out["first_commit_by" if k == 0 else "commit_by"] = by
