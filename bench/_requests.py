@@ -113,7 +113,7 @@ def fill_committed(url: str, steps: int, node: str, *, stats: bool = False, epoc
 
     import epochal as ep
     from epochal.checkpoint.location.manifest import DbEntry, KeepBest, Manifest
-    from epochal.storage.io.fsspec_store import filesystem_for
+    from epochal.storage.io.remote.fsspec_store import filesystem_for
 
     backend = ep.get_db_type("native")
     probe = f"{url}/probe.0"

@@ -36,7 +36,7 @@ from _requests import count_record_calls, count_requests, fill_committed, moto_s
 
 import epochal as ep  # noqa: E402
 from epochal.checkpoint.location.retention import RetentionPolicy  # noqa: E402
-from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 NODE = "local"  # the Checkpointer's node
 POLICY = RetentionPolicy(keep_last=3, keep_every=10, keep_best=3, metric="loss")

@@ -26,7 +26,7 @@ from epochal.checkpoint.handler.metadata import DbReport  # noqa: E402
 from epochal.checkpoint.location.manifest import DbEntry, KeepBest, Manifest  # noqa: E402
 from epochal.checkpoint.location.records import LocalRecords  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
-from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 NODE = "local"  # the Checkpointer's node
 POLICY: dict[str, Any] = {"keep_last": 3, "keep_every": 10, "keep_best": 3, "metric": "loss"}

@@ -250,7 +250,7 @@ def clean_temp_keys(d: CheckpointDirectory) -> list[str]:
     commit it anyway)."""
     if not d.records.remote:
         return []
-    from ...storage.io.fsspec_store import TEMP_KEY_RE
+    from ...storage.io.remote.fsspec_store import TEMP_KEY_RE
 
     removed = []
     for folder in (d.db_dir, d.records_dir):
