@@ -34,8 +34,10 @@ __all__ = ["BLOCK_BYTES", "HostTensor", "block_rows", "to_host"]
 BLOCK_BYTES = 4 << 20
 
 
-def block_rows(shape: Sequence[int], itemsize: int, block_bytes: int = BLOCK_BYTES) -> int:
-    """Rows of a block of an array of ``shape``: whole rows of about ``block_bytes``."""
+def block_rows(shape: Sequence[int], itemsize: int, block_bytes: int | None = None) -> int:
+    """Rows of a block of an array of ``shape``: whole rows of about ``block_bytes``
+    (default :data:`BLOCK_BYTES`, read at each call)."""
+    block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
     row = math.prod(shape[1:]) * itemsize if shape else itemsize
     return max(1, block_bytes // max(1, row))
 
