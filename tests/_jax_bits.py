@@ -197,6 +197,36 @@ def jax_restore_cross(directory: str, k: int) -> None:
     print(json.dumps({"restored": 7, "step": tree["step"]}))
 
 
+def orbax_save(directory: str) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+
+    from epochal.integrations.jax.orbax import EpochalSave
+
+    tree = jax.tree_util.tree_map(lambda v, a: jax.device_put(v, a.sharding) if isinstance(v, np.ndarray) else v,
+                                  values(), abstract(8))
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2)) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, args=EpochalSave({**tree, "lr": step / 2}))
+        mngr.wait_until_finished()
+        print(json.dumps({"steps": list(mngr.all_steps())}))
+
+
+def orbax_restore(directory: str, k: int) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+
+    from epochal.integrations.jax.orbax import EpochalRestore
+
+    with ocp.CheckpointManager(directory) as mngr:
+        tree = mngr.restore(mngr.latest_step(), args=EpochalRestore(abstract(k)))
+    want = values()
+    for w, t in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(tree)):
+        if isinstance(w, np.ndarray):
+            assert same_bits(w, t) and len(t.addressable_shards) == k
+    print(json.dumps({"lr": tree["lr"]}))
+
+
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "chain":
@@ -209,5 +239,9 @@ if __name__ == "__main__":
         jax_save_cross(args[0])
     elif cmd == "jax_restore_cross":
         jax_restore_cross(args[0], int(args[1]))
+    elif cmd == "orbax_save":
+        orbax_save(args[0])
+    elif cmd == "orbax_restore":
+        orbax_restore(args[0], int(args[1]))
     else:
         raise SystemExit(f"unknown command {cmd}")

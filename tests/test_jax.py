@@ -72,6 +72,21 @@ def test_a_jax_checkpoint_restores_into_torch_bf16_and_fp32(tmp_path: Any) -> No
     assert run_bits("torch_restore", str(tmp_path)) == {"restored": 7, "step": 7}
 
 
+@pytest.mark.system
+def test_an_orbax_checkpoint_manager_keeps_epochal_files_and_restores_resharded(tmp_path: Any) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    d = str(tmp_path)
+    assert run_bits("orbax_save", d) == {"steps": [2, 3]}  # Orbax's retention
+    item = os.path.join(d, "3", "default")  # epochal's checkpoint inside Orbax's step 3
+    assert epochal.CheckpointDirectory(item).committed_epochs() == [0]
+    assert "local.0" in os.listdir(item) and not os.path.exists(os.path.join(d, "1"))
+    assert run_bits("orbax_restore", d, "2") == {"lr": 1.5}
+    _flip(os.path.join(item, "local.0"), ("params", "w"), 0.5)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "_jax_bits.py"), "orbax_restore", d, "2"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0 and "CheckpointCorruptError" in out.stderr and "params/w" in out.stderr
+
+
 # ---------------------------------------------------------------- in one process, one device
 def dev_tree() -> dict[str, Any]:
     rng = np.random.default_rng(5)

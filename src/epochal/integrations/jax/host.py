@@ -90,23 +90,26 @@ class HostTensorCodec:
 register_codec(HostTensorCodec())
 
 
-def _whole(x: jax.Array, label: str) -> np.ndarray:
-    """``x`` on host as one array, each shard of replica 0 copied once into place."""
+def _whole(x: jax.Array, label: str, copy: bool) -> np.ndarray:
+    """``x`` on host as one array, each shard of replica 0 copied once into place (one shard
+    covering the array: its host view, copied only with ``copy``)."""
     if not x.is_fully_addressable:
         raise NotImplementedError(f"leaf {label}: an array with shards in other processes "
                                   "(multi-process saves are not supported yet)")
     shards = [s for s in x.addressable_shards if s.replica_id == 0]
     if len(shards) == 1 and tuple(shards[0].data.shape) == tuple(x.shape):
-        return np.asarray(shards[0].data)
+        whole = np.asarray(shards[0].data)
+        return whole.copy() if copy else whole
     out = np.empty(x.shape, dtype=x.dtype)
     for s in shards:
         out[s.index] = np.asarray(s.data)
     return out
 
 
-def to_host(leaves: Sequence[Leaf]) -> list[Leaf]:
+def to_host(leaves: Sequence[Leaf], *, copy: bool = False) -> list[Leaf]:
     """Each leaf as a value the Checkpointer stores: arrays as :class:`HostTensor`, plain
-    values (Python scalars, str, numpy scalars) as they are."""
+    values (Python scalars, str, numpy scalars) as they are. ``copy``: no array may share
+    memory with a live buffer (for a write that runs after the caller goes on)."""
     for _, v in leaves:
         if isinstance(v, jax.Array):
             v.copy_to_host_async()
@@ -114,9 +117,9 @@ def to_host(leaves: Sequence[Leaf]) -> list[Leaf]:
     for names, v in leaves:
         label = leaf_label(names)
         if isinstance(v, jax.Array):
-            out.append((names, HostTensor(_whole(v, label), label)))
+            out.append((names, HostTensor(_whole(v, label, copy), label)))
         elif isinstance(v, np.ndarray):
-            out.append((names, HostTensor(v, label)))
+            out.append((names, HostTensor(v.copy() if copy else v, label)))
         else:
             out.append((names, v))
     return out

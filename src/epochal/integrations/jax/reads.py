@@ -172,7 +172,7 @@ def read_region(f: RangedFile, s: Stored, label: str, index: tuple[Any, ...],
                 got = np.frombuffer(piece, dtype=dt).reshape(p1 - p0, *shape[1:])
                 out[a - r0 : b - r0] = got[(slice(a - p0, b - p0),) + cols]
 
-        f.stream(s.segs[0], flat_writable(scratch), s.blob, use)
+        f.stream(s.segs[0], flat_writable(scratch), s.blob, use, f"leaf {label}")
         return out
     rows, crcs = blocks
     fn = f.fn

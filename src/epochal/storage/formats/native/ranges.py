@@ -72,10 +72,11 @@ class RangedFile:
         read_exact(self.src, [view], offset, blob, progress=False)
 
     def stream(self, seg: Segment, scratch: memoryview, blob: str,
-               use: Callable[[int, memoryview], None]) -> None:
+               use: Callable[[int, memoryview], None], what: str = "") -> None:
         """Read all of ``seg`` in pieces of ``scratch``'s size, calling ``use(start, piece)``
         for each (``start``: its offset in the segment), then check the segment's checksum:
-        CheckpointCorruptError naming the file and ``blob`` when it does not match. What
+        CheckpointCorruptError naming the file, ``blob`` and ``what`` (the value in it) when
+        it does not match. What
         ``use`` copied must not be used before this returns."""
         offset, length, want = seg
         crc, pos, size = 0, 0, scratch.nbytes
@@ -89,5 +90,5 @@ class RangedFile:
             use(pos, piece)
             pos += n
         if crc != want:
-            raise corrupt(self.path, "data checksum mismatch", blob)
+            raise corrupt(self.path, f"{what}: data checksum mismatch" if what else "data checksum mismatch", blob)
 
