@@ -19,7 +19,7 @@ pytestmark = pytest.mark.system
 
 #: the pages, in the order a new user reads them (README -> quickstart -> the door they use)
 PAGES = ["README.md", "docs/quickstart.md", "docs/pytorch.md", "docs/distributed.md", "docs/lightning.md",
-         "docs/huggingface.md"]
+         "docs/huggingface.md", "docs/jax.md"]
 #: pages whose later blocks need what this machine lacks: how many blocks run (huggingface.md's
 #: second block subclasses TRL's SFTTrainer, which is not installed here)
 FIRST_BLOCKS = {"docs/huggingface.md": 1}
