@@ -38,7 +38,7 @@ import numpy as np
 __all__ = [
     "AUTO_MIN_RATIO", "CODEC_PLANES", "CODEC_ZSTD", "COMPRESSIONS", "FRAME_BYTES", "MIN_BYTES",
     "Compressed", "WRITE_OPTIONS", "WriteOptions", "check_compression", "compress_segment",
-    "decode_frames", "plane_widths", "write_options",
+    "decode_frames", "numpy_width", "plane_widths", "write_options",
 ]
 
 CODEC_ZSTD = 1
@@ -54,7 +54,7 @@ AUTO_MIN_RATIO = 1.02
 COMPRESSIONS = (None, "zstd", "auto")
 #: torch dtype names of floats split into byte planes, and their widths
 _TORCH_FLOATS = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "complex64": 4, "complex128": 8}
-_UINT = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_UINT: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def check_compression(value: Any) -> str | None:
@@ -99,7 +99,7 @@ def plane_widths(kind: str, meta: dict[str, Any], nseg: int) -> list[int]:
     planes (2, 4 or 8), or 0 (compressed as bytes). Unknown kinds are bytes."""
     out = [0] * nseg
     if nseg == 1 and kind == "ndarray":
-        out[0] = _numpy_width(meta.get("dtype"))
+        out[0] = numpy_width(meta.get("dtype"))
     elif nseg == 1 and kind == "torch.tensor":
         out[0] = _TORCH_FLOATS.get(str(meta.get("dtype")), 0)
     elif kind == "tree" and isinstance(meta.get("leaves"), list):
@@ -116,13 +116,18 @@ def plane_widths(kind: str, meta: dict[str, Any], nseg: int) -> list[int]:
     return out
 
 
-def _numpy_width(dtype: Any) -> int:
-    if not isinstance(dtype, str):
+def numpy_width(dtype: Any) -> int:
+    """The plane width of a numpy dtype (or its JSON string): 2, 4 or 8 for floats and
+    complex numbers of those parts, 0 for anything else."""
+    if isinstance(dtype, np.dtype):
+        dt = dtype
+    elif not isinstance(dtype, str):
         return 0
-    try:
-        dt = np.dtype(dtype)
-    except (TypeError, ValueError):
-        return 0
+    else:
+        try:
+            dt = np.dtype(dtype)
+        except (TypeError, ValueError):
+            return 0
     if dt.byteorder == ">" or dt.kind not in "fcV" or dt.fields is not None:
         return 0
     if dt.kind == "c":
