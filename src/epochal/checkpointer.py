@@ -64,6 +64,7 @@ from .errors import (
 from .jobs.cadence import Cadence, parse_interval
 from .jobs.events import CheckpointEvent, RunListener, auto_progress
 from .jobs.preemption import SignalGuard
+from .storage.encoding.compress import WriteOptions, write_options
 from .storage.io.seam import is_url, local_path
 
 __all__ = ["Checkpointer", "RestoreReport"]
@@ -133,7 +134,11 @@ class Checkpointer:
     policy, whose default is 3); None: never (each failure a warning). A value no format
     stores always raises at once. ``progress``: None (default) shows a bar and a line for
     each save or load of 64 MiB or more when stderr is a terminal (not under ``CI`` or
-    ``EPOCHAL_QUIET``); True always (on stderr); False never.
+    ``EPOCHAL_QUIET``); True always (on stderr); False never. ``compression``: None (default)
+    writes every byte raw; ``"zstd"`` compresses each blob (byte planes of floats, then zstd,
+    in frames a partial read decodes alone; a blob that would not shrink stays raw);
+    ``"auto"`` does so only where a sample of the blob compresses (docs/format.md). With
+    ``async_save`` the compression runs on the background writer, not in the snapshot.
 
     Installs a SIGTERM handler (in the main thread only) so that :attr:`preempted` turns
     True; a second SIGTERM exits at once. Holds the directory's writer lock (a second writer
@@ -166,7 +171,10 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         max_failed_saves: int | None = 1,
         progress: bool | None = None,
+        compression: str | None = None,
     ) -> None:
+        #: how the step's db is written (compression), set around each save
+        self._write_options = WriteOptions(compression=compression)  # (ValueError: unknown)
         self.directory = local_path(directory)  # file:// is the local disk
         #: the fsspec options every step of this Checkpointer carries (a URL directory)
         self._storage_options = dict(storage_options) if storage_options else None
@@ -302,7 +310,7 @@ class Checkpointer:
         ``max_failed_saves``): earlier checkpoints are untouched then. The first save of a
         step below the newest committed one, without a :meth:`restore` first, warns: the
         next restore would return the newer step of an earlier run."""
-        with _in_steps():
+        with _in_steps(), write_options(self._write_options):  # (seen by a background write too)
             self._save(step, state, metrics)
 
     def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
