@@ -247,3 +247,29 @@ def test_async_save_compresses_on_the_background_writer(tmp_path, monkeypatch):
         assert ckpt.restore(back) == 5
     assert all(torch.equal(live.state_dict()[k].view(torch.int16), v.view(torch.int16)) for k, v in want.items())
     assert torch.equal(back["step_weights"], state["step_weights"])
+
+
+def test_the_documented_numpy_reader_decodes_compressed_blobs(tmp_path):
+    import re
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "format.md"
+    text = doc.read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Reading a native db without epochal"):], re.S).group(1)
+    ns: dict = {}
+    exec(compile(code, str(doc), "exec"), ns)  # the documented reader, as printed
+    rng = np.random.default_rng(5)
+    blobs = {
+        "w16": (rng.standard_normal(3 * FRAME // 2 + 5) * 0.02).astype(np.float16),
+        "w32": (rng.standard_normal((300, 77)) * 0.02).astype(np.float32),
+        "w64": (rng.standard_normal(20_000) * 0.02),
+        "ids": np.arange(50_000, dtype=np.int64),
+        "name": "not an array",
+    }
+    path = str(tmp_path / "c.db")
+    write_native(path, blobs, options=WriteOptions("zstd"))
+    assert sorted(_coded_segments(path)) == ["ids", "w16", "w32", "w64"]
+    got = ns["read_native"](path)
+    arrays = {k: v for k, v in blobs.items() if isinstance(v, np.ndarray)}
+    assert sorted(got) == sorted(arrays)
+    for k, v in arrays.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].tobytes() == v.tobytes(), k
