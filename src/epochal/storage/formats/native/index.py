@@ -23,7 +23,6 @@ from ..base import BlobInfo
 from .frames import CodedTable
 from .layout import (
     ALIGN,
-    FORMAT_MAJOR,
     FORMAT_MINOR,
     GROUP_DTYPE,
     INDEX_HEAD,
@@ -82,8 +81,9 @@ class Index:
         coded_at = expect
         if header.major >= 3:  # the codec part follows the metas text
             expect += CodedTable.sizes(raw, coded_at)[2] if expect <= len(raw) else 0
-        # a newer minor version may append parts this reader does not know (and ignores)
-        newer = (header.major, header.minor) > (FORMAT_MAJOR, FORMAT_MINOR)
+        # a newer minor version (of the file's major: every major this reader knows is at its
+        # minor FORMAT_MINOR) may append parts this reader does not know (and ignores)
+        newer = header.minor > FORMAT_MINOR
         if expect > len(raw) or (expect != len(raw) and not newer):
             raise corrupt(
                 path, f"absurd index counts ({n} blobs, {nseg} segments, {ngroups} groups, {nmetas} metas)"
