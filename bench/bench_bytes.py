@@ -104,8 +104,8 @@ def bench_codec(data: np.ndarray, width: int, rounds: int, threads: int) -> dict
         if c is not None:
             out = memoryview(bytearray(n))
             streams = [memoryview(x) for x in c.streams]
-            s, _ = _median(lambda t=t, c=c: compress.decode_frames(c.codec, c.planes, c.frame_bytes, c.logical, 0,
-                                                                   streams, out, t), rounds)
+            s, _ = _median(lambda t=t, c=c, streams=streams, out=out: compress.decode_frames(
+                c.codec, c.planes, c.frame_bytes, c.logical, 0, streams, out, t), rounds)
             row[f"dec/core t={t}"] = n / s / t / 1e9
     z = zstandard.ZstdCompressor(level=3)
     s, blob = _median(lambda: z.compress(mv), rounds)
@@ -128,10 +128,10 @@ def bench_disk(directory: str, data: dict[str, tuple[np.ndarray, int]], rounds: 
     print(f"\nsave (fsynced) and warm load of {logical / 2**20:.0f} MiB (bf16 and fp32 N(0,0.02)) in {directory}")
     for mode in (None, "zstd"):
         path = os.path.join(directory, f"bytes.{mode}")
-        s, size = _median(lambda m=mode: write_native(path, blobs, options=WriteOptions(m)), rounds)
+        s, size = _median(lambda m=mode, p=path: write_native(p, blobs, options=WriteOptions(m)), rounds)
 
-        def load() -> None:
-            with NativeFile(path, mmap=False) as f:
+        def load(p: str = path) -> None:
+            with NativeFile(p, mmap=False) as f:
                 f.read()
 
         s2, _ = _median(load, rounds)
