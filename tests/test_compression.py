@@ -273,3 +273,37 @@ def test_the_documented_numpy_reader_decodes_compressed_blobs(tmp_path):
     assert sorted(got) == sorted(arrays)
     for k, v in arrays.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].tobytes() == v.tobytes(), k
+
+
+def test_a_forged_stream_with_matching_checksums_is_refused_naming_the_blob(tmp_path):
+    import struct
+
+    from epochal.storage.io.checksum import checksum_function
+
+    w = (np.random.default_rng(6).standard_normal(100_000) * 0.02).astype(np.float32)
+    path = tmp_path / "f.db"
+    write_native(str(path), {"w": w, "b": np.arange(10)}, options=WriteOptions("zstd"))
+    with NativeFile(str(path), mmap=False) as f:
+        idx, h = f._index, f.header
+        fn = checksum_function(h.algorithm)
+        k = idx.seg_range(idx.find("w")).start
+        off, length = int(idx.segs["offset"][k]), int(idx.segs["length"][k])
+        lengths = idx.coded.streams["length"].tolist()
+    raw = bytearray(path.read_bytes())
+    raw[off:off + length] = np.random.default_rng(7).integers(0, 256, length, dtype=np.uint8).tobytes()
+    ix = bytearray(raw[h.index_offset:])  # every checksum made to match the garbage
+    struct.pack_into("<I", ix, 32 + 24 * h.blob_count + 24 * k + 16, fn(raw[off:off + length], 0))
+    at, streams_at = off, len(ix) - 8 * len(lengths)
+    for s, n in enumerate(lengths):
+        struct.pack_into("<I", ix, streams_at + 8 * s + 4, fn(raw[at:at + n], 0))
+        at += n
+    raw[h.index_offset:] = ix
+    struct.pack_into("<I", raw, 56, fn(bytes(ix), 0))
+    struct.pack_into("<I", raw, 60, fn(bytes(raw[:60]), 0))
+    path.write_bytes(bytes(raw))
+    with NativeFile(str(path), mmap=False) as f:
+        assert np.array_equal(f.read(["b"])["b"], np.arange(10))  # the index is sound
+        for act in (lambda: f.read(["w"]), f.verify, lambda: f.read_range("w", 0, 8)):
+            with pytest.raises(CheckpointCorruptError, match="does not decode") as ei:
+                act()
+            assert ei.value.blob == "w" and ei.value.path == str(path)

@@ -25,6 +25,7 @@ zstd releases the GIL, so frames are compressed and decompressed on a small thre
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -225,6 +226,13 @@ def _pool(threads: int) -> ThreadPoolExecutor | None:
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
+def _forget_pools() -> None:
+    _POOLS.clear()  # a forked child has none of its parent's threads: it starts its own
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
 def _map(fn: Callable[[int], Any], n: int, threads: int) -> list[Any]:
     pool = _pool(min(threads, n))
     return list(map(fn, range(n))) if pool is None else list(pool.map(fn, range(n)))
@@ -282,7 +290,7 @@ def compress_segment(view: memoryview, width: int, options: WriteOptions, fn: An
     frames = _frames(data, w, options.level, options.threads)
     streams = [s for f in frames for s in f]
     size = sum(map(len, streams))
-    if size >= n:
+    if size >= n or (mode == "auto" and size * AUTO_MIN_RATIO > n):
         return None
     return Compressed(CODEC_PLANES if w > 1 else CODEC_ZSTD, w, FRAME_BYTES, n, streams,
                       [fn(s, 0) for s in streams])
