@@ -307,3 +307,22 @@ def test_a_forged_stream_with_matching_checksums_is_refused_naming_the_blob(tmp_
             with pytest.raises(CheckpointCorruptError, match="does not decode") as ei:
                 act()
             assert ei.value.blob == "w" and ei.value.path == str(path)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_the_distributed_checkpointer_compresses_each_rank_db(tmp_path, async_save):
+    from epochal.integrations.distributed import DistributedCheckpointer
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 256, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()
+    want = [t.clone() for t in model.state_dict().values()]
+    with DistributedCheckpointer(tmp_path, async_save=async_save, compression="zstd") as ck:
+        ck.save(3, {"model": model, "opt": opt})
+    db = str(tmp_path / "rank0.3")
+    assert stat_native(db).format_version == "3.0" and _coded_segments(db)  # (one process, no group)
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": fresh, "opt": torch.optim.AdamW(fresh.parameters(), lr=1e-3)}) == 3
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(fresh.state_dict().values(), want))
