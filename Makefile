@@ -23,6 +23,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	# torch), then its small pure-Python deps by name (fsspec, packaging, PyYAML and
 	# typing-extensions come with the dev extra)
 	$(BIN)/pip install -q --no-deps lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0 tqdm==4.70.1
+	# JAX on CPU (epochal.jax, epochal[jax]) and Orbax, for the JAX door's tests
+	$(BIN)/pip install -q jax==0.10.2 orbax-checkpoint==0.12.8
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -98,15 +98,22 @@ def count_requests(exclude: tuple[str, ...] = (), latency: float = 0.0) -> Itera
         AioBaseClient._make_api_call = real  # type: ignore[method-assign]
 
 
-def fill_committed(url: str, steps: int, node: str, *, stats: bool = False) -> tuple[bytes, str]:
-    """Lay out ``steps`` committed steps at ``url`` as a handler would leave them: one small
-    native db of ``node`` and its manifest each (and a stats object each with ``stats``), sent in
-    parallel PUTs. Returns the db's bytes and digest, for the saves that follow."""
+def fill_committed(url: str, steps: int, node: str, *, stats: bool = False, epochs: Any = None,
+                   metric: str | None = None) -> tuple[bytes, str]:
+    """Lay out ``steps`` committed steps at ``url`` (an fsspec URL, or a local directory) as a
+    handler would leave them: one small native db of ``node`` and its manifest each (and a
+    stats object each with ``stats``), sent in parallel PUTs. ``epochs``: their numbers
+    (default ``range(steps)``). ``metric``: each manifest records a value of it (``keep_best=3``
+    by it, ``min``; the last three steps a value of 9, never among the best) and the metrics
+    index holds them all, as a handler with ``keep_best`` leaves it. Returns the db's bytes and
+    digest, for the saves that follow."""
+    import json
+
     import numpy as np
 
     import epochal as ep
-    from epochal.checkpoint.location.manifest import DbEntry, Manifest
-    from epochal.storage.io.fsspec_store import filesystem_for
+    from epochal.checkpoint.location.manifest import DbEntry, KeepBest, Manifest
+    from epochal.storage.io.remote.fsspec_store import filesystem_for
 
     backend = ep.get_db_type("native")
     probe = f"{url}/probe.0"
@@ -115,16 +122,52 @@ def fill_committed(url: str, steps: int, node: str, *, stats: bool = False) -> t
     fs, root = filesystem_for(url)
     data = bytes(fs.cat_file(filesystem_for(probe)[1]))
     fs.rm_file(filesystem_for(probe)[1])
+    numbers = sorted(epochs) if epochs is not None else list(range(steps))
     batch: dict[str, bytes] = {}
-    for e in range(steps):
+    index: dict[str, dict[str, float]] = {}
+    for e in numbers:
+        metrics = {}
+        if metric is not None:
+            metrics = {metric: 9.0 if e in numbers[-3:] else (e * 7919 % 997) / 997}
+            index[str(e)] = metrics
         m = Manifest(epoch=e, db_type="native", created="2026-12-02T00:00:00.000+00:00",
-                     nodes={node: DbEntry(f"{node}.{e}", len(data), digest)})
+                     nodes={node: DbEntry(f"{node}.{e}", len(data), digest)}, metrics=metrics,
+                     keep_best=KeepBest(3, metric, "min") if metric is not None else None)
         batch[f"{root}/{node}.{e}"] = data
         batch[f"{root}/.epochal/manifest.{e}.json"] = m.encode()
         if stats:
             batch[f"{root}/.epochal/stats/20261202T{e:010d}Z.0000.jsonl"] = (
                 b'{"time": "t", "action": "checkpoint_save", "epoch": %d, "node": "%s", "ns": 1000, "bytes": %d}\n'
                 % (e, node.encode(), len(data)))
+    if metric is not None:
+        batch[f"{root}/.epochal/index.json"] = json.dumps(
+            {"format": "epochal-index", "version": 1, "epochs": index}).encode()
+    fs.makedirs(f"{root}/.epochal/stats", exist_ok=True)
     fs.pipe(batch, batch_size=64)
     fs.invalidate_cache()
     return data, digest
+
+
+@contextlib.contextmanager
+def count_record_calls() -> Iterator[Requests]:
+    """Count every call to a local directory's record store (``LocalRecords``: reads, writes,
+    deletes, listings, sizes) inside the block: the local disk's equivalent of requests."""
+    from epochal.checkpoint.location.records import LocalRecords
+
+    seen = Requests()
+    names = ("read", "write", "delete", "exists", "size", "files", "add_stats", "read_stats")
+    real = {name: getattr(LocalRecords, name) for name in names}
+
+    def counted(name: str) -> Any:
+        def call(self: Any, *a: Any, **k: Any) -> Any:
+            seen.add(name)
+            return real[name](self, *a, **k)
+        return call
+
+    for name in names:
+        setattr(LocalRecords, name, counted(name))
+    try:
+        yield seen
+    finally:
+        for name in names:
+            setattr(LocalRecords, name, real[name])

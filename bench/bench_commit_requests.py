@@ -1,17 +1,20 @@
-"""Requests (and seconds) per commit at a URL with many committed steps, and the time of
-``epochal ls``/``stats``/``verify`` and of a resume there (figures: bench/RESULTS.md,
-"bench_commit_requests.py").
+"""A long history at a URL and on a local disk: the requests (and seconds) that opening a
+``Checkpointer``, restoring the newest step, the first commit and the steady commits with
+retention, and ``epochal ls`` make at N committed steps, beside a plain ``s3fs`` listing of
+the same prefix (see docs/remote.md, "History at scale").
 
-A moto S3 server runs as its own process on 127.0.0.1 (``moto_server``). For each step count N a location is
-filled with N committed steps (one node, a small native db, its manifest and one stats report
-per step, written directly with parallel PUTs), then a ``DirectoryMetadataHandler``
-(``keep_last=3, keep_every=1``: retention runs at every commit and keeps every step, so it
-looks at all N manifests) takes the lease and commits ``--commits`` more steps. Each
-commit is ``cp_accessible`` + ``report_dbs`` + ``write`` + ``report`` (what the runner calls
-after the nodes saved); the dbs themselves are written before, not counted. Requests are
-counted at the seam every S3 request goes through (``bench/_requests.py``).
+A moto S3 server runs as its own process on 127.0.0.1 (``moto_server``). For each step count N
+a location is filled with N committed steps as a job with ``keep_last=3, keep_every=10,
+keep_best=3`` (by ``loss``) leaves them: the multiples of 10, then the last three (one small
+native db, its manifest with its ``loss`` each, and the metrics index), written directly with
+parallel PUTs. Then a ``Checkpointer`` opens the location, restores the newest step and saves
+``--commits`` more (that policy: its first commit ranks the best three of all N steps and
+drops the step that fell out of the last three; so does each one after). ``ls`` is the
+listing ``epochal ls URL`` prints: the newest 20 steps; ``ls --all`` every one. Requests are
+counted at the seam every S3 request goes through (``bench/_requests.py``); on a local disk
+(``--where local``), the calls to the directory's record store.
 
-    PYTHONPATH=src .venv/bin/python bench/bench_commit_requests.py --steps 10,1000,5000
+    PYTHONPATH=src .venv/bin/python bench/bench_commit_requests.py --steps 100,1000,10000
 """
 
 from __future__ import annotations
@@ -20,86 +23,90 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _requests import count_requests, fill_committed, moto_server  # noqa: E402
+import numpy as np  # noqa: E402
+from _requests import count_record_calls, count_requests, fill_committed, moto_server  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.checkpoint.handler.metadata import DbReport  # noqa: E402
-from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+from epochal.checkpoint.location.retention import RetentionPolicy  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
-NODE = "trainer_0"
+NODE = "local"  # the Checkpointer's node
+POLICY = RetentionPolicy(keep_last=3, keep_every=10, keep_best=3, metric="loss")
+
+
+def history(steps: int) -> list[int]:
+    """The step numbers of N committed steps kept by ``POLICY``: every 10th, then the last three."""
+    last = 10 * (steps - 4)
+    return [*range(0, last + 1, 10), last + 1, last + 2, last + 3]
+
+
+def _measure(counter: Callable[[], Any], fn: Callable[[], Any]) -> tuple[Any, int, float, dict[str, int]]:
+    with counter() as n:
+        t = time.perf_counter()
+        got = fn()
+        secs = time.perf_counter() - t
+    return got, n.total, secs, dict(n.by_method)
+
+
+def run(where: str, steps: int, commits: int, opts: dict[str, Any] | None, all_max: int) -> dict[str, Any]:
+    """One row: N = ``steps`` committed steps at ``where`` (a URL, or a local directory)."""
+    remote = opts is not None
+    counter: Callable[[], Any] = (lambda: count_requests(exclude=("lease.json",))) if remote else count_record_calls
+    if remote:
+        set_storage_options(where, opts)
+    epochs = history(steps)
+    t = time.perf_counter()
+    fill_committed(where, steps, NODE, epochs=epochs, metric="loss")
+    out: dict[str, Any] = {"steps": steps, "fill_s": time.perf_counter() - t}
+    if remote:
+        fs, root = filesystem_for(where)
+
+        def listing() -> None:  # what s3fs itself costs: the dbs' folder and the records' folder
+            fs.invalidate_cache()
+            fs.ls(root, detail=True, refresh=True)
+            fs.ls(root + "/.epochal", detail=True, refresh=True)
+
+        _, out["listing_requests"], out["listing_s"], _ = _measure(counter, listing)
+    ck, out["open_requests"], out["open_s"], out["open_by"] = _measure(
+        counter, lambda: ep.Checkpointer(where, storage_options=opts, keep_last=3, keep_best=3, metric="loss"))
+    try:
+        ck.handler.policy = POLICY  # as DirectoryMetadataHandler(keep_every=10, ...): the Checkpointer has no keep_every
+        state = {"w": np.zeros(64, dtype=np.float32)}
+        got, out["restore_requests"], out["restore_s"], out["restore_by"] = _measure(counter, lambda: ck.restore(state))
+        assert got == epochs[-1] and state["w"].tobytes() == np.arange(64, dtype=np.float32).tobytes(), got
+        per, secs = [], []
+        for k in range(commits):
+            step = epochs[-1] + 1 + k
+            _, n, s_, by = _measure(counter, lambda s=step: ck.save(s, state, metrics={"loss": 9.0}))
+            per.append(n)
+            secs.append(s_)
+            out["first_commit_by" if k == 0 else "commit_by"] = by
+    finally:
+        ck.close()
+    out["first_commit_requests"], out["first_commit_s"] = per[0], secs[0]
+    out["commit_requests"] = statistics.median(per[1:]) if len(per) > 1 else None
+    out["commit_s"] = statistics.median(secs[1:]) if len(secs) > 1 else None
+    from epochal.cli.records import LS_NEWEST, ls_prefix
+
+    (listing_, best), out["ls_requests"], out["ls_s"], _ = _measure(counter, lambda: ls_prefix(where, LS_NEWEST))
+    assert len(listing_["epochs"]) == LS_NEWEST and best is not None, listing_["older"]
+    if steps <= all_max:
+        (listing_, _), out["ls_all_requests"], out["ls_all_s"], _ = _measure(counter, lambda: ls_prefix(where, None))
+        assert listing_["older"] == 0 and len(listing_["epochs"]) >= len(epochs), len(listing_["epochs"])
+    return out
 
 
 def _fill(url: str, steps: int) -> tuple[bytes, str]:
     """N committed steps at ``url``: db, manifest and a stats object each (parallel PUTs)."""
     return fill_committed(url, steps, NODE, stats=True)
-
-
-def _commit(h: ep.DirectoryMetadataHandler, url: str, step: int, data: bytes, digest: str) -> None:
-    h.cp_accessible()
-    h.report_dbs(step, {NODE: DbReport(len(data), digest)})
-    h.write(step)
-    h.report_bytes("checkpoint_save", {NODE: len(data)})
-    h.report("checkpoint_save", {NODE: 1000})
-
-
-def run(steps: int, commits: int, opts: dict[str, Any], tools: bool, verify: bool) -> dict[str, Any]:
-    url = f"s3://bench/run-{steps}-{os.getpid()}-{time.time_ns()}"
-    set_storage_options(url, opts)
-    data, digest = _fill(url, steps)
-    fs, root = filesystem_for(url)
-    out: dict[str, Any] = {"steps": steps}
-
-    h = ep.DirectoryMetadataHandler(keep_last=3, keep_every=1, storage_options=opts)
-    with count_requests() as n:
-        t = time.perf_counter()
-        h.set_params(url, "native", [NODE])
-        h.acquire_lock()
-        resume = h.resume_epoch()
-        out["start_s"], out["start_requests"] = time.perf_counter() - t, n.total
-    assert resume == steps - 1, resume
-    per, secs = [], []
-    for k in range(commits):
-        step = steps + k
-        fs.pipe_file(f"{root}/{NODE}.{step}", data)  # the node's save (not counted)
-        with count_requests(exclude=()) as n:
-            t = time.perf_counter()
-            _commit(h, url, step, data, digest)
-            secs.append(time.perf_counter() - t)
-        per.append(n.total)
-        if k == 0:
-            out["first_by_method"] = dict(n.by_method)
-        else:
-            out["by_method"] = dict(n.by_method)
-    h.release_lock()
-    out["first_commit_requests"], out["first_commit_s"] = per[0], secs[0]
-    out["commit_requests"] = statistics.median(per[1:]) if len(per) > 1 else per[0]
-    out["commit_s"] = statistics.median(secs[1:]) if len(secs) > 1 else secs[0]
-    if tools:
-        from epochal.cli.records import list_prefix, stats_prefix, verify_target
-
-        set_storage_options(url, opts)
-        for name, fn in (("ls", list_prefix), ("stats", stats_prefix), ("verify", verify_target)):
-            if name == "verify" and not verify:
-                continue
-            with count_requests() as n:
-                t = time.perf_counter()
-                got = fn(url)
-                out[f"{name}_s"], out[f"{name}_requests"] = time.perf_counter() - t, n.total
-            if name == "ls":
-                assert len(got["epochs"]) == steps + commits, len(got["epochs"])
-            if name == "verify":
-                assert got["ok"], [e for e in got["epochs"] if not e["ok"]][:3]
-        fs.invalidate_cache()
-        with count_requests() as n:  # a list of the db folder alone: the floor for ls
-            t = time.perf_counter()
-            fs.ls(root, detail=True, refresh=True)
-            out["listing_s"], out["listing_requests"] = time.perf_counter() - t, n.total
-    return out
 
 
 def paired(steps: int, rounds: int, latency: float, opts: dict[str, Any]) -> dict[str, Any]:
@@ -148,10 +155,10 @@ def paired(steps: int, rounds: int, latency: float, opts: dict[str, Any]) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", default="10,1000,5000", help="comma-separated step counts")
-    ap.add_argument("--commits", type=int, default=4, help="commits measured per step count")
-    ap.add_argument("--no-tools", action="store_true", help="skip ls/stats/verify")
-    ap.add_argument("--verify-max", type=int, default=1000, help="run verify (reads every db) up to this many steps")
+    ap.add_argument("--steps", default="100,1000,10000", help="comma-separated step counts")
+    ap.add_argument("--commits", type=int, default=4, help="commits measured per step count (the first, then steady)")
+    ap.add_argument("--where", default="s3,local", help="s3, local or both (comma-separated)")
+    ap.add_argument("--all-max", type=int, default=10000, help="run ls --all up to this many steps")
     ap.add_argument("--paired", type=int, default=0, metavar="STEPS",
                     help="instead: ls/stats/resume at STEPS steps, one request at a time vs in parallel")
     ap.add_argument("--latency-ms", type=float, default=20.0, help="with --paired: added to each request")
@@ -171,23 +178,37 @@ def main() -> None:
             seq, par, ratio = got[name]
             print(f"| {name} | {seq:.2f} | {par:.2f} | {ratio:.2f} |")
         return
+    rows = []
     try:
-        rows = []
-        for s in args.steps.split(","):
-            rows.append(run(int(s), args.commits, opts, not args.no_tools, int(s) <= args.verify_max))
-            print(rows[-1], flush=True)
+        for kind in args.where.split(","):
+            for s in args.steps.split(","):
+                if kind == "s3":  # a bucket of its own: moto's listing time grows with the bucket's keys
+                    bucket = f"history-{s}-{time.time_ns()}"
+                    urllib.request.urlopen(urllib.request.Request(f"{opts['endpoint_url']}/{bucket}", method="PUT")).read()
+                    where, o = f"s3://{bucket}/run", opts
+                else:
+                    where, o = tempfile.mkdtemp(prefix=f"epochal-history-{s}-"), None
+                row = run(where, int(s), args.commits, o, args.all_max)
+                row["where"] = kind
+                rows.append(row)
+                print(row, flush=True)
     finally:
         server.terminate()
         server.wait()
-    cols = ["steps", "start_requests", "start_s", "first_commit_requests", "first_commit_s", "commit_requests",
-            "commit_s", "ls_requests", "ls_s", "stats_requests", "stats_s", "verify_requests", "verify_s",
-            "listing_requests", "listing_s"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---:|" * len(cols))
+    whats = [("s3fs listing", "listing"), ("open", "open"), ("restore newest", "restore"),
+             ("first commit", "first_commit"), ("steady commit", "commit"), ("ls (newest 20)", "ls"),
+             ("ls --all", "ls_all")]
+    print("| where | steps | " + " | ".join(w for w, _ in whats) + " |")
+    print("|---|---:|" + "---:|" * len(whats))
     for r in rows:
-        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols) + " |")
+        cells = []
+        for _, key in whats:
+            n, secs = r.get(f"{key}_requests"), r.get(f"{key}_s")
+            cells.append("-" if n is None else f"{n:g} / {secs:.2f} s")
+        print(f"| {r['where']} | {r['steps']:,} | " + " | ".join(cells) + " |")
     for r in rows:
-        print(r["steps"], "first commit:", r.get("first_by_method"), "steady:", r.get("by_method"))
+        print(r["where"], r["steps"], "open:", r["open_by"], "restore:", r["restore_by"],
+              "first commit:", r["first_commit_by"], "steady:", r.get("commit_by"))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from _requests import moto_server  # noqa: E402
 def _node(conn: Any, opts: dict[str, Any] | None, mib: int, node: int) -> None:
     """A node's process: on each (variant, prefix, phase) message, save or load its own db."""
     from epochal.storage.formats.base import get_db_type
-    from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options
+    from epochal.storage.io.remote.fsspec_store import filesystem_for, set_storage_options
 
     backend = get_db_type("native")
     blobs = {"w": np.random.default_rng(node).standard_normal(mib * (1 << 20) // 8), "step": 3}

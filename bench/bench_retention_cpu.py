@@ -29,7 +29,7 @@ import epochal as ep
 from epochal.checkpoint.handler.metadata import DbReport
 from epochal.checkpoint.location import view
 from epochal.checkpoint.location.manifest import Manifest
-from epochal.storage.io.fsspec_store import filesystem_for
+from epochal.storage.io.remote.fsspec_store import filesystem_for
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _requests import fill_committed  # noqa: E402

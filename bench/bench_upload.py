@@ -1,5 +1,5 @@
 """The upload of a staged db to S3 alone, in one process: epochal's ``upload_to_key`` (one
-PUT, or a multipart upload, streamed from the file: ``storage/io/uploads.py``) against s3fs's
+PUT, or a multipart upload, streamed from the file: ``storage/io/remote/uploads.py``) against s3fs's
 ``put_file`` of the same local file, to moto's server on 127.0.0.1 (a process of its own).
 
 Both variants upload the same file to fresh keys, alternating, the order flipped every round
@@ -25,8 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _requests import moto_server  # noqa: E402
 
-from epochal.storage.io.fsspec_store import filesystem_for
-from epochal.storage.io.uploads import upload_to_key
+from epochal.storage.io.remote.fsspec_store import filesystem_for
+from epochal.storage.io.remote.uploads import upload_to_key
 
 
 def main() -> None:

@@ -110,7 +110,7 @@ def main() -> int:
     state = {"model": ddp, "opt": opt, "sched": sched, "sampler": data, "rng": epochal.RNGState(),
              "step": 0, "epoch": 0, "losses": []}
     with epochal.Checkpointer(ckpt, keep_last=2) as ck:
-        assert type(ck).__name__ == "DistributedCheckpointer", type(ck)
+        assert type(ck).__name__ == "Checkpointer" and type(ck.distributed).__name__ == "DistributedCheckpointer", type(ck)
         got = ck.restore(state)
         say(f"rank {rank} resumed {got} pid {os.getpid()}")
         while state["step"] < total:

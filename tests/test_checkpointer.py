@@ -217,7 +217,7 @@ def test_outside_the_main_thread_no_handler_is_installed(tmp_path: Path) -> None
 
 
 def test_due_every_and_interval(tmp_path: Path, monkeypatch: Any) -> None:
-    import epochal.checkpointer as cp
+    import epochal.checkpointer.core as cp
 
     now = [1000.0]
     monkeypatch.setattr(cp.time, "monotonic", lambda: now[0])

@@ -15,7 +15,7 @@ from test_cli import jout, one_line_error, run  # noqa: E402
 from test_url_checkpoints import LAST, NODES, _train  # noqa: E402
 
 import epochal as ep  # noqa: E402
-from epochal.storage.io.fsspec_store import filesystem_for  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for  # noqa: E402
 
 
 @pytest.fixture(scope="module")

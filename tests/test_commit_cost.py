@@ -25,7 +25,7 @@ from epochal.checkpoint.location.manifest import DbEntry, Manifest  # noqa: E402
 from epochal.checkpoint.location.record_cache import CachedRecords  # noqa: E402
 from epochal.checkpoint.location.records import UrlRecords  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
-from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 NODE = "n"
 

@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("gcsfs", reason="the gcs extra is not installed")
 
 import epochal as ep  # noqa: E402
-from epochal.storage.io import conditional  # noqa: E402
-from epochal.storage.io.fsspec_store import filesystem_for  # noqa: E402
+from epochal.storage.io.remote import conditional  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for  # noqa: E402
 
 
 @pytest.fixture

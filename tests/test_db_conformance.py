@@ -47,7 +47,7 @@ class Place:
         return f"{self.root}/{name}"
 
     def _fs(self, p: str) -> tuple[Any, str]:
-        from epochal.storage.io.fsspec_store import filesystem_for
+        from epochal.storage.io.remote.fsspec_store import filesystem_for
 
         return filesystem_for(p)
 
@@ -86,7 +86,7 @@ def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Place]:
         yield Place(f"memory://conformance-{secrets.token_hex(4)}", False)
         return
     opts = request.getfixturevalue("s3")
-    from epochal.storage.io.fsspec_store import set_storage_options
+    from epochal.storage.io.remote.fsspec_store import set_storage_options
 
     root = f"s3://ckpts/conformance-{secrets.token_hex(4)}"
     set_storage_options(root, opts)

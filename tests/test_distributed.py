@@ -124,7 +124,14 @@ def test_fsdp2_two_to_one_and_one_to_two_bit_equal(tmp_path: Path, monkeypatch: 
     state = {"model": model, "opt": opt, "note": "", "rng": epochal.RNGState()}
     rng = torch.get_rng_state()
     with epochal.Checkpointer(path) as ck:  # the directory was written by ranks
-        assert isinstance(ck, DistributedCheckpointer)
+        assert type(ck) is epochal.Checkpointer and isinstance(ck.distributed, DistributedCheckpointer)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for one_process_only in ({"step": 4}, {"strict": False}):  # refused, nothing written
+            with pytest.raises(ValueError, match="for one process"):
+                ck.restore(state, **one_process_only)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        with pytest.raises(ValueError, match="a db per rank"):
+            ck.db_path(4)
         assert ck.restore(state) == 4
     assert state["note"] == "fsdp"
     assert torch.equal(torch.get_rng_state(), rng)  # per-rank values of 2 ranks are not 1 rank's

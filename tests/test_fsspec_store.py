@@ -12,7 +12,8 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 
 from epochal.errors import CheckpointNotFoundError  # noqa: E402
 from epochal.storage.formats.base import get_db_type  # noqa: E402
-from epochal.storage.io import fsspec_store, tuning  # noqa: E402
+from epochal.storage.io import tuning  # noqa: E402
+from epochal.storage.io.remote import fsspec_store  # noqa: E402
 from epochal.storage.io.seam import store_for  # noqa: E402
 
 

@@ -26,11 +26,9 @@ import epochal as ep  # noqa: E402
 from epochal.checkpoint.location.lease import Lease  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointLockedError  # noqa: E402
-from epochal.storage.io import (
-    atomic,  # noqa: E402
-    conditional,  # noqa: E402
-)
-from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+from epochal.storage.io import atomic  # noqa: E402
+from epochal.storage.io.remote import conditional  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 
 @pytest.fixture(params=["memory", "s3", "gcs"])

@@ -19,11 +19,9 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 
 import epochal as ep  # noqa: E402
 from epochal.errors import CheckpointLockedError  # noqa: E402
-from epochal.storage.io import (
-    atomic,  # noqa: E402
-    fsspec_store,  # noqa: E402
-)
-from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+from epochal.storage.io import atomic  # noqa: E402
+from epochal.storage.io.remote import fsspec_store  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 
 @pytest.fixture(params=["memory", "s3"])
@@ -306,7 +304,8 @@ _KILLED = """
 import os, signal, sys
 import numpy as np
 import epochal as ep
-from epochal.storage.io import fsspec_store, tuning
+from epochal.storage.io import tuning
+from epochal.storage.io.remote import fsspec_store
 opts = {"endpoint_url": sys.argv[2], "key": "test", "secret": "test", "client_kwargs": {"region_name": "us-east-1"}}
 fsspec_store.set_storage_options(sys.argv[1], opts)
 tuning.UPLOAD_PART = 5 << 20  # 12 MiB: a multipart upload of 3 parts

@@ -68,7 +68,7 @@ def test_an_s3_url_carries_its_scheme_root_and_a_copy_of_its_options() -> None:
 
 def test_a_memory_url_store_writes_and_reads_with_its_options() -> None:
     pytest.importorskip("fsspec")
-    from epochal.storage.io.fsspec_store import FsspecStore
+    from epochal.storage.io.remote.fsspec_store import FsspecStore
 
     assert location_for("memory://").root == "memory://"
     assert location_for("memory://").join("a", "b") == "memory://a/b"
@@ -149,7 +149,7 @@ def test_a_background_save_writes_with_its_steps_options(seen: list[tuple[str, d
 
 def test_active_locations_in_two_threads_keep_their_own_options() -> None:
     pytest.importorskip("fsspec")
-    from epochal.storage.io.fsspec_store import storage_options_for
+    from epochal.storage.io.remote.fsspec_store import storage_options_for
 
     url = f"memory://threads-{secrets.token_hex(4)}/run"
     both = threading.Barrier(2)

@@ -64,7 +64,8 @@ def test_a_directory_under_a_regular_file_fails_naming_it(tmp_path, multi):
 
 def test_the_two_is_url_agree_on_file_urls():
     from epochal.storage.formats import remote
-    from epochal.storage.io import fsspec_store, seam
+    from epochal.storage.io import seam
+    from epochal.storage.io.remote import fsspec_store
 
     assert remote.is_url is seam.is_url  # one definition, re-exported
     assert not hasattr(fsspec_store, "is_url")

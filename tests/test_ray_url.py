@@ -19,7 +19,7 @@ from test_url_checkpoints import _cat, _forget_after  # noqa: E402
 
 import epochal as ep  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
-from epochal.storage.io import fsspec_store  # noqa: E402
+from epochal.storage.io.remote import fsspec_store  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 NODES = [f"trainer_{n}" for n in range(3)]

@@ -20,8 +20,9 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 from epochal.errors import CheckpointCorruptError  # noqa: E402
 from epochal.storage.formats.base import get_db_type  # noqa: E402
 from epochal.storage.formats.native.layout import DAMAGED_DATA, DAMAGED_PAD  # noqa: E402
-from epochal.storage.io import fsspec_store, tuning  # noqa: E402
-from epochal.storage.io.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
+from epochal.storage.io import tuning  # noqa: E402
+from epochal.storage.io.remote import fsspec_store  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for, set_storage_options  # noqa: E402
 
 PIECE = (1 << 20) + 4096  # pieces straddle segment and piece boundaries
 

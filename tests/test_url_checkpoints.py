@@ -22,7 +22,7 @@ from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
 import epochal as ep  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointError, CheckpointLockedError  # noqa: E402
-from epochal.storage.io.fsspec_store import filesystem_for  # noqa: E402
+from epochal.storage.io.remote.fsspec_store import filesystem_for  # noqa: E402
 
 NODES = ("trainer_0", "trainer_1")
 LAST = len(EXPECTED_TOTALS)
@@ -191,7 +191,7 @@ def test_db_name_joins_urls_with_a_slash() -> None:
 def test_resume_at_a_url_reads_headers_only_and_a_damaged_db_found_by_the_load_falls_back(
     where: tuple[str, dict[str, Any] | None], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from epochal.storage.io import fsspec_store
+    from epochal.storage.io.remote import fsspec_store
 
     url, opts = where
     assert _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts) == LAST

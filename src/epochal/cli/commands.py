@@ -37,7 +37,7 @@ from .export import export_db
 from .hf_dirs import hf_db
 from .names import RECORDS_DIR
 from .problems import Problem
-from .records import list_prefix, stats_prefix, verify_target
+from .records import LS_NEWEST, ls_prefix, stats_prefix, verify_target
 
 
 # ------------------------------------------------------------------ the group
@@ -67,13 +67,9 @@ STATE_STYLE = {"final": "bold green", "committed": "green", "uncommitted": "yell
                "missing files": "bold red", "unknown": "dim"}
 
 
-#: the epochs ``epochal ls`` shows without ``--all`` (the newest)
-LS_NEWEST = 20
-
-
 @cli.command("ls", context_settings=CONTEXT)
 @click.argument("prefix", type=PrefixArg)
-@click.option("--all", "show_all", is_flag=True, help=f"Every epoch, not only the newest {LS_NEWEST}.")
+@click.option("--all", "show_all", is_flag=True, help=f"Every epoch (default: the newest {LS_NEWEST}).")
 @storage_options_option
 @json_option
 @click.pass_context
@@ -85,10 +81,7 @@ def ls_cmd(ctx: click.Context, prefix: str, show_all: bool, as_json: bool) -> in
     The newest 20 epochs are shown (only their records are read); --all shows every one.
     """
     out = _out(ctx)
-    listing = list_prefix(prefix, None if show_all else LS_NEWEST)
-    from ..checkpoint.location.view import best_of_directory
-
-    best = best_of_directory(prefix)
+    listing, best = ls_prefix(prefix, None if show_all else LS_NEWEST)
     ranks = {e: i + 1 for i, e in enumerate(best.epochs)} if best is not None else {}
     for e in listing["epochs"]:
         e["best"] = ranks.get(e["epoch"])
@@ -137,8 +130,7 @@ def ls_cmd(ctx: click.Context, prefix: str, show_all: bool, as_json: bool) -> in
         table.add_row(*row)
     out.console.print(table)
     if listing.get("older"):
-        out.console.print(Text(f"{listing['older']} older epoch(s) not shown: epochal ls --all {prefix}",
-                               style="dim"))
+        out.note(f"{listing['older']} older epoch(s) not shown: epochal ls --all {prefix} lists every one")
     if not listing["records"]:
         out.note(f"note: {prefix} has no {RECORDS_DIR}/ records (written without "
                  "DirectoryMetadataHandler): commit state unknown")

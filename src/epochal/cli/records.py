@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..checkpoint.location.best import BestEpochs
 from ..checkpoint.location.manifest import DbEntry, Manifest
 from ..checkpoint.location.stats import StatsLine
 from ..checkpoint.location.view import EpochProblem
@@ -18,7 +20,7 @@ from .names import RECORDS_DIR, parse_db_name
 from .problems import Problem, one_line
 from .values import iso_time
 
-__all__ = ["Records", "list_prefix", "stats_prefix", "verify_target"]
+__all__ = ["LS_NEWEST", "Records", "list_prefix", "ls_prefix", "stats_prefix", "verify_target"]
 
 
 class Records:
@@ -56,8 +58,9 @@ class Records:
             self._dir = CheckpointDirectory(self.prefix)
             # one command's snapshot: listings once, sizes from them, records read in parallel
             self._dir.records = CachedRecords(self._dir.records, sizes_from_listing=True)
-            here = self._dir.records.files(self._dir.db_dir)
-            self.has_records = bool(self._dir.records.files(self._dir.records_dir))
+            with ThreadPoolExecutor(2) as pool:  # the two folders listed at once (remembered)
+                here, records = pool.map(self._dir.records.files, [self._dir.db_dir, self._dir.records_dir])
+            self.has_records = bool(records)
         except (CheckpointError, OSError, ValueError) as e:
             raise Problem(one_line(e, prefix)) from None
         if not here and not self.has_records:
@@ -96,18 +99,19 @@ class Records:
             out.setdefault(parsed[1], {})[parsed[0]] = full
         return out
 
-    def prefetch_manifests(self, epochs: list[int]) -> None:
-        """Read these epochs' manifests at once (a URL's, in parallel requests)."""
-        records = getattr(self._dir, "records", None)
-        if records is not None and hasattr(records, "prefetch"):
-            records.prefetch([self._dir.manifest_path(e) for e in epochs])
-
-    def manifest_epochs(self) -> list[int]:
-        """Epochs with a manifest file (valid or not): a listing, nothing read."""
-        return sorted(int(e) for e in self._call("manifest_epochs", default=[]) or [])
-
     def committed(self) -> list[int]:
         return sorted(int(e) for e in self._call("committed_epochs", default=[]) or [])
+
+    def manifest_epochs(self) -> list[int]:
+        """Epochs that have a manifest file, valid or not (the listing alone: nothing read)."""
+        return sorted(int(e) for e in self._call("manifest_epochs", default=[]) or [])
+
+    def manifests(self, epochs: list[int]) -> dict[int, Manifest | None]:
+        """The typed manifest of each of ``epochs`` (read at once, in parallel at a URL); None
+        for one that is gone or does not read."""
+        got = self._call("read_manifests", epochs)
+        good = got[0] if got is not None else {}
+        return {e: good.get(e) for e in epochs}
 
     def manifest(self, epoch: int) -> Manifest | None:
         """The typed manifest of ``epoch``; None when it has none or it does not read."""
@@ -128,7 +132,9 @@ class Records:
         """Epochs whose manifest file exists but does not read (damaged or forged, so the
         epoch is not committed): what is wrong with each."""
         out: dict[int, str] = {}
-        for e in self._call("manifest_epochs", default=[]) or []:
+        epochs = self.manifest_epochs()
+        self.manifests(epochs)  # read at once (in parallel at a URL), then one by one for the errors
+        for e in epochs:
             try:
                 self._dir.read_manifest(e)
             except (CheckpointError, OSError, ValueError) as ex:
@@ -147,31 +153,41 @@ def _file_record(path: str | None) -> dict[str, Any]:
     return {"path": path, "present": True, "size": st.st_size, "modified": iso_time(st.st_mtime)}
 
 
-def list_prefix(prefix: str, newest: int | None = None) -> dict[str, Any]:
-    """``epochal ls``: the epochs (the ``newest`` ones; None: every one) with their db files
-    per node, commit state, sizes, times, pins; ``older``: how many older ones are not shown.
-    Only the manifests of the epochs shown are read (a listing of the rest)."""
+#: the epochs ``epochal ls`` shows without ``--all``: the newest ones
+LS_NEWEST = 20
+
+
+def list_prefix(prefix: str, limit: int | None = None) -> dict[str, Any]:
+    """``epochal ls``: the epochs with their db files per node, commit state, sizes, times and
+    pins; the newest ``limit`` of them (None: every one), ``older`` saying how many are left
+    out. Only the manifests of the epochs shown are read."""
+    return ls_prefix(prefix, limit)[0]
+
+
+def ls_prefix(prefix: str, limit: int | None = None) -> tuple[dict[str, Any], BestEpochs | None]:
+    """:func:`list_prefix`, and the best epochs when the job ranks them (see :func:`_best`)."""
     folders = hf_checkpoints(prefix)
     if folders:  # a Hugging Face Trainer's output directory
-        return list_hf(prefix, folders)
+        return list_hf(prefix, folders), None
     rec = Records(prefix)
     present = rec.scan()
     listed = rec.manifest_epochs()
     every = sorted(set(present) | set(listed))
-    shown = every if newest is None or newest >= len(every) else every[len(every) - newest:]
-    present = {e: present[e] for e in shown if e in present}
-    rec.prefetch_manifests([e for e in shown if e in listed])  # (at a URL: in parallel, these only)
-    manifests = {e: m for e in shown if e in listed and (m := rec.manifest(e)) is not None}
-    committed = set(manifests)
+    shown = every if limit is None else every[-limit:] if limit > 0 else []
+    have = set(listed)
+    manifests = rec.manifests([e for e in shown if e in have])
+    committed = {e for e, m in manifests.items() if m is not None}
+    older = len(every) - len(shown)
+    shown = [e for e in shown if e in present or e in committed]  # (a damaged manifest alone: no epoch)
     pins = rec.pins()
     nodes: list[str] = []
-    for e in sorted(set(present) | committed):
+    for e in shown:
         m = manifests.get(e)
         for n in list(m.nodes if m is not None else ()) + sorted(present.get(e, {})):
             if n not in nodes:
                 nodes.append(n)
     epochs = []
-    for e in sorted(set(present) | committed):
+    for e in shown:
         m = manifests.get(e)
         mnodes: dict[str, DbEntry] = m.nodes if m is not None else {}
         files: dict[str, Any] = {}
@@ -208,8 +224,35 @@ def list_prefix(prefix: str, newest: int | None = None) -> dict[str, Any]:
             "files": files,
             "missing": missing,
         })
-    return {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs,
-            "older": len(every) - len(shown)}
+    listing = {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs,
+               "older": older}
+    return listing, _best(rec, manifests, listed)
+
+
+def _best(rec: Records, manifests: dict[int, Manifest | None], listed: list[int]) -> BestEpochs | None:
+    """The best epochs of the job, when the newest manifest shown that records ``keep_best``
+    says how it ranks (None otherwise): every committed epoch's value from the metrics index,
+    the manifests shown and those the index lacks being read (see
+    :mod:`epochal.checkpoint.location.index`; never written here)."""
+    spec = next((m.keep_best for _, m in sorted(manifests.items(), reverse=True)
+                 if m is not None and m.keep_best is not None), None)
+    if spec is None or rec._dir is None:
+        return None
+    from ..checkpoint.location.index import MetricIndex
+    from ..checkpoint.location.retention import best_epochs, metric_unreadable, metric_value
+
+    unreadable = {e: "" for e, m in manifests.items() if m is None}
+    try:
+        recorded = MetricIndex(rec._dir).metrics(listed, unreadable)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise Problem(one_line(e, rec.prefix)) from None
+    recorded.update({e: dict(m.metrics) for e, m in manifests.items() if m is not None})
+    raw = {e: r.get(spec.metric) for e, r in recorded.items()}
+    values = {e: metric_value(v) for e, v in raw.items()}
+    k = spec.k if spec.k > 0 else None
+    best = best_epochs(values, k if k is not None else len(values), spec.mode)
+    return BestEpochs(spec.metric, spec.mode, k, best, values,
+                      frozenset(e for e, v in raw.items() if metric_unreadable(v)))
 
 
 #: file names (suffixes) in a local directory that ``verify PREFIX`` checks besides the
@@ -269,8 +312,6 @@ def _serial(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
 
 def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """``[fn(x) for x in items]``, several at a time (requests to object storage), in order."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from ..checkpoint.location.record_cache import PARALLEL_REQUESTS
 
     if len(items) <= 1 or PARALLEL_REQUESTS <= 1:

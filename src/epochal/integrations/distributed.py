@@ -246,7 +246,7 @@ class DistributedCheckpointer:
         try:
             if problem is None:
                 planner, same = self._plans.planner(sd, ranks.rank == 0)
-            if problem is None and ranks.rank == 0 and step in CheckpointDirectory(self.directory).committed_epochs():
+            if problem is None and ranks.rank == 0 and CheckpointDirectory(self.directory).is_committed(step):
                 raise CheckpointError(f"{self.directory}: step {step} is already committed (a save never "
                                       "replaces one)")
         except Exception as ex:

@@ -50,8 +50,8 @@ def written_by_ranks(directory: str | os.PathLike[str], storage_options: dict[st
         return False
     try:
         d = CheckpointDirectory(path, storage_options=storage_options)
-        newest = d.newest_committed()  # (the newest manifest alone, not every one)
-        return newest is not None and META_NODE in d.read_manifest(newest).nodes
+        newest = d.newest_committed()  # the newest manifest alone, not the whole history
+        return newest is not None and META_NODE in newest[1].nodes
     except (CheckpointError, OSError, ValueError):
         return False
     except Exception:  # a URL's store failing some other way: the Checkpointer says so itself

@@ -20,57 +20,25 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+from typing import Any
 
-from ...errors import CheckpointError, CheckpointNotFoundError
+from ...errors import CheckpointError
 from ...storage.io import atomic
+from ..location.index import MetricIndex
 from ..location.lock import pid_alive
 from ..location.manifest import Manifest
-from ..location.retention import RetentionPolicy, epochs_to_delete, metric_unreadable, metric_value
+from ..location.retention import RetentionPolicy, best_epochs, metric_unreadable
 from ..location.view import CheckpointDirectory
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["apply_retention", "clean_temp_files", "clean_temp_keys", "read_manifests"]
+__all__ = ["apply_retention", "clean_temp_files", "clean_temp_keys", "metric_index", "read_manifests"]
 
 
 def read_manifests(d: CheckpointDirectory, epochs: Iterable[int]) -> tuple[dict[int, Manifest], dict[int, str]]:
     """Each manifest of ``epochs`` read once: ``({epoch: manifest}, {epoch: why it cannot be
     read or parsed})``. An epoch whose manifest vanished since the listing is in neither."""
-    good: dict[int, Manifest] = {}
-    bad: dict[int, str] = {}
-    for epoch in epochs:
-        try:
-            good[epoch] = d.read_manifest(epoch)
-        except CheckpointNotFoundError:
-            continue
-        except CheckpointError as ex:
-            bad[epoch] = str(ex)
-    return good, bad
-
-
-def _read_needed(d: CheckpointDirectory, manifests: list[int], newest: int, pins: set[int],
-                 policy: RetentionPolicy) -> tuple[dict[int, Manifest], dict[int, str], set[int]]:
-    """The manifests keep_last/keep_every need, read once: from ``newest`` down until
-    ``keep_last`` of them are valid, then every older epoch the rules would drop (each is read
-    before it is deleted: an unreadable one is kept). The older epochs the rules keep anyway
-    (pinned, multiples of ``keep_every``) are not read: ``assumed`` committed. So the reads
-    of a commit grow with what it deletes, not with the history."""
-    good: dict[int, Manifest] = {}
-    bad: dict[int, str] = {}
-    older = [e for e in sorted(manifests, reverse=True) if e <= newest]
-    want = max(policy.keep_last or 0, 1)
-    i = 0
-    while i < len(older) and len(good) < want:
-        g, b = read_manifests(d, [older[i]])
-        good.update(g)
-        bad.update(b)
-        i += 1
-    rest = older[i:]
-    kept = {e for e in rest if e in pins or (policy.keep_every is not None and e % policy.keep_every == 0)}
-    g, b = read_manifests(d, [e for e in rest if e not in kept])
-    good.update(g)
-    bad.update(b)
-    return good, bad, kept
+    return d.read_manifests(epochs)
 
 
 def _manifest_absent(d: CheckpointDirectory, epoch: int) -> bool:
@@ -85,13 +53,76 @@ def _manifest_absent(d: CheckpointDirectory, epoch: int) -> bool:
     return False
 
 
-def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy, node_names: Iterable[str]) -> list[int]:
+class _Reads:
+    """The manifests retention has read so far (each once): good ones, and why the others
+    cannot be read."""
+
+    def __init__(self, d: CheckpointDirectory) -> None:
+        self.d = d
+        self.good: dict[int, Manifest] = {}
+        self.bad: dict[int, str] = {}
+        self.gone: set[int] = set()  # listed, but the manifest vanished since
+
+    def read(self, epochs: Iterable[int]) -> None:
+        todo = [e for e in epochs if e not in self.good and e not in self.bad and e not in self.gone]
+        if todo:
+            good, bad = self.d.read_manifests(todo)
+            self.good.update(good)
+            self.bad.update(bad)
+            self.gone.update(e for e in todo if e not in good and e not in bad)
+
+    def newest_valid(self, listed: list[int], n: int) -> list[int]:
+        """The ``n`` newest epochs of ``listed`` whose manifest is valid, read from the newest
+        down (an unreadable one is not counted)."""
+        found: list[int] = []
+        rest = sorted(listed, reverse=True)
+        while len(found) < n and rest:
+            batch, rest = rest[:n - len(found)], rest[n - len(found):]
+            self.read(batch)
+            found.extend(e for e in batch if e in self.good)
+        return found
+
+
+def _best(reads: _Reads, recorded: dict[int, dict[str, Any]], listed: list[int], policy: RetentionPolicy) -> set[int]:
+    """The epochs ``keep_best`` keeps: the best ranked by the metric (``recorded``: from the
+    index; the manifests already read are the truth), each best one's manifest read and valid
+    (one that is not is kept as unreadable, and the next in rank takes its place), and every
+    epoch whose value cannot be ranked at all (see :mod:`..location.retention`)."""
+    assert policy.keep_best is not None
+    metric = str(policy.metric)
+    while True:
+        known = {**recorded, **{e: m.metrics for e, m in reads.good.items()}}
+        values = {e: m.get(metric) for e, m in known.items()
+                  if e not in reads.bad and e not in reads.gone and not metric_unreadable(m.get(metric))}
+        best = best_epochs(values, policy.keep_best, policy.mode)
+        fresh = [e for e in best if e not in reads.good]
+        if not fresh:  # every best one read, valid, and ranked by its manifest's own value
+            return set(best) | {e for e in listed if e not in values}
+        reads.read(fresh)  # (one damaged or gone is no longer ranked: the next takes its place)
+
+
+def metric_index(d: CheckpointDirectory, policy: RetentionPolicy, index: MetricIndex | None) -> MetricIndex | None:
+    """The metrics index a handler keeps across its commits: ``index`` while it is ``d``'s, a
+    new one (read at its first use) otherwise; None when ``policy`` keeps no best epochs."""
+    if policy.keep_best is None:
+        return None
+    return index if index is not None and index.d is d else MetricIndex(d)
+
+
+def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy, node_names: Iterable[str],
+                    index: MetricIndex | None = None) -> list[int]:
     """Delete what ``policy`` drops from ``d`` now that ``newest`` is committed; return the
     epochs deleted, oldest first. Epochs newer than ``newest`` (about to be overwritten) and
     pinned ones are kept; dbs of older epochs that have no manifest file at all are removed.
     An epoch whose manifest file exists but cannot be read (an I/O error at that moment) or
     parsed (damage) is kept, named in a warning: only what is known may be deleted is.
-    ``node_names``: the job's nodes (with those the manifests list, the only db names touched)."""
+    ``node_names``: the job's nodes (with those the manifests read list, the only db names
+    touched). ``index``: the metrics index ``keep_best`` ranks by (read when None), updated.
+
+    What is read does not grow with the history: the listing (one LIST per 1,000 objects at
+    a URL), the pins, the manifests of the ``keep_last`` newest steps (from the newest down),
+    of the steps about to be deleted and of the ``keep_best`` best ones, and the metrics index;
+    ``keep_every`` and pins decide by the step number alone."""
     if policy.keeps_everything:
         return []
     try:
@@ -100,26 +131,42 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
         logger.warning("Retention skipped: %s", ex)
         return []
     manifests = d.manifest_epochs()
-    if policy.keep_best is None:  # only what keep_last/keep_every decide on is read
-        good, unreadable, assumed = _read_needed(d, manifests, newest, set(pins), policy)
-    else:  # every candidate's recorded metric
-        (good, unreadable), assumed = read_manifests(d, manifests), set()
-    if unreadable:
+    reads = _Reads(d)
+    newer = {e for e in manifests if e > newest}
+    keep = set(pins) | newer | {newest}
+    if policy.keep_last is not None:
+        keep.update(reads.newest_valid(manifests, policy.keep_last))
+    if policy.keep_every is not None:
+        keep.update(e for e in manifests if e % policy.keep_every == 0)
+    if policy.keep_best is not None:
+        index = index if index is not None else MetricIndex(d)
+        reads.read([newest])  # the commit just made (its entry is refreshed: it may replace one)
+        if newest in reads.good:
+            index.note(newest, reads.good[newest])
+    by_rules = set(keep)
+    recorded: dict[int, dict[str, Any]] = {}
+    while True:
+        if index is not None and any(e not in keep for e in manifests):
+            recorded = recorded or index.metrics(manifests, reads.bad)
+            keep = by_rules | _best(reads, recorded, manifests, policy)
+        candidates = [e for e in manifests if e not in keep and e not in reads.bad and e not in reads.gone]
+        reads.read(candidates)  # each epoch about to be deleted is read first: only valid ones go
+        stale = [e for e in candidates if e in reads.good and e in recorded
+                 and recorded[e] != reads.good[e].metrics]
+        if not stale:
+            break
+        for e in stale:  # the index was wrong about it (rewritten behind its back): rank again
+            recorded[e] = dict(reads.good[e].metrics)
+    if reads.bad:
         logger.warning(
             "Retention keeps epoch(s) %s: their manifest exists but cannot be read or is damaged (%s)",
-            ", ".join(map(str, sorted(unreadable))), "; ".join(unreadable[e] for e in sorted(unreadable)),
+            ", ".join(map(str, sorted(reads.bad))), "; ".join(reads.bad[e] for e in sorted(reads.bad)),
         )
-    committed = sorted(set(good) | assumed)
-    newer = {e for e in manifests if e > newest}
-    metrics = None
-    if policy.keep_best is not None:  # epochs whose manifest could not be read are absent: kept
-        metrics = {e: metric_value(m.metrics.get(str(policy.metric))) for e, m in good.items()
-                   if not metric_unreadable(m.metrics.get(str(policy.metric)))}
-    doomed = epochs_to_delete(committed, newest, pins, policy, protect=newer | set(unreadable), metrics=metrics)
+    doomed = [e for e in candidates if e in reads.good]
     # only files named exactly as an epoch's dbs of a known node are ever deleted (a
     # README.1 beside the dbs is not one; nor a file a damaged manifest names: refused)
     known = set(node_names)
-    for m in good.values():
+    for m in reads.good.values():
         known.update(m.nodes)
     scanned = d.scan()
 
@@ -128,7 +175,7 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
                 if n in known and os.path.basename(p) == os.path.basename(d.db_path(n, e))}
 
     for epoch in doomed:
-        nodes = good[epoch].nodes
+        nodes = reads.good[epoch].nodes
         files = [d.db_path(n, epoch) for n, entry in nodes.items()
                  if entry.file == os.path.basename(d.db_path(n, epoch))]
         d.records.delete(d.manifest_path(epoch))
@@ -148,6 +195,11 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
                 d.records.delete(path)
             logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs.values()))
     d.records.sync_dir(d.db_dir)
+    if index is not None:
+        for epoch, manifest in reads.good.items():  # what was read is the truth: the index follows
+            index.note(epoch, manifest)
+        index.forget(doomed)
+        index.save()
     return doomed
 
 
@@ -198,7 +250,7 @@ def clean_temp_keys(d: CheckpointDirectory) -> list[str]:
     commit it anyway)."""
     if not d.records.remote:
         return []
-    from ...storage.io.fsspec_store import TEMP_KEY_RE
+    from ...storage.io.remote.fsspec_store import TEMP_KEY_RE
 
     removed = []
     for folder in (d.db_dir, d.records_dir):

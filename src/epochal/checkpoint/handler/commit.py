@@ -81,7 +81,7 @@ def commit_manifest(records: RecordStore, path: str, data: bytes, storage_option
     if not records.remote:
         records.write(path, data)
         return
-    from ...storage.io.conditional import conditional_for
+    from ...storage.io.remote.conditional import conditional_for
 
     objects = conditional_for(path, storage_options)
     if objects.create(path, data) is not None:

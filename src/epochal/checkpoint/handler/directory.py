@@ -151,6 +151,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         self.mirror_from_nodes = bool(mirror_from_nodes)
         self._rejected: set[int] = set()  # epochs whose load failed its checks in this run
         self._repulled: set[int] = set()  # ... and that were restored from the mirror once
+        self._index: Any = None  # the metrics index keep_best ranks by (cleanup.metric_index)
 
     def __repr__(self) -> str:
         where = self.directory.db_dir if self.directory is not None else None
@@ -355,6 +356,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
                 self._lock.owner = repr(self)
         d.records.makedirs(d.records_dir)
         self._lock.acquire()
+        self._index = None  # read afresh under the lock: another writer may have held it
         if d.records.remote and not isinstance(d.records, CachedRecords):
             d.records = CachedRecords(d.records)  # the lease holder's: commits cost O(1) requests
         if d.records.remote and self.clean_temp:  # the holder alone may remove dead uploads
@@ -441,7 +443,8 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         pinned epochs kept; dbs of older uncommitted epochs removed)."""
         if self.directory is None:
             return []
-        doomed = cleanup.apply_retention(self.directory, newest, self.policy, self.node_names)
+        self._index = cleanup.metric_index(self.directory, self.policy, self._index)  # kept across commits
+        doomed = cleanup.apply_retention(self.directory, newest, self.policy, self.node_names, self._index)
         self._unpushed.difference_update(doomed)
         return doomed
 

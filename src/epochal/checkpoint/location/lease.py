@@ -4,7 +4,7 @@ Object stores have no flock, and a holder may die without a word (its machine is
 the lock is a *fenced* lease. The object names its holder (host, pid, a random token), a
 ``generation`` (one more than the lease it replaced) and when it expires. Every change to it
 is a compare-and-swap on the version the holder last wrote
-(:mod:`epochal.storage.io.conditional`: S3 ``If-None-Match: *`` / ``If-Match: <etag>``,
+(:mod:`epochal.storage.io.remote.conditional`: S3 ``If-None-Match: *`` / ``If-Match: <etag>``,
 GCS ``ifGenerationMatch=0`` / ``ifGenerationMatch=<generation>``, checked by the store):
 
 * ``acquire`` creates it only if absent; a live lease of another holder is
@@ -59,7 +59,7 @@ class _Versioned(Protocol):
 
 
 class _Conditional(Protocol):
-    """Compare-and-swap on objects (:class:`epochal.storage.io.conditional.ConditionalObjects`)."""
+    """Compare-and-swap on objects (:class:`epochal.storage.io.remote.conditional.ConditionalObjects`)."""
 
     atomic: bool
 

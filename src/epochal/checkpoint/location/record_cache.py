@@ -12,10 +12,11 @@ S3 server). :class:`CachedRecords` wraps the URL's record store and remembers:
   write through this store while its user holds the location's lease; a stats report never
   changes). Pins and the lease are always read from the store.
 
-A record missing from the remembered bytes is read once; when ``PREFETCH_AFTER`` of the
-same folder were missed, every listed record of that kind not yet read is fetched at once
-with parallel requests (a resume reads the newest manifest alone, retention the few it keeps
-or deletes; ``epochal ls`` reads them all, in parallel).
+A record missing from the remembered bytes is read once, when asked for; a caller that needs
+many says which (:meth:`CachedRecords.prefetch`, as
+:meth:`~.view.CheckpointDirectory.read_manifests` does) and they are fetched at once with
+parallel requests. Nothing more is read than asked for: a resume reads the newest manifest
+alone, retention the few its rules need, ``epochal ls`` those it shows.
 
 What it may trust, and where it is used:
 
@@ -44,10 +45,6 @@ __all__ = ["PARALLEL_REQUESTS", "CachedRecords"]
 
 #: requests in flight at once when many records are read
 PARALLEL_REQUESTS = 16
-#: misses in one folder after which every listed record of it is fetched at once (a reader
-#: going through them all: ``epochal ls``); below it, each is read alone (a resume reads the
-#: newest manifest, retention the few it keeps or deletes)
-PREFETCH_AFTER = 8
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -77,7 +74,6 @@ class CachedRecords:
         self._lock = threading.Lock()
         self._listings: dict[str, dict[str, tuple[str, int | None]]] = {}  # folder -> name -> (path, size)
         self._data: dict[str, bytes] = {}
-        self._missed: dict[str, int] = {}  # folder -> records read one by one so far
 
     # -- reads
     def read(self, path: str) -> bytes:
@@ -87,16 +83,6 @@ class CachedRecords:
             return data
         if not _immutable(path):
             return self.inner.read(path)
-        folder, _ = _split(path)
-        with self._lock:
-            self._missed[folder] = missed = self._missed.get(folder, 0) + 1
-            listed = self._listings.get(folder)
-        if missed >= PREFETCH_AFTER and listed is not None:  # reading them all: fetch the rest at once
-            self.prefetch([p for p, _ in listed.values() if _immutable(p)])
-            with self._lock:
-                data = self._data.get(path)
-            if data is not None:
-                return data
         data = self.inner.read(path)
         with self._lock:
             self._data[path] = data

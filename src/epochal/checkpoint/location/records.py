@@ -220,7 +220,7 @@ class UrlRecords:
     remote = True
 
     def __init__(self, location: Location | None = None) -> None:
-        from ...storage.io.fsspec_store import filesystem_for
+        from ...storage.io.remote.fsspec_store import filesystem_for
 
         self._fs_for = filesystem_for
         #: the options every request carries (None: this process's defaults for each URL)
@@ -299,8 +299,8 @@ class UrlRecords:
 
     def abort_uploads(self, folder: str) -> list[str]:
         """Abort the multipart uploads in progress in ``folder`` (S3; see
-        :func:`~epochal.storage.io.fsspec_store.abort_uploads`); the URLs they were for."""
-        from ...storage.io.fsspec_store import abort_uploads
+        :func:`~epochal.storage.io.remote.fsspec_store.abort_uploads`); the URLs they were for."""
+        from ...storage.io.remote.fsspec_store import abort_uploads
 
         return abort_uploads(folder, self._options)
 
@@ -329,7 +329,7 @@ class UrlRecords:
         return out
 
     def writer_lock(self, path: str, seconds: float) -> RecordLock:
-        from ...storage.io.conditional import conditional_for
+        from ...storage.io.remote.conditional import conditional_for
         from .lease import Lease
 
         lease_path = path.rsplit("/", 1)[0] + "/lease.json"

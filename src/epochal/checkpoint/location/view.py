@@ -7,6 +7,7 @@ Layout, for ``db_prefix=D`` (the dbs are the seed's, ``D/<node>.<epoch>``)::
     D/.epochal/manifest.<epoch>.json          the commit record of an epoch
     D/.epochal/stats.jsonl                    one JSON line per db saved / loaded
     D/.epochal/pins.json                      epochs that retention never deletes
+    D/.epochal/index.json                     with keep_best: the metrics index (a cache, see .index)
 
 An epoch exists (is *committed*) only when its manifest exists and is valid (see
 :mod:`epochal.checkpoint.location.manifest`).
@@ -139,27 +140,50 @@ class CheckpointDirectory:
         return sorted(epochs)
 
     def committed_epochs(self) -> list[int]:
-        """Epochs with a valid manifest (the dbs are not read), oldest first."""
-        out = []
-        for epoch in self.manifest_epochs():
-            try:
-                self.manifest(epoch)
-            except CheckpointError:
-                continue
-            out.append(epoch)
-        return out
+        """Epochs with a valid manifest (the dbs are not read), oldest first: every manifest is
+        read (at once, in parallel where the record store can); :meth:`newest_committed` and
+        :meth:`is_committed` read one."""
+        good, _ = self.read_manifests(self.manifest_epochs())
+        return sorted(good)
 
-    def newest_committed(self) -> int | None:
-        """The newest epoch with a valid manifest, reading manifests from the newest down and
-        stopping at the first valid one (one read where the newest is intact, whatever the
-        history); None when there is none."""
+    def newest_committed(self) -> tuple[int, Manifest] | None:
+        """The newest committed epoch and its manifest (None: none is committed), read from the
+        newest down and stopping at the first valid manifest: one listing and, unless newer
+        manifests are damaged, one read, however long the history (:meth:`committed_epochs`
+        reads them all)."""
         for epoch in reversed(self.manifest_epochs()):
             try:
-                self.manifest(epoch)
+                return epoch, self.read_manifest(epoch)
             except CheckpointError:
                 continue
-            return epoch
         return None
+
+    def is_committed(self, epoch: int) -> bool:
+        """Whether ``epoch`` has a valid manifest (that manifest alone is read)."""
+        try:
+            self.read_manifest(int(epoch))
+        except CheckpointError:
+            return False
+        return True
+
+    def read_manifests(self, epochs: Iterable[int]) -> tuple[dict[int, Manifest], dict[int, str]]:
+        """Each manifest of ``epochs`` read once (all at once, in parallel, where the record
+        store can): ``({epoch: manifest}, {epoch: why it cannot be read or parsed})``. An epoch
+        whose manifest vanished since the listing is in neither."""
+        wanted = [int(e) for e in epochs]
+        prefetch = getattr(self.records, "prefetch", None)
+        if prefetch is not None and wanted:  # (a remembering store's reads then all hit)
+            prefetch([self.manifest_path(e) for e in wanted])
+        good: dict[int, Manifest] = {}
+        bad: dict[int, str] = {}
+        for epoch in wanted:
+            try:
+                good[epoch] = self.read_manifest(epoch)
+            except CheckpointNotFoundError:
+                continue
+            except CheckpointError as ex:
+                bad[epoch] = str(ex)
+        return good, bad
 
     def manifest(self, epoch: int) -> dict[str, Any]:
         """The parsed manifest of ``epoch``.

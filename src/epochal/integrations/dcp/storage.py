@@ -197,9 +197,10 @@ class EpochalStorageWriter(StorageWriter):
         if self.lock:
             self._hold_lock()
         try:
-            committed = CheckpointDirectory(self.path).committed_epochs()
-            step = self.step if self.step is not None else (committed[-1] + 1 if committed else 0)
-            if step in committed:
+            d = CheckpointDirectory(self.path)  # the newest manifest and the step's own: not every one
+            newest = d.newest_committed()
+            step = self.step if self.step is not None else (newest[0] + 1 if newest else 0)
+            if d.is_committed(step):
                 raise CheckpointError(f"{self.path}: step {step} is already committed (a DCP save never replaces one)")
         except BaseException:
             self._let_go()
@@ -409,11 +410,11 @@ class EpochalStorageReader(StorageReader):
 
     def _choose_step(self, d: CheckpointDirectory) -> int:
         if self.step is not None:
-            if self.step not in d.committed_epochs():
+            if not d.is_committed(self.step):
                 raise CheckpointNotFoundError(f"{self.path}: step {self.step} is not committed")
             return self.step
-        for step in reversed(d.committed_epochs()):
-            if META_NODE in d.read_manifest(step).nodes:
+        for step in reversed(d.manifest_epochs()):  # from the newest down
+            if d.is_committed(step) and META_NODE in d.read_manifest(step).nodes:
                 return step
         raise CheckpointNotFoundError(f"{self.path}: no committed DCP checkpoint")
 

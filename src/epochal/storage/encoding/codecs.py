@@ -53,7 +53,7 @@ class LoadOptions:
       (the seed's Load), else to the CPU;
     - ``where``: how errors name the load ("checkpoint DB (node N, epoch E)"; None: the file);
     - ``whole``: the load reads (nearly) every blob of the db, as a resume does, so a format
-      may fetch the whole file at once (a remote db: storage/io/fsspec_store.py);
+      may fetch the whole file at once (a remote db: storage/io/remote/fsspec_store.py);
     - ``strict``: a dict of tensors held in the state must have the checkpoint's key set
       (False: the keys both have are restored, the differences go to ``keys``, a
       :class:`~epochal.storage.encoding.fit.KeyReport`; see that module).

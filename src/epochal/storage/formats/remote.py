@@ -24,7 +24,7 @@ from ..io.seam import is_url as is_url  # the one notion of local vs URL (re-exp
 
 def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:
     """The fsspec filesystem for ``url`` and the path within it."""
-    from ..io.fsspec_store import filesystem_for  # one way to reach a URL (loaded lazily)
+    from ..io.remote.fsspec_store import filesystem_for  # one way to reach a URL (loaded lazily)
 
     return filesystem_for(url, storage_options)
 
@@ -32,7 +32,7 @@ def filesystem(url: str, **storage_options: Any) -> tuple[Any, str]:
 def upload_file(local: str, url: str, **storage_options: Any) -> int:
     """Copy the local file ``local`` to ``url`` (whole or not at all, size-checked:
     ``uploads.upload_to_key``). Returns the bytes uploaded."""
-    from ..io.uploads import upload_to_key
+    from ..io.remote.uploads import upload_to_key
 
     size = os.path.getsize(local)
     fs, path = filesystem(url, **storage_options)

@@ -1,6 +1,6 @@
 """Byte I/O under the formats: the byte-store seam (:mod:`.seam`), the local file as its
 first store (:mod:`.local`, with O_DIRECT writes in :mod:`.direct`), object storage through
-fsspec (:mod:`.fsspec_store`, compare-and-swap of small objects in :mod:`.conditional`),
+fsspec (:mod:`.remote`: its byte store, uploads, compare-and-swap of small objects),
 atomic writes (:mod:`.atomic`), checksums (:mod:`.checksum`, its combination), exact and
 prefetched reads (:mod:`.reads`), the read paths' threads (:mod:`.threads`), progress
 reports and the I/O thresholds (:mod:`.tuning`). Formats reach bytes only through these."""

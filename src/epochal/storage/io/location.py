@@ -69,7 +69,7 @@ class Location:
         ``url`` (default: the root). URLs only."""
         if self.is_local:
             raise ValueError(f"{self.root} is a local path, not a URL")
-        from .fsspec_store import filesystem_for
+        from .remote.fsspec_store import filesystem_for
 
         return filesystem_for(url or self.root, self.storage_options)
 
@@ -79,7 +79,7 @@ class Location:
         that gets only a URL: a handler or ``CheckpointDirectory`` built without options for
         a URL a manager or the CLI was given options for. Nothing without options."""
         if self.is_url and self.storage_options:
-            from .fsspec_store import set_storage_options
+            from .remote.fsspec_store import set_storage_options
 
             set_storage_options(self.root, self.storage_options)
 
@@ -91,7 +91,7 @@ class Location:
         if self.is_local or not self.storage_options:
             yield self
             return
-        from .fsspec_store import scoped_storage_options
+        from .remote.fsspec_store import scoped_storage_options
 
         with scoped_storage_options(self.root, self.storage_options):
             yield self

@@ -216,7 +216,7 @@ def store_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
         return _stores[scheme]()
     # any other URL is object storage through fsspec, loaded only now (the core imports
     # with numpy alone); never a local relative folder named "s3:"
-    from .fsspec_store import FsspecStore
+    from .remote.fsspec_store import FsspecStore
 
     return FsspecStore(storage_options)
 

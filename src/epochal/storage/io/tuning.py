@@ -84,7 +84,7 @@ DIRECT_BUFFER = 4 << 20
 DIRECT_BUFFERS = 6
 DIRECT_THREADS = 4
 
-#: object storage (a source whose ``remote`` is True: storage/io/fsspec_store.py): every big
+#: object storage (a source whose ``remote`` is True: storage/io/remote/fsspec_store.py): every big
 #: segment is read in REMOTE_PIECE pieces, REMOTE_THREADS requests in flight, each piece
 #: checksummed by the thread that fetched it; small segments are coalesced into requests of
 #: about REMOTE_BATCH bytes. A request costs a round trip (and on moto's test server a read

@@ -4,7 +4,7 @@
 Reads are ranged requests, so a partial load fetches only the index and the byte ranges it
 needs (:class:`FsspecSource`: pieces in flight together, a full load in one round trip). Writes are staged in a local temp file (bounded
 memory: the stream goes to disk as it comes), then uploaded at commit whole or not at all
-(:func:`~epochal.storage.io.uploads.upload_to_key`): on S3 and GCS straight to the final key (those
+(:func:`~epochal.storage.io.remote.uploads.upload_to_key`): on S3 and GCS straight to the final key (those
 stores show an object whole or not at all; no temp key, no server-side copy), elsewhere to a
 temporary key next to the final one, size-checked and moved into place; an abort (or a failed
 upload) removes the temp file and the temp key, so a reader of the final key never sees a
@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointNotFoundError
-from . import atomic, tuning
+from ....errors import CheckpointNotFoundError
+from .. import atomic, tuning
 from .uploads import atomic_put, upload_to_key
 
 logger = logging.getLogger("epochal")

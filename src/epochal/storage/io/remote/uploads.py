@@ -1,6 +1,6 @@
 """Uploads of a staged local file to an object key, whole or not at all (:func:`upload_to_key`).
 
-Call order: a :class:`~epochal.storage.io.fsspec_store.FsspecSink` stages the db in a local
+Call order: a :class:`~epochal.storage.io.remote.fsspec_store.FsspecSink` stages the db in a local
 file, then at commit calls :func:`upload_to_key`, which
 
 1. on a store whose uploads are atomic (:func:`atomic_put`: S3, GCS) sends the file straight
@@ -28,8 +28,8 @@ import os
 import secrets
 from typing import Any
 
-from ...errors import CheckpointCorruptError
-from . import tuning
+from ....errors import CheckpointCorruptError
+from .. import tuning
 
 __all__ = ["ATOMIC_PUT_PROTOCOLS", "atomic_put", "part_size", "put_streamed", "upload_to_key"]
 

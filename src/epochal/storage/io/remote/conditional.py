@@ -245,7 +245,7 @@ class ConditionalObjects:
 
 def _named(ex: OSError, url: str) -> OSError:
     """``ex`` as an error naming ``url`` (a missing bucket is CheckpointNotFoundError)."""
-    from ...errors import CheckpointNotFoundError
+    from ....errors import CheckpointNotFoundError
 
     text = f"cannot write {url}: {ex.strerror or ex}"
     if isinstance(ex, FileNotFoundError):

@@ -33,83 +33,45 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import signal
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
 
-from .checkpoint.engine import CheckpointEngine, Done, LoadPlan, Results
-from .checkpoint.handler.directory import DirectoryMetadataHandler
-from .checkpoint.location.view import best_of_directory
-from .checkpoint.tasks.background import BackgroundSaver
-from .checkpoint.tasks.handler_calls import HandlerLink
-from .checkpoint.tasks.steps import (
-    INTERNAL_PREFIX,
-    JoinSave,
-    LoadBlobs,
-    PrepareSaves,
-    SaveBlobs,
-    SnapshotAndSave,
-)
-from .errors import (
+from ..checkpoint.engine import CheckpointEngine, Done, LoadPlan
+from ..checkpoint.handler.directory import DirectoryMetadataHandler
+from ..checkpoint.location.view import best_of_directory
+from ..checkpoint.tasks.background import BackgroundSaver
+from ..checkpoint.tasks.handler_calls import HandlerLink
+from ..checkpoint.tasks.steps import LoadBlobs, PrepareSaves, SaveBlobs, SnapshotAndSave
+from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     MissingMetricError,
-    UnsupportedBlobError,
 )
-from .jobs.cadence import Cadence, parse_interval
-from .jobs.events import CheckpointEvent, RunListener, auto_progress
-from .jobs.preemption import SignalGuard
-from .storage.encoding.compress import WriteOptions, write_options
-from .storage.io.seam import is_url, local_path
+from ..jobs.cadence import Cadence, parse_interval
+from ..jobs.events import auto_progress
+from ..jobs.preemption import SignalGuard
+from ..storage.encoding.compress import WriteOptions, write_options
+from ..storage.io.seam import is_url, local_path
+from .parts import (
+    DB_TYPE,
+    NODE,
+    RestoreReport,
+    _Background,
+    _check_state,
+    _in_steps,
+    _reworded,
+    _Shown,
+)
 
-__all__ = ["Checkpointer", "RestoreReport"]
+if TYPE_CHECKING:
+    from ..integrations.distributed import DistributedCheckpointer
+
+__all__ = ["Checkpointer"]
 
 logger = logging.getLogger("epochal")
-
-#: the node name of a Checkpointer's dbs (``<directory>/local.<step>``)
-NODE = "local"
-DB_TYPE = "native"
-
-
-def _check_state(state: Mapping[str, Any], what: str) -> list[str]:
-    """The names of ``state`` (str keys, not epochal's own), with a hint for a plain DataLoader."""
-    if not isinstance(state, Mapping) or not state:
-        raise ValueError(f"{what} needs a non-empty dict of name -> object, got {state!r}")
-    names = []
-    for name, value in state.items():
-        if not isinstance(name, str) or not name or name.startswith(INTERNAL_PREFIX):
-            raise ValueError(f"{what}: state key {name!r} must be a non-empty str (not {INTERNAL_PREFIX!r}...)")
-        t = type(value)
-        if t.__name__ == "DataLoader" and t.__module__.startswith("torch.") and not hasattr(value, "state_dict"):
-            raise UnsupportedBlobError(
-                f"state[{name!r}] is a torch DataLoader, which has no state to save: put its sampler "
-                "in the state instead (epochal.integrations.torch.ResumableSampler), or use "
-                "torchdata's StatefulDataLoader (see docs/pytorch.md)"
-            )
-        names.append(name)
-    return names
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    """What the last :meth:`Checkpointer.restore` did: the ``step`` restored (None: a fresh
-    start), the ``seconds`` it took, and with ``strict=False`` the keys that were not
-    restored, per entry of the state (as torch's ``_IncompatibleKeys``): ``missing_keys``
-    (live keys the checkpoint lacks: they keep their values), ``unexpected_keys`` (the
-    checkpoint's keys the live object lacks). ``missing_blobs``: entries of the state the
-    checkpoint lacks (they keep their values)."""
-
-    step: int | None
-    seconds: float
-    missing_keys: dict[str, list[str]] = field(default_factory=dict)
-    unexpected_keys: dict[str, list[str]] = field(default_factory=dict)
-    missing_blobs: list[str] = field(default_factory=list)
-
 
 class Checkpointer:
     """Save and restore a dict of live training objects, step by step (see the module doc).
@@ -140,23 +102,18 @@ class Checkpointer:
     ``"auto"`` does so only where a sample of the blob compresses (docs/format.md). With
     ``async_save`` the compression runs on the background writer, not in the snapshot.
 
+    In a ``torch.distributed`` process group (under ``torchrun``; a world of one included), or
+    on a directory whose newest step was written by ranks, the same one line saves across
+    ranks: :attr:`distributed` holds a
+    :class:`~epochal.integrations.distributed.DistributedCheckpointer` and every method is its
+    collective one (docs/distributed.md); ``per_rank`` (state entries that differ from rank
+    to rank) and ``group`` (the process group) are for it.
+
     Installs a SIGTERM handler (in the main thread only) so that :attr:`preempted` turns
     True; a second SIGTERM exits at once. Holds the directory's writer lock (a second writer
     gets :class:`~epochal.errors.CheckpointLockedError` naming this one). :meth:`close` (or
     leaving ``with``) lets the lock go and restores the previous handler.
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Checkpointer:
-        """In a torch.distributed process group (of any size), or on a directory written by ranks:
-        a DistributedCheckpointer (docs/distributed.md)."""
-        from .integrations.world import use_distributed
-
-        directory = args[0] if args else kwargs.get("directory")
-        if cls is Checkpointer and directory is not None and use_distributed(directory, kwargs.get("storage_options")):
-            from .integrations.distributed import DistributedCheckpointer
-
-            return DistributedCheckpointer(*args, **kwargs)  # type: ignore[return-value]
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -171,10 +128,27 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         max_failed_saves: int | None = 1,
         progress: bool | None = None,
+        per_rank: tuple[str, ...] | list[str] = (),
+        group: Any = None,
         compression: str | None = None,
     ) -> None:
         #: how the step's db is written (compression), set around each save
         self._write_options = WriteOptions(compression=compression)  # (ValueError: unknown)
+        # (torch-free until a process group exists)
+        from ..integrations.world import use_distributed
+
+        #: the part that saves across ranks (docs/distributed.md): set in a torch.distributed
+        #: process group (a world of one included) or on a directory written by ranks; every
+        #: method is then its (collective) one. None: this process saves alone.
+        self.distributed: DistributedCheckpointer | None = None
+        if use_distributed(directory, storage_options):
+            self._open_distributed(directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
+                                   async_save=async_save, max_host_bytes=max_host_bytes,
+                                   storage_options=storage_options, per_rank=per_rank, group=group,
+                                   max_failed_saves=max_failed_saves, compression=compression)
+            return
+        if group is not None:
+            raise ValueError("Checkpointer(group=...): this process is in no torch.distributed process group")
         self.directory = local_path(directory)  # file:// is the local disk
         #: the fsspec options every step of this Checkpointer carries (a URL directory)
         self._storage_options = dict(storage_options) if storage_options else None
@@ -207,22 +181,42 @@ class Checkpointer:
         self._guard = SignalGuard((signal.SIGTERM,), word="step").__enter__()
         self._closed = False
 
+    def _open_distributed(self, directory: str | os.PathLike[str], *, max_failed_saves: int | None,
+                          **kw: Any) -> None:
+        from ..integrations.distributed import DistributedCheckpointer
+
+        if max_failed_saves != 1:
+            raise ValueError("Checkpointer(max_failed_saves=...) is for one process: across ranks every "
+                             "failed save raises on every rank (docs/distributed.md)")
+        self.distributed = DistributedCheckpointer(directory, **kw)
+        self.directory = self.distributed.directory
+        self.async_save = self.distributed.async_save
+        self.last_restore = None
+
     def __repr__(self) -> str:
+        if self.distributed is not None:
+            return f"Checkpointer({self.directory!r}, rank {self.distributed.rank} of {self.distributed.world})"
         return f"Checkpointer({self.directory!r}, {self.handler.policy}, async_save={self.async_save})"
 
     # -- the API
     @property
     def last_step(self) -> int | None:
         """The newest step committed (or restored) by this Checkpointer, None before any."""
+        if self.distributed is not None:
+            return self.distributed.last_step
         return self._engine.last_committed
 
     @property
     def preempted(self) -> bool:
         """True once a SIGTERM arrived: save and leave the loop."""
+        if self.distributed is not None:
+            return self.distributed.preempted
         return self._guard.signum is not None
 
     def db_path(self, step: int) -> str:
         """The db of ``step`` (``<directory>/local.<step>``)."""
+        if self.distributed is not None:
+            raise ValueError(f"{self!r}: a step saved across ranks has a db per rank (docs/format.md), not one")
         return self._dir.db_path(NODE, int(step))
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
@@ -240,6 +234,11 @@ class Checkpointer:
         BlobMismatchError names the keys and nothing is written. ``strict=False`` restores the
         keys both have; the others keep their values and are listed in :attr:`last_restore`
         (``missing_keys``, ``unexpected_keys``, per entry of ``state``)."""
+        if self.distributed is not None:
+            if step is not None or not strict:
+                raise ValueError(f"{self!r}: restore(step=..., strict=False) is for one process; across "
+                                 "ranks the newest intact step is restored, strictly")
+            return self.distributed.restore(state)
         with _in_steps():
             t0 = time.perf_counter()
             self.last_restore = None
@@ -310,6 +309,8 @@ class Checkpointer:
         ``max_failed_saves``): earlier checkpoints are untouched then. The first save of a
         step below the newest committed one, without a :meth:`restore` first, warns: the
         next restore would return the newer step of an earlier run."""
+        if self.distributed is not None:
+            return self.distributed.save(step, state, metrics)
         with _in_steps(), write_options(self._write_options):  # (seen by a background write too)
             self._save(step, state, metrics)
 
@@ -361,6 +362,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait for the background save in flight (if any) and commit it; re-raise its error
         (the step is then not committed; see ``max_failed_saves``)."""
+        if self.distributed is not None:
+            return self.distributed.wait()
         with _in_steps():
             self._engine.finish_pending()
 
@@ -368,17 +371,23 @@ class Checkpointer:
         """Whether to save at ``step``: after a SIGTERM, always; else when ``step`` is a
         multiple of ``every``, or ``interval`` (seconds, or ``"30m"``, ``"1h30m"``) has passed
         since the last save (or the restore); with neither given, every step."""
+        if self.distributed is not None:
+            return self.distributed.due(step, every, interval)
         if self.preempted:
             return True
         return Cadence(every, parse_interval(interval), _last=self._last_save).due(int(step))
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first."""
+        if self.distributed is not None:
+            return self.distributed.steps()
         return self.handler.committed_epochs()
 
     def best_steps(self) -> list[int]:
         """The committed steps ranked best first by ``metric`` (the ``keep_best`` kept ones, when
         set); [] without a metric."""
+        if self.distributed is not None:
+            return self.distributed.best_steps()
         policy = self.handler.policy
         if not policy.metric:
             return []
@@ -387,6 +396,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Commit a background save in flight, then restore the previous SIGTERM handler."""
+        if self.distributed is not None:
+            return self.distributed.close()
         if self._closed:
             return
         self._closed = True
@@ -403,6 +414,8 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.distributed is not None:
+            return self.distributed.__exit__(exc_type, exc, tb)
         if exc_type is None:
             self.close()
             return
@@ -415,56 +428,3 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
-
-
-
-class _Shown:
-    """The engine's events to the terminal display (:func:`~epochal.jobs.events.auto_progress`):
-    a bar while a big save or load moves its bytes, one line when it ends."""
-
-    def __init__(self, display: RunListener) -> None:
-        self.display = display
-
-    def checkpoint_start(self, action: str, epoch: int) -> None:
-        self.display.on_checkpoint_start(action, epoch)
-
-    def checkpoint_end(self, action: str, epoch: int, seconds: float, nbytes: int, ok: bool,
-                       error: str | None) -> None:
-        self.display.on_checkpoint(CheckpointEvent(action, epoch, seconds, nbytes, ok, error))
-
-
-class _Background:
-    """A background save of the Checkpointer (the engine's SaveHandle): the snapshot is taken
-    when it is made; :meth:`join` waits for the write."""
-
-    def __init__(self, snapshot: SnapshotAndSave, state: Mapping[str, Any], saver: BackgroundSaver) -> None:
-        snapshot.run(state)
-        self.joiner = JoinSave(snapshot.db, "", "", db_type=DB_TYPE, saver=saver,
-                               storage_options=snapshot.location.storage_options or None)
-
-    def join(self) -> Results:
-        return {NODE: self.joiner.join()}
-
-
-_EPOCH_N = re.compile(r"\b([Ee])poch(s?)(?= \d)")
-
-
-@contextmanager
-def _in_steps() -> Iterator[None]:
-    """Say "step" where the layers below say "epoch <n>" in a CheckpointError (same type,
-    same attributes; the original is the cause)."""
-    try:
-        yield
-    except CheckpointError as ex:
-        text = _EPOCH_N.sub(lambda m: ("S" if m.group(1) == "E" else "s") + "tep" + m.group(2), str(ex))
-        if text == str(ex):
-            raise
-        raise _reworded(ex, text) from ex
-
-
-def _reworded(ex: CheckpointError, text: str) -> CheckpointError:
-    """``ex`` (same type and attributes) saying ``text``."""
-    new = type(ex).__new__(type(ex))
-    new.__dict__.update(ex.__dict__)
-    new.args = (text,)
-    return new

@@ -1,0 +1,18 @@
+"""JAX pytrees in epochal checkpoints: ``save(path_or_checkpointer, step, pytree)`` and
+``restore(path_or_checkpointer, abstract_pytree, step=None)`` (docs/jax.md).
+
+One checkpoint for both frameworks: a pytree of nested dicts is stored under the same names
+as a torch state of the same nested dicts, and its arrays as the tensor records torch writes
+(bf16 and the float8s too, same bits), so a PyTorch :class:`~epochal.Checkpointer` restores
+what JAX saved and the reverse, without a mapping. A restore reads only the byte ranges of
+the shards each device needs (resharding freely), checks every range's checksum before use,
+and bounds its scratch memory by ``chunk_bytes``. ``epochal.jax.orbax`` holds
+an Orbax ``CheckpointManager`` handler. Needs ``pip install 'epochal[jax]'``.
+"""
+
+from __future__ import annotations
+
+from .api import DEFAULT_CHUNK, restore, save
+from .host import BLOCK_BYTES
+
+__all__ = ["BLOCK_BYTES", "DEFAULT_CHUNK", "restore", "save"]

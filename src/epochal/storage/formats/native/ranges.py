@@ -1,0 +1,94 @@
+"""Byte ranges of one blob's segments, for readers that need a part of a big array.
+
+A reader restoring a sharded array (the JAX door) wants rows ``a..b`` of a leaf, not the
+leaf: :class:`RangedFile` opens a native db as :class:`~.reader.NativeFile` does (the
+superblock and the index, both checksummed), finds a blob by bisection and gives each of
+its segments' file offset, length and checksum, and reads any byte range of a segment
+into a caller's buffer. Checking what was read is the caller's: against the segment's
+checksum when it reads the whole segment (in chunks, :meth:`RangedFile.stream`), or
+against per-block checksums a codec recorded in the blob's meta (which the index checksum
+covers). Nothing here decodes a value or runs code from the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ...io.checksum import checksum_function
+from ...io.reads import read_bytes, read_exact
+from ...io.seam import ByteSource, store_for
+from .index import Index
+from .layout import SUPERBLOCK_SIZE, corrupt, parse_superblock
+
+__all__ = ["RangedFile", "Segment"]
+
+#: one segment of a blob: (file offset, length, checksum of its data)
+Segment = tuple[int, int, int]
+
+
+class RangedFile:
+    """An open native db read by ranges (see the module doc); a context manager."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.src: ByteSource = store_for(self.path).open_read(self.path, what="native db")
+        try:
+            self.header = parse_superblock(self.path, self.src.read(SUPERBLOCK_SIZE, 0), self.src.size())
+            raw = read_bytes(self.src, self.header.index_length, self.header.index_offset, "the index")
+            self.index = Index(self.path, self.header, raw)
+        except BaseException:
+            self.src.close()
+            raise
+        #: the file's checksum function (``fn(data, previous=0)``), releasing the GIL
+        self.fn: Callable[..., int] = checksum_function(self.header.algorithm)
+
+    def close(self) -> None:
+        self.src.close()
+
+    def __enter__(self) -> RangedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def find(self, name: str) -> tuple[str, dict[str, Any], list[Segment]] | None:
+        """``(kind, meta, segments)`` of blob ``name`` (its meta parsed alone), None when absent."""
+        i = self.index.find(name)
+        if i is None:
+            return None
+        kind, meta = self.index.entry(i)
+        rows = self.index.segs[self.index.seg_range(i).start : self.index.seg_range(i).stop]
+        segs = [(int(r["offset"]), int(r["length"]), int(r["crc"])) for r in rows]
+        return kind, meta, segs
+
+    def names(self) -> list[str]:
+        """Every blob's name, in file order."""
+        return list(self.index.names())
+
+    def read_into(self, view: memoryview, offset: int, blob: str | None = None) -> None:
+        """Fill ``view`` (flat bytes) from file ``offset`` on; a short file is corrupt."""
+        read_exact(self.src, [view], offset, blob, progress=False)
+
+    def stream(self, seg: Segment, scratch: memoryview, blob: str,
+               use: Callable[[int, memoryview], None], what: str = "") -> None:
+        """Read all of ``seg`` in pieces of ``scratch``'s size, calling ``use(start, piece)``
+        for each (``start``: its offset in the segment), then check the segment's checksum:
+        CheckpointCorruptError naming the file, ``blob`` and ``what`` (the value in it) when
+        it does not match. What
+        ``use`` copied must not be used before this returns."""
+        offset, length, want = seg
+        crc, pos, size = 0, 0, scratch.nbytes
+        if size <= 0 and length:
+            raise ValueError("stream needs a scratch buffer of at least one byte")
+        while pos < length:
+            n = min(size, length - pos)
+            piece = scratch[:n]
+            self.read_into(piece, offset + pos, blob)
+            crc = self.fn(piece, crc)
+            use(pos, piece)
+            pos += n
+        if crc != want:
+            raise corrupt(self.path, f"{what}: data checksum mismatch" if what else "data checksum mismatch", blob)
+

@@ -1,0 +1,247 @@
+"""The processes of tests/test_jax.py: each save or restore runs here, in a fresh process with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before jax is imported.
+
+``python _jax_bits.py chain DIR K IN OUT``: restore step IN (``-``: none) onto a mesh of K
+devices and compare every value bit for bit, then save what it holds as step OUT (``-``: no
+save); prints one JSON line (``leaves`` compared, ``emb_read``: bytes read of one leaf).
+``torch_save DIR``, ``torch_restore DIR`` (no jax), ``jax_save_cross DIR``,
+``jax_restore_cross DIR K``: the cross-framework state, saved or restored by either side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("EPOCHAL_QUIET", "1")
+
+import numpy as np  # noqa: E402
+
+#: mesh shape of each device count: rows x columns
+MESHES = {8: (4, 2), 4: (2, 2), 2: (1, 2), 1: (1, 1)}
+
+
+def bf16_bits(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Random bf16 bit patterns (NaN payloads, -0.0 and subnormals included), as uint16."""
+    return np.random.default_rng(seed).integers(0, 1 << 16, size=shape, dtype=np.uint16)
+
+
+def values() -> dict[str, Any]:
+    """The chain's pytree as numpy (the expected values): float32 from random bit patterns,
+    bf16, a list level and plain values."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    f32 = rng.integers(0, 1 << 32, size=(64, 48), dtype=np.uint32).view(np.float32)
+    return {
+        "params": {"w": f32, "emb": bf16_bits((256, 32), 1).view(ml_dtypes.bfloat16),
+                   "b": np.arange(40, dtype=np.float32) - 7.5},
+        "opt": [{"mu": f32[::-1].copy()}, {"count": 3}],
+        "lr": 0.5,
+    }
+
+
+def specs() -> dict[str, Any]:
+    from jax.sharding import PartitionSpec as P
+
+    return {"params": {"w": P("x", "y"), "emb": P("x"), "b": P("y")},
+            "opt": [{"mu": P("y", "x")}, {"count": None}], "lr": None}
+
+
+def mesh(k: int) -> Any:
+    import jax
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:k]).reshape(MESHES[k]), ("x", "y"))
+
+
+def abstract(k: int) -> Any:
+    import jax
+    from jax.sharding import NamedSharding
+
+    m = mesh(k)
+    return jax.tree_util.tree_map(
+        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(m, s))
+        if isinstance(v, np.ndarray) else v,
+        values(), specs(), is_leaf=lambda x: x is None)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def chain(directory: str, k: int, step_in: str, step_out: str) -> None:
+    import jax
+
+    import epochal.jax as ej
+    from epochal.jax import host
+    from epochal.storage.formats.native import ranges
+
+    host.BLOCK_BYTES = 1024  # many row blocks in small arrays, edges inside shards
+    reads: list[tuple[int, int]] = []
+    orig = ranges.RangedFile.read_into
+
+    def counted(self: Any, view: memoryview, offset: int, blob: Any = None) -> None:
+        reads.append((offset, view.nbytes))
+        orig(self, view, offset, blob)
+
+    ranges.RangedFile.read_into = counted  # type: ignore[method-assign]
+    want = values()
+    out: dict[str, Any] = {"devices": len(jax.devices())}
+    if step_in != "-":
+        tree = ej.restore(directory, abstract(k), step=int(step_in))
+        flat_w, _ = jax.tree_util.tree_flatten(want)
+        flat_t, _ = jax.tree_util.tree_flatten(tree)
+        flat_a, _ = jax.tree_util.tree_flatten(abstract(k))
+        assert len(flat_w) == len(flat_t)
+        for w, t, a in zip(flat_w, flat_t, flat_a):
+            if isinstance(w, np.ndarray):
+                assert isinstance(t, jax.Array) and t.sharding == a.sharding, (t, a)
+                assert same_bits(w, t), "values differ"
+                for sh in t.addressable_shards:  # each shard holds its own region
+                    assert same_bits(w[sh.index], sh.data)
+            else:
+                assert type(t) is type(w) and t == w, (t, w)
+        out["leaves"] = len(flat_t)
+        from epochal.jax.reads import stored_leaves
+
+        db = os.path.join(directory, f"local.{step_in}")
+        with ranges.RangedFile(db) as f:
+            off, length, _ = stored_leaves(f)[("params", "emb")].segs[0]
+        assert length == want["params"]["emb"].nbytes
+        out["emb_read"] = sum(max(0, min(o + n, off + length) - max(o, off)) for o, n in reads)
+    else:
+        tree = jax.tree_util.tree_map(lambda v, a: jax.device_put(v, a.sharding) if isinstance(v, np.ndarray) else v,
+                                      want, abstract(k))
+    if step_out != "-":
+        ej.save(directory, int(step_out), tree)
+    print(json.dumps(out))
+
+
+def cross_values() -> dict[str, np.ndarray]:
+    return {"w": bf16_bits((64, 48), 2), "b": np.arange(40, dtype=np.float32) / 3}
+
+
+def torch_save(directory: str) -> None:
+    import torch
+
+    import epochal
+
+    v = cross_values()
+    state = {"params": {"w": torch.from_numpy(v["w"].view(np.int16)).view(torch.bfloat16),
+                        "b": torch.from_numpy(v["b"])}, "step": 7}
+    with epochal.Checkpointer(directory) as ckpt:
+        ckpt.save(7, state)
+    assert "jax" not in sys.modules
+    print(json.dumps({"saved": 7}))
+
+
+def torch_restore(directory: str) -> None:
+    import torch
+
+    import epochal
+
+    state = {"params": {"w": torch.zeros(64, 48, dtype=torch.bfloat16), "b": torch.zeros(40)}, "step": 0}
+    with epochal.Checkpointer(directory) as ckpt:
+        step = ckpt.restore(state)
+    v = cross_values()
+    w, b = state["params"]["w"], state["params"]["b"]  # type: ignore[index]
+    assert isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and b.dtype == torch.float32
+    assert w.view(torch.int16).numpy().view(np.uint16).tobytes() == v["w"].tobytes()
+    assert b.numpy().tobytes() == v["b"].tobytes()
+    assert "jax" not in sys.modules
+    print(json.dumps({"restored": step, "step": state["step"]}))
+
+
+def cross_abstract(k: int) -> Any:
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m = mesh(k)
+    return {"params": {"w": jax.ShapeDtypeStruct((64, 48), ml_dtypes.bfloat16, sharding=NamedSharding(m, P("x", "y"))),
+                       "b": jax.ShapeDtypeStruct((40,), np.float32, sharding=NamedSharding(m, P("y")))},
+            "step": 0}
+
+
+def jax_save_cross(directory: str) -> None:
+    import jax
+
+    import epochal.jax as ej
+
+    v = cross_values()
+    import ml_dtypes
+
+    a = cross_abstract(8)
+    tree = {"params": {"w": jax.device_put(v["w"].view(ml_dtypes.bfloat16), a["params"]["w"].sharding),
+                       "b": jax.device_put(v["b"], a["params"]["b"].sharding)}, "step": 7}
+    ej.save(directory, 7, tree)
+    assert "torch" not in sys.modules
+    print(json.dumps({"saved": 7}))
+
+
+def jax_restore_cross(directory: str, k: int) -> None:
+    import epochal.jax as ej
+
+    tree = ej.restore(directory, cross_abstract(k))
+    v = cross_values()
+    assert np.asarray(tree["params"]["w"]).view(np.uint16).tobytes() == v["w"].tobytes()
+    assert np.asarray(tree["params"]["b"]).tobytes() == v["b"].tobytes()
+    assert len(tree["params"]["w"].addressable_shards) == k
+    assert "torch" not in sys.modules
+    print(json.dumps({"restored": 7, "step": tree["step"]}))
+
+
+def orbax_save(directory: str) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+
+    from epochal.jax.orbax import EpochalSave
+
+    tree = jax.tree_util.tree_map(lambda v, a: jax.device_put(v, a.sharding) if isinstance(v, np.ndarray) else v,
+                                  values(), abstract(8))
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2)) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, args=EpochalSave({**tree, "lr": step / 2}))
+        mngr.wait_until_finished()
+        print(json.dumps({"steps": list(mngr.all_steps())}))
+
+
+def orbax_restore(directory: str, k: int) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+
+    from epochal.jax.orbax import EpochalRestore
+
+    with ocp.CheckpointManager(directory) as mngr:
+        tree = mngr.restore(mngr.latest_step(), args=EpochalRestore(abstract(k)))
+    want = values()
+    for w, t in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(tree)):
+        if isinstance(w, np.ndarray):
+            assert same_bits(w, t) and len(t.addressable_shards) == k
+    print(json.dumps({"lr": tree["lr"]}))
+
+
+if __name__ == "__main__":
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "chain":
+        chain(args[0], int(args[1]), args[2], args[3])
+    elif cmd == "torch_save":
+        torch_save(args[0])
+    elif cmd == "torch_restore":
+        torch_restore(args[0])
+    elif cmd == "jax_save_cross":
+        jax_save_cross(args[0])
+    elif cmd == "jax_restore_cross":
+        jax_restore_cross(args[0], int(args[1]))
+    elif cmd == "orbax_save":
+        orbax_save(args[0])
+    elif cmd == "orbax_restore":
+        orbax_restore(args[0], int(args[1]))
+    else:
+        raise SystemExit(f"unknown command {cmd}")

@@ -1,0 +1,230 @@
+"""The JAX door (epochal.jax): pytrees saved on one mesh and restored on another,
+bit for bit, across PyTorch and JAX, with errors naming the leaf and the step.
+
+Saves and restores between meshes run in fresh processes (tests/_jax_bits.py) with 8 CPU
+devices (``XLA_FLAGS`` is set there before jax is imported); the in-process tests use one
+device."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+jax = pytest.importorskip("jax")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import epochal  # noqa: E402
+import epochal.jax as ej  # noqa: E402
+from epochal.errors import (  # noqa: E402
+    BlobMismatchError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    MissingBlobError,
+)
+from epochal.jax import host  # noqa: E402
+from epochal.jax.reads import Stored, read_region, stored_leaves  # noqa: E402
+from epochal.storage.formats.native.ranges import RangedFile  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_bits(*args: str) -> dict[str, Any]:
+    """One process of tests/_jax_bits.py; its JSON line."""
+    out = subprocess.run([sys.executable, os.path.join(HERE, "_jax_bits.py"), *args], capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- across meshes and frameworks
+@pytest.mark.system
+def test_saved_on_8_restores_on_4_2_1_and_back_to_8(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    assert run_bits("chain", d, "8", "-", "1") == {"devices": 8}
+    emb_bytes = 256 * 32 * 2
+    for k, step_in, step_out in (("4", "1", "2"), ("2", "2", "3"), ("1", "3", "4"), ("8", "4", "-")):
+        got = run_bits("chain", d, k, step_in, step_out)
+        # every leaf compared bit for bit, shard by shard, in the target sharding; a leaf
+        # sharded by rows is read once, only its bytes (replicas share one read)
+        assert got == {"devices": 8, "leaves": 6, "emb_read": emb_bytes}, (k, got)
+    assert sorted(os.listdir(d)) == [".epochal", "local.1", "local.2", "local.3", "local.4"]
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("k", ["2", "8"])
+def test_a_torch_checkpoint_restores_into_jax_bf16_and_fp32(tmp_path: Any, k: str) -> None:
+    assert run_bits("torch_save", str(tmp_path)) == {"saved": 7}
+    assert run_bits("jax_restore_cross", str(tmp_path), k) == {"restored": 7, "step": 7}
+
+
+@pytest.mark.system
+def test_a_jax_checkpoint_restores_into_torch_bf16_and_fp32(tmp_path: Any) -> None:
+    assert run_bits("jax_save_cross", str(tmp_path)) == {"saved": 7}
+    assert run_bits("torch_restore", str(tmp_path)) == {"restored": 7, "step": 7}
+
+
+@pytest.mark.system
+def test_an_orbax_checkpoint_manager_keeps_epochal_files_and_restores_resharded(tmp_path: Any) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    d = str(tmp_path)
+    assert run_bits("orbax_save", d) == {"steps": [2, 3]}  # Orbax's retention
+    item = os.path.join(d, "3", "default")  # epochal's checkpoint inside Orbax's step 3
+    assert epochal.CheckpointDirectory(item).committed_epochs() == [0]
+    assert "local.0" in os.listdir(item) and not os.path.exists(os.path.join(d, "1"))
+    assert run_bits("orbax_restore", d, "2") == {"lr": 1.5}
+    _flip(os.path.join(item, "local.0"), ("params", "w"), 0.5)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "_jax_bits.py"), "orbax_restore", d, "2"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0 and "CheckpointCorruptError" in out.stderr and "params/w" in out.stderr
+
+
+# ---------------------------------------------------------------- in one process, one device
+def dev_tree() -> dict[str, Any]:
+    rng = np.random.default_rng(5)
+    return {"params": {"w": jax.numpy.asarray(rng.standard_normal((32, 24)).astype(np.float32)),
+                       "e": jax.numpy.asarray(rng.integers(0, 1 << 16, (16, 8), dtype=np.uint16)
+                                              .view(ml_dtypes.bfloat16))},
+            "count": 3}
+
+
+def abstract_of(tree: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x, tree)
+
+
+def test_nested_dicts_are_stored_under_a_torch_states_names(tmp_path: Any) -> None:
+    torch = pytest.importorskip("torch")
+    ej.save(str(tmp_path / "j"), 1, dev_tree())
+    with epochal.Checkpointer(str(tmp_path / "t")) as ckpt:
+        ckpt.save(1, {"params": {"w": torch.zeros(32, 24), "e": torch.zeros(16, 8, dtype=torch.bfloat16)},
+                      "count": 3})
+    with RangedFile(str(tmp_path / "j" / "local.1")) as fj, RangedFile(str(tmp_path / "t" / "local.1")) as ft:
+        assert sorted(fj.names()) == sorted(ft.names()) == ["count", "params"]
+        sj, st = stored_leaves(fj), stored_leaves(ft)
+        assert sorted(sj) == sorted(st) == [("count",), ("params", "e"), ("params", "w")]
+        for names in sj:
+            assert sj[names].kind == st[names].kind
+            assert {k: v for k, v in sj[names].meta.items() if k != "row_crc"} == st[names].meta
+
+
+def test_lists_tuples_and_named_tuples_round_trip_under_key_path_names(tmp_path: Any) -> None:
+    State = collections.namedtuple("State", "mu nu")
+    x = jax.numpy.arange(12.0).reshape(3, 4)
+    tree = {"opt": (State(x, x + 1), [x * 2, 7]), "step": np.int64(9), "name": "run"}
+    ej.save(str(tmp_path), 3, tree)
+    with RangedFile(str(tmp_path / "local.3")) as f:
+        assert sorted(stored_leaves(f)) == [("name",), ("opt", "[0]", ".mu"), ("opt", "[0]", ".nu"),
+                                            ("opt", "[1]", "[0]"), ("opt", "[1]", "[1]"), ("step",)]
+    got = ej.restore(str(tmp_path), abstract_of(tree))
+    assert isinstance(got["opt"][0], State) and isinstance(got["opt"][1], list)
+    assert np.array_equal(got["opt"][0].nu, x + 1) and np.array_equal(got["opt"][1][0], x * 2)
+    assert got["opt"][1][1] == 7 and got["step"] == 9 and got["name"] == "run"
+
+
+def test_the_checkpointers_retention_and_async_saves_work_for_pytrees(tmp_path: Any) -> None:
+    tree = dev_tree()
+    with epochal.Checkpointer(str(tmp_path), keep_last=2, async_save=True) as ckpt:
+        for step in (1, 2, 3):
+            ej.save(ckpt, step, {**tree, "count": step})
+        got = ej.restore(ckpt, abstract_of(tree))  # waits for the pending save
+        assert got["count"] == 3
+        assert ej.restore(ckpt, abstract_of(tree), step=2)["count"] == 2
+        with pytest.raises(CheckpointNotFoundError, match="step 1 is not committed"):
+            ej.restore(ckpt, abstract_of(tree), step=1)
+    assert epochal.CheckpointDirectory(str(tmp_path)).committed_epochs() == [2, 3]
+    assert np.asarray(got["params"]["e"]).tobytes() == np.asarray(tree["params"]["e"]).tobytes()
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (lambda a: a["params"].update(w=jax.ShapeDtypeStruct((32, 25), np.float32)), BlobMismatchError,
+     ["step 4", "params/w", "(32, 24)", "(32, 25)"]),
+    (lambda a: a["params"].update(e=jax.ShapeDtypeStruct((16, 8), np.float16)), BlobMismatchError,
+     ["step 4", "params/e", "bfloat16", "float16"]),
+    (lambda a: a["params"].update(v=jax.ShapeDtypeStruct((2,), np.float32)), MissingBlobError,
+     ["step 4", "params/v"]),
+    (lambda a: a["params"].pop("w"), BlobMismatchError, ["step 4", "params/w", "partial=True"]),
+    (lambda a: a.update(count=jax.ShapeDtypeStruct((2,), np.float32)), BlobMismatchError,
+     ["step 4", "count", "array"]),
+])
+def test_a_pytree_that_does_not_fit_is_refused_naming_the_leaf_and_step(
+        tmp_path: Any, change: Any, error: type, words: list[str]) -> None:
+    tree = dev_tree()
+    ej.save(str(tmp_path), 4, tree)
+    a = abstract_of(tree)
+    change(a)
+    with pytest.raises(error) as e:
+        ej.restore(str(tmp_path), a)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_partial_leaves_out_the_checkpoints_other_leaves(tmp_path: Any) -> None:
+    tree = dev_tree()
+    ej.save(str(tmp_path), 4, tree)
+    got = ej.restore(str(tmp_path), {"params": {"e": abstract_of(tree)["params"]["e"]}}, partial=True)
+    assert np.asarray(got["params"]["e"]).tobytes() == np.asarray(tree["params"]["e"]).tobytes()
+
+
+def _flip(path: str, names: tuple[str, ...], at: float) -> None:
+    with RangedFile(path) as f:
+        off, length, _ = stored_leaves(f)[names].segs[0]
+    with open(path, "r+b") as fh:
+        fh.seek(off + int(length * at))
+        b = fh.read(1)
+        fh.seek(off + int(length * at))
+        fh.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("saver", ["jax", "torch"])
+def test_a_flipped_byte_is_refused_before_anything_is_returned(tmp_path: Any, saver: str) -> None:
+    host_w = np.random.default_rng(1).standard_normal((1024, 300)).astype(np.float32)  # > 1 block
+    if saver == "jax":
+        ej.save(str(tmp_path), 5, {"params": {"w": jax.numpy.asarray(host_w)}})
+    else:
+        torch = pytest.importorskip("torch")
+        with epochal.Checkpointer(str(tmp_path)) as ckpt:
+            ckpt.save(5, {"params": {"w": torch.from_numpy(host_w)}})
+    _flip(str(tmp_path / "local.5"), ("params", "w"), 0.7)
+    a = {"params": {"w": jax.ShapeDtypeStruct((1024, 300), np.float32)}}
+    with pytest.raises(CheckpointCorruptError) as e:
+        ej.restore(str(tmp_path), a)
+    assert "params/w" in str(e.value) and e.value.path.endswith("local.5") and e.value.blob == "params"
+
+
+def _record(arr: np.ndarray, blocks: bool, tmp_path: Any) -> tuple[str, Stored]:
+    path = str(tmp_path / ("b" if blocks else "w") / "local.1")
+    if blocks:
+        ej.save(os.path.dirname(path), 1, {"x": arr})
+    else:  # one checksum for the whole tensor, as PyTorch writes it
+        torch = pytest.importorskip("torch")
+        with epochal.Checkpointer(os.path.dirname(path)) as ckpt:
+            ckpt.save(1, {"x": torch.from_numpy(arr)})
+    with RangedFile(path) as f:
+        return path, stored_leaves(f)[("x",)]
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["row-blocks", "one-checksum"])
+def test_a_regions_read_needs_at_most_one_chunk_beyond_the_region(tmp_path: Any, blocks: bool) -> None:
+    arr = np.random.default_rng(2).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB
+    path, s = _record(arr, blocks, tmp_path)
+    assert ("row_crc" in s.meta) is blocks
+    chunk = 1 << 20
+    for index in [(slice(0, 2048), slice(512, 1024)), (slice(1000, 1500), slice(0, 1024)), ()]:
+        with RangedFile(path) as f:
+            tracemalloc.start()
+            got = read_region(f, s, "x", index, chunk)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert got.tobytes() == arr[index].tobytes()
+        # the region itself, plus at most one chunk (a 4 MiB block where blocks are bigger)
+        extra = max(chunk, host.BLOCK_BYTES) if blocks else chunk
+        assert peak <= got.nbytes + extra + (64 << 10), (index, peak, got.nbytes)
