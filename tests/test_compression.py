@@ -326,3 +326,21 @@ def test_the_distributed_checkpointer_compresses_each_rank_db(tmp_path, async_sa
     with Checkpointer(tmp_path) as ck:
         assert ck.restore({"model": fresh, "opt": torch.optim.AdamW(fresh.parameters(), lr=1e-3)}) == 3
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(fresh.state_dict().values(), want))
+
+
+def test_a_compressed_jax_checkpoint_restores_through_its_ranged_reader(tmp_path):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import epochal.jax as ej
+
+    w = (np.random.default_rng(8).standard_normal((300, 257)) * 0.02).astype(np.float32)
+    tree = {"w": jnp.asarray(w).astype(jnp.bfloat16), "b": (w[0] * 3).copy(), "n": 3}
+    with Checkpointer(tmp_path, compression="zstd") as ck:
+        ej.save(ck, 2, tree)
+        db = ck.db_path(2)
+    assert _coded_segments(db)  # stored compressed
+    abstract = {"w": jax.ShapeDtypeStruct((300, 257), jnp.bfloat16), "b": np.zeros(257, np.float32), "n": 0}
+    got = ej.restore(str(tmp_path), abstract)
+    assert np.asarray(got["w"]).view(np.uint16).tobytes() == np.asarray(tree["w"]).view(np.uint16).tobytes()
+    assert got["b"].tobytes() == tree["b"].tobytes() and got["n"] == 3
