@@ -185,10 +185,20 @@ PLANE_PARAMS = {"strategy": 1, "min_match": 7, "search_log": 1, "hash_log": 6, "
 PLANE_LEVEL = -(1 << 20)  # (the cache key of the plane compressor)
 
 
+def _zstd() -> Any:
+    """The ``zstandard`` module (the optional extra ``epochal[compress]``)."""
+    try:
+        import zstandard
+    except ImportError:
+        raise ImportError("compressed checkpoints need the zstandard package: "
+                          "pip install 'epochal[compress]' (or zstandard)") from None
+    return zstandard
+
+
 def _compressor(level: int) -> Any:
     """This thread's zstd compressor: of ``level``, or for level :data:`PLANE_LEVEL` the
     parameters byte planes are written with (see :data:`PLANE_PARAMS`)."""
-    import zstandard
+    zstandard = _zstd()
 
     cache = getattr(_local, "c", None)
     if cache is None:
@@ -205,7 +215,7 @@ def _compressor(level: int) -> Any:
 
 
 def _decompressor() -> Any:
-    import zstandard
+    zstandard = _zstd()
 
     d = getattr(_local, "d", None)
     if d is None:
