@@ -53,6 +53,7 @@ from ..errors import (
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.events import auto_progress
 from ..jobs.preemption import SignalGuard
+from ..storage.encoding.compress import WriteOptions, write_options
 from ..storage.io.seam import is_url, local_path
 from .parts import (
     DB_TYPE,
@@ -95,7 +96,11 @@ class Checkpointer:
     policy, whose default is 3); None: never (each failure a warning). A value no format
     stores always raises at once. ``progress``: None (default) shows a bar and a line for
     each save or load of 64 MiB or more when stderr is a terminal (not under ``CI`` or
-    ``EPOCHAL_QUIET``); True always (on stderr); False never.
+    ``EPOCHAL_QUIET``); True always (on stderr); False never. ``compression``: None (default)
+    writes every byte raw; ``"zstd"`` compresses each blob (byte planes of floats, then zstd,
+    in frames a partial read decodes alone; a blob that would not shrink stays raw);
+    ``"auto"`` does so only where a sample of the blob compresses (docs/format.md). With
+    ``async_save`` the compression runs on the background writer, not in the snapshot.
 
     In a ``torch.distributed`` process group (under ``torchrun``; a world of one included), or
     on a directory whose newest step was written by ranks, the same one line saves across
@@ -125,7 +130,10 @@ class Checkpointer:
         progress: bool | None = None,
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
+        compression: str | None = None,
     ) -> None:
+        #: how the step's db is written (compression), set around each save
+        self._write_options = WriteOptions(compression=compression)  # (ValueError: unknown)
         # (torch-free until a process group exists)
         from ..integrations.world import use_distributed
 
@@ -137,7 +145,7 @@ class Checkpointer:
             self._open_distributed(directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
                                    async_save=async_save, max_host_bytes=max_host_bytes,
                                    storage_options=storage_options, per_rank=per_rank, group=group,
-                                   max_failed_saves=max_failed_saves)
+                                   max_failed_saves=max_failed_saves, compression=compression)
             return
         if group is not None:
             raise ValueError("Checkpointer(group=...): this process is in no torch.distributed process group")
@@ -303,7 +311,7 @@ class Checkpointer:
         next restore would return the newer step of an earlier run."""
         if self.distributed is not None:
             return self.distributed.save(step, state, metrics)
-        with _in_steps():
+        with _in_steps(), write_options(self._write_options):  # (seen by a background write too)
             self._save(step, state, metrics)
 
     def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:

@@ -37,6 +37,7 @@ may already hold part of the damaged step then). Coordination uses tensors on a 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -57,6 +58,7 @@ from ..checkpoint.location.view import CheckpointDirectory, best_of_directory
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
+from ..storage.encoding.compress import WriteOptions, write_options
 from ..storage.io.location import location_for
 from ..storage.io.seam import local_path
 from .dcp import META_NODE, EpochalStorageReader, EpochalStorageWriter, Whole
@@ -100,7 +102,10 @@ class DistributedCheckpointer:
         storage_options: dict[str, Any] | None = None,
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
+        compression: str | None = None,
     ) -> None:
+        #: how each rank's db is written (compression, as the Checkpointer's), set around saves
+        self._write_options = WriteOptions(compression=compression)
         location = location_for(local_path(directory), storage_options)  # file:// is the local disk
         location.remember()  # a URL's options: this process's for every path under it
         self.directory = location.root
@@ -160,6 +165,10 @@ class DistributedCheckpointer:
         this rank's state is copied into host memory and the rest (planning, writing, the
         ranks' agreement) runs in the background, on a group of its own: no collective here;
         a failure is raised by :meth:`wait` (or the next save) on every rank."""
+        with write_options(self._write_options):  # (the background job runs in a copy of this context)
+            self._save(step, state, metrics)
+
+    def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -195,7 +204,7 @@ class DistributedCheckpointer:
             w = writer()
             job = functools.partial(self._write_snapshot, step, snap, w, problem)
         self._pending = Pending(step, w, start, self._bg, job)
-        self._worker.submit(self._pending.run)
+        self._worker.submit(functools.partial(contextvars.copy_context().run, self._pending.run))
 
     def _write_snapshot(self, step: int, snap: tuple[dict[str, Any], bool] | None, writer: EpochalStorageWriter,
                         problem: BaseException | None) -> None:

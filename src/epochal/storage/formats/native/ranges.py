@@ -8,6 +8,11 @@ into a caller's buffer. Checking what was read is the caller's: against the segm
 checksum when it reads the whole segment (in chunks, :meth:`RangedFile.stream`), or
 against per-block checksums a codec recorded in the blob's meta (which the index checksum
 covers). Nothing here decodes a value or runs code from the file.
+
+A blob with a compressed segment (format 3.0) is read, checked and decoded whole when it is
+found (:mod:`.coded`) and held in memory until the file is closed; its segments are then
+given at offsets past the end of the file (never a file offset), with the checksum of their
+decoded bytes, and read from there: the caller reads and checks them as any other.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from typing import Any
 from ...io.checksum import checksum_function
 from ...io.reads import read_bytes, read_exact
 from ...io.seam import ByteSource, store_for
+from . import coded
 from .index import Index
+from .items import Opened
 from .layout import SUPERBLOCK_SIZE, corrupt, parse_superblock
 
 __all__ = ["RangedFile", "Segment"]
@@ -43,6 +50,10 @@ class RangedFile:
             raise
         #: the file's checksum function (``fn(data, previous=0)``), releasing the GIL
         self.fn: Callable[..., int] = checksum_function(self.header.algorithm)
+        #: decoded compressed blobs: blob index -> its segments; (start, bytes) of each
+        self._found: dict[int, list[Segment]] = {}
+        self._decoded: list[tuple[int, memoryview]] = []
+        self._next = self.header.file_size
 
     def close(self) -> None:
         self.src.close()
@@ -59,16 +70,37 @@ class RangedFile:
         if i is None:
             return None
         kind, meta = self.index.entry(i)
+        if self.index.coded is not None and self.index.is_coded(i):
+            return kind, meta, self._decode(i)
         rows = self.index.segs[self.index.seg_range(i).start : self.index.seg_range(i).stop]
         segs = [(int(r["offset"]), int(r["length"]), int(r["crc"])) for r in rows]
         return kind, meta, segs
+
+    def _decode(self, i: int) -> list[Segment]:
+        """Blob ``i``'s segments, read, checked and decoded (once), at offsets past the file."""
+        segs = self._found.get(i)
+        if segs is None:
+            item = coded.read_coded(Opened(self.path, self.src, self.index), [i], True)[0]
+            segs = []
+            for buf in item.bufs:
+                self._decoded.append((self._next, buf))
+                segs.append((self._next, buf.nbytes, self.fn(buf, 0)))
+                self._next += buf.nbytes + 1  # (+1: no two share an offset, empty ones neither)
+            self._found[i] = segs
+        return segs
 
     def names(self) -> list[str]:
         """Every blob's name, in file order."""
         return list(self.index.names())
 
     def read_into(self, view: memoryview, offset: int, blob: str | None = None) -> None:
-        """Fill ``view`` (flat bytes) from file ``offset`` on; a short file is corrupt."""
+        """Fill ``view`` (flat bytes) from file ``offset`` on; a short file is corrupt. Offsets
+        past the file are of decoded segments (see the module doc)."""
+        if offset >= self.header.file_size and self._decoded:
+            for start, buf in self._decoded:
+                if start <= offset and offset + view.nbytes <= start + buf.nbytes:
+                    view[:] = buf[offset - start : offset - start + view.nbytes]
+                    return
         read_exact(self.src, [view], offset, blob, progress=False)
 
     def stream(self, seg: Segment, scratch: memoryview, blob: str,
