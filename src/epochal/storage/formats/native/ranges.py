@@ -18,7 +18,8 @@ from typing import Any
 
 from ...io.checksum import checksum_function
 from ...io.reads import read_bytes, read_exact
-from ...io.seam import ByteSource, store_for
+from ...io.extents import open_db
+from ...io.seam import ByteSource
 from .index import Index
 from .layout import SUPERBLOCK_SIZE, corrupt, parse_superblock
 
@@ -33,7 +34,7 @@ class RangedFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.src: ByteSource = store_for(self.path).open_read(self.path, what="native db")
+        self.src: ByteSource = open_db(self.path, what="native db")
         try:
             self.header = parse_superblock(self.path, self.src.read(SUPERBLOCK_SIZE, 0), self.src.size())
             raw = read_bytes(self.src, self.header.index_length, self.header.index_offset, "the index")
