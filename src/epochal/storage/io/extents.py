@@ -264,6 +264,14 @@ class ExtentSource:
             if n and parts:
                 parts[0] = parts[0][n:]
 
+    def check_refs(self) -> None:
+        """Read every referenced extent whole and check its checksum: the error names the
+        older file whose bytes are damaged (a format's own checksum names only this one)."""
+        for k, source in enumerate(self._sources):
+            if source:
+                buf = bytearray(self._lens[k])
+                self.read_into([memoryview(buf)], self._starts[k])
+
     def map(self, *, sequential: bool = False) -> Any | None:
         return None
 

@@ -24,11 +24,14 @@ the referenced bytes too.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from ....errors import CheckpointError
 
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ...io.extent_sink import ExtentSink, Piece
@@ -37,6 +40,8 @@ from ...io.seam import committed, store_for
 from .layout import SUPERBLOCK_SIZE, pack_superblock
 from .ranges import RangedFile
 from .writer import index_bytes, plan_file, write_data
+
+logger = logging.getLogger("epochal")
 
 __all__ = ["CHUNK_BYTES", "DIFF_MAX", "DIFF_UNIT", "MIN_CHUNKED", "write_incremental"]
 
@@ -115,7 +120,11 @@ def _open_base(base: str | None, path: str, refs: list[RefFile]) -> _Base | None
     nothing to reference; the file is then written whole, with its digests)."""
     if base is None or os.path.basename(base) == os.path.basename(path):
         return None
-    ranged = RangedFile(base)
+    try:
+        ranged = RangedFile(base)
+    except (CheckpointError, OSError) as e:  # (a full write is always right)
+        logger.info("Incremental save of %s: base %s unreadable (%s); writing it whole", path, base, e)
+        return None
     if not isinstance(ranged.src, ExtentSource):
         ranged.close()
         return None
