@@ -50,7 +50,7 @@ def _save_steps(d: Path, steps: range, **kw: Any) -> None:
 RESTORE = textwrap.dedent("""
     import sys, json, numpy as np, epochal as ep
     d, step = sys.argv[1], int(sys.argv[2])
-    st = {"base": np.zeros(4 << 20, np.float32), "emb": np.zeros((%d, %d), np.float32),
+    st = {"base": np.zeros(4 << 20, np.float32), "emb": np.zeros((ROWS, DIM), np.float32),
           "adapter": np.zeros((64, 64), np.float32), "step": -1}
     try:
         with ep.Checkpointer(d, progress=False) as ck:
@@ -60,7 +60,7 @@ RESTORE = textwrap.dedent("""
         sys.exit(3)
     np.save(sys.argv[3], np.concatenate([st["base"], st["emb"].ravel(), st["adapter"].ravel()]))
     print(json.dumps({"step": got, "saved_step": st["step"]}))
-""" % (ROWS, DIM))
+""").replace("ROWS", str(ROWS)).replace("DIM", str(DIM))
 
 
 def _restore_fresh(d: Path, step: int, tmp: Path) -> tuple[int, dict[str, Any], np.ndarray | None]:

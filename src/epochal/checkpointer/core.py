@@ -36,7 +36,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..checkpoint.engine import CheckpointEngine, Done, LoadPlan
 from ..checkpoint.handler.directory import DirectoryMetadataHandler
@@ -69,6 +69,8 @@ if TYPE_CHECKING:
     from ..integrations.distributed import DistributedCheckpointer
 
 __all__ = ["Checkpointer"]
+
+_S = TypeVar("_S", bound=SaveBlobs)
 
 logger = logging.getLogger("epochal")
 
@@ -336,7 +338,7 @@ class Checkpointer:
         save = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step, storage_options=self._storage_options)
         self._engine.save(step, lambda: Done({NODE: self._based(save).run(state)}), metrics=metrics)
 
-    def _based(self, save: SaveBlobs) -> SaveBlobs:
+    def _based(self, save: _S) -> _S:
         """``save``, incremental on the db of the newest step committed before its own (asked
         as it starts: after any earlier background save is committed) when ``incremental``."""
         if self.incremental:

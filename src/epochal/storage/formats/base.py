@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointError
-from ..io.progress import IO_PROGRESS, report_progress
 from ..io.extents import open_db
+from ..io.progress import IO_PROGRESS, report_progress
 from ..io.seam import store_for
 
 __all__ = [

@@ -7,8 +7,8 @@ from typing import Any
 
 from ....errors import CheckpointCorruptError, CheckpointError
 from ...encoding.codecs import LOAD_OPTIONS
-from ..base import BlobInfo, DbBackend, DbProblem, DbStat, ReadStats, register_db_type
 from ...io.extents import ExtentSource
+from ..base import BlobInfo, DbBackend, DbProblem, DbStat, ReadStats, register_db_type
 from .layout import is_native
 from .reader import NativeFile, stat_native
 from .writer import write_native

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from ....errors import CheckpointError
-
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ...io.extent_sink import ExtentSink, Piece
 from ...io.extents import ExtentSource, RefFile
@@ -108,7 +107,7 @@ class _Base:
 
     def read(self, loff: int, length: int) -> np.ndarray:
         buf = np.empty(length, dtype=np.uint8)
-        self.src.read_into([memoryview(buf)], loff)
+        self.src.read_into([memoryview(buf.data)], loff)
         return buf
 
     def close(self) -> None:

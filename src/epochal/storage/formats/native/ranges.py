@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ...io.checksum import checksum_function
-from ...io.reads import read_bytes, read_exact
 from ...io.extents import open_db
+from ...io.reads import read_bytes, read_exact
 from ...io.seam import ByteSource
 from .index import Index
 from .layout import SUPERBLOCK_SIZE, corrupt, parse_superblock

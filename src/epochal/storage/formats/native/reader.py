@@ -29,8 +29,8 @@ from ...encoding.fit import check_all_live
 from ...io import direct as _direct
 from ...io import tuning
 from ...io.checksum import checksum_function
-from ...io.reads import read_bytes, read_exact
 from ...io.extents import open_db
+from ...io.reads import read_bytes, read_exact
 from ...io.seam import ByteSource
 from ..base import BlobInfo, ReadStats
 from . import batch, fill, inplace, mapped
