@@ -36,7 +36,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..checkpoint.engine import CheckpointEngine, Done, LoadPlan
 from ..checkpoint.handler.directory import DirectoryMetadataHandler
@@ -71,6 +71,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpointer"]
 
+_S = TypeVar("_S", bound=SaveBlobs)
+
 logger = logging.getLogger("epochal")
 
 class Checkpointer:
@@ -87,6 +89,10 @@ class Checkpointer:
     second only while a write is in flight; N: at most N bytes, and a state bigger than N is
     saved synchronously, with no copy; 0: every save synchronous; see
     :mod:`epochal.checkpoint.tasks.background`).
+    ``incremental``: each save writes only the bytes that differ from the newest step committed
+    before it (whole chunks found there by content digest, and changed runs of a chunk); the
+    rest are references to the older steps' files, which retention then keeps as long as a
+    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md).
     ``storage_options``: for a remote (URL) directory, passed to the handler where it
     supports them. ``max_failed_saves`` (default 1): how many saves in a row may fail before
     :meth:`save` raises. With 1 every failed save raises its own error (OSError, ...), as a
@@ -131,6 +137,7 @@ class Checkpointer:
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
         compression: str | None = None,
+        incremental: bool = False,
     ) -> None:
         #: how the step's db is written (compression), set around each save
         self._write_options = WriteOptions(compression=compression)  # (ValueError: unknown)
@@ -142,6 +149,9 @@ class Checkpointer:
         #: method is then its (collective) one. None: this process saves alone.
         self.distributed: DistributedCheckpointer | None = None
         if use_distributed(directory, storage_options):
+            if incremental:
+                raise ValueError("Checkpointer(incremental=True) saves one process's state; across ranks "
+                                 "every step is written whole")
             self._open_distributed(directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
                                    async_save=async_save, max_host_bytes=max_host_bytes,
                                    storage_options=storage_options, per_rank=per_rank, group=group,
@@ -149,6 +159,8 @@ class Checkpointer:
             return
         if group is not None:
             raise ValueError("Checkpointer(group=...): this process is in no torch.distributed process group")
+        #: each save writes only the bytes the newest committed step before it does not hold
+        self.incremental = bool(incremental)
         self.directory = local_path(directory)  # file:// is the local disk
         #: the fsspec options every step of this Checkpointer carries (a URL directory)
         self._storage_options = dict(storage_options) if storage_options else None
@@ -328,11 +340,20 @@ class Checkpointer:
         if self.async_save:
             snapshot = SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver,
                                        storage_options=self._storage_options)
-            self._engine.save(step, lambda: _Background(snapshot, state, self._saver), background=True,
-                              metrics=metrics)
+            self._engine.save(step, lambda: _Background(self._based(snapshot), state, self._saver),
+                              background=True, metrics=metrics)
             return
         save = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step, storage_options=self._storage_options)
-        self._engine.save(step, lambda: Done({NODE: save.run(state)}), metrics=metrics)
+        self._engine.save(step, lambda: Done({NODE: self._based(save).run(state)}), metrics=metrics)
+
+    def _based(self, save: _S) -> _S:
+        """``save``, incremental on the db of the newest step committed before its own (asked
+        as it starts: after any earlier background save is committed) when ``incremental``."""
+        if self.incremental:
+            older = [e for e in self._dir.manifest_epochs() if e < save.epoch]
+            save.incremental = True
+            save.base = self.db_path(max(older)) if older else None
+        return save
 
     def _check_ranked(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
         """With ``keep_best``, metrics given must hold the metric (or ``state`` a scalar of

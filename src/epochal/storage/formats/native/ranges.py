@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ...io.checksum import checksum_function
+from ...io.extents import open_db
 from ...io.reads import read_bytes, read_exact
-from ...io.seam import ByteSource, store_for
+from ...io.seam import ByteSource
 from . import coded
 from .index import Index
 from .items import Opened
@@ -40,7 +41,7 @@ class RangedFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.src: ByteSource = store_for(self.path).open_read(self.path, what="native db")
+        self.src: ByteSource = open_db(self.path, what="native db")
         try:
             self.header = parse_superblock(self.path, self.src.read(SUPERBLOCK_SIZE, 0), self.src.size())
             raw = read_bytes(self.src, self.header.index_length, self.header.index_offset, "the index")

@@ -29,8 +29,9 @@ from ...encoding.fit import check_all_live
 from ...io import direct as _direct
 from ...io import tuning
 from ...io.checksum import checksum_function
+from ...io.extents import open_db
 from ...io.reads import read_bytes, read_exact
-from ...io.seam import ByteSource, store_for
+from ...io.seam import ByteSource
 from ..base import BlobInfo, ReadStats
 from . import batch, coded, fill, inplace, mapped
 from .checks import GroupSums, check_meta
@@ -51,7 +52,7 @@ __all__ = ["NativeFile", "allocate", "decode", "open_native", "stat_native"]
 
 
 def _open(path: str) -> ByteSource:
-    return store_for(path).open_read(path, what="native db")
+    return open_db(path, what="native db")
 
 
 def _read_header(path: str, src: ByteSource) -> Header:
