@@ -140,6 +140,23 @@ def test_retention_keeps_a_file_while_a_kept_step_references_it(tmp_path: Path) 
         assert all(np.array_equal(st[k], new[k]) for k in ("base", "emb", "adapter"))
 
 
+def test_a_later_full_run_keeps_the_files_its_kept_incremental_steps_reference(tmp_path: Path) -> None:
+    """The location is marked incremental by its first incremental save; a later run without
+    ``incremental=True`` still keeps what a kept incremental step references, while one that
+    never saved incrementally reads no db at retention (tests/test_commit_cost.py)."""
+    d = tmp_path / "ck"
+    _save_steps(d, range(1, 4))
+    assert (d / ".epochal" / "incremental").exists()
+    with ep.Checkpointer(str(d), keep_last=2, progress=False) as ck:
+        ck.restore({"step": 0})
+        ck.save(4, _state(4))  # a full save: steps 3 (incremental, on local.1's base) and 4 kept
+    assert sorted(p.name for p in (d / ".epochal").glob("manifest.*.json")) == ["manifest.3.json",
+                                                                                "manifest.4.json"]
+    assert (d / "local.1").exists()
+    rc, info, flat = _restore_fresh(d, 3, tmp_path)
+    assert rc == 0 and flat is not None and flat.tobytes() == _flat(_state(3)).tobytes()
+
+
 def test_inspect_and_export_read_an_incremental_step(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     _save_steps(d, range(1, 3))

@@ -350,6 +350,7 @@ class Checkpointer:
         """``save``, incremental on the db of the newest step committed before its own (asked
         as it starts: after any earlier background save is committed) when ``incremental``."""
         if self.incremental:
+            self._dir.mark_incremental()  # (retention then asks kept dbs what they reference)
             older = [e for e in self._dir.manifest_epochs() if e < save.epoch]
             save.incremental = True
             save.base = self.db_path(max(older)) if older else None

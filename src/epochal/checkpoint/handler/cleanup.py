@@ -182,6 +182,8 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
     def unused(paths: Iterable[str]) -> list[str]:
         """``paths`` but those a kept step references (all of them when that is unknown)."""
         paths = list(paths)
+        if paths and not in_use and not d.has_incremental():  # no step here references another's db
+            in_use.append(set())
         if paths and not in_use:
             in_use.append(referenced(scanned, [e for e in manifests if e not in doomed], -1))
         names = in_use[0] if in_use else set()
