@@ -64,6 +64,7 @@ from .parts import (
     _reworded,
     _Shown,
 )
+from .tier import LocalTier, Source, check_args
 
 if TYPE_CHECKING:
     from ..integrations.distributed import DistributedCheckpointer
@@ -97,6 +98,12 @@ class Checkpointer:
     each save or load of 64 MiB or more when stderr is a terminal (not under ``CI`` or
     ``EPOCHAL_QUIET``); True always (on stderr); False never.
 
+    ``local``: a node-local directory (RAM-backed, e.g. ``/dev/shm/run``) that every save goes
+    to, as an ordinary location keeping ``local_keep`` steps; every ``persist_every``-th save
+    (None: none), the save after a SIGTERM and :meth:`close` also put the step in
+    ``directory``, as a copy of the local db's bytes; :meth:`restore` takes the newest step
+    intact in either place, the local copy first (:mod:`.tier`, docs/tiers.md).
+
     In a ``torch.distributed`` process group (under ``torchrun``; a world of one included), or
     on a directory whose newest step was written by ranks, the same one line saves across
     ranks: :attr:`distributed` holds a
@@ -125,6 +132,9 @@ class Checkpointer:
         progress: bool | None = None,
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
+        local: str | os.PathLike[str] | None = None,
+        persist_every: int | None = 1,
+        local_keep: int = 2,
     ) -> None:
         # (torch-free until a process group exists)
         from ..integrations.world import use_distributed
@@ -141,6 +151,8 @@ class Checkpointer:
             return
         if group is not None:
             raise ValueError("Checkpointer(group=...): this process is in no torch.distributed process group")
+        if local is not None:
+            check_args(local, local_keep, persist_every)
         self.directory = local_path(directory)  # file:// is the local disk
         #: the fsspec options every step of this Checkpointer carries (a URL directory)
         self._storage_options = dict(storage_options) if storage_options else None
@@ -170,6 +182,10 @@ class Checkpointer:
         self.last_restore: RestoreReport | None = None
         self._saved = False
         self._last_save = time.monotonic()
+        #: the node-local fast tier (``local=``; None without one): see :mod:`.tier`
+        self._tier = None if local is None else LocalTier(
+            local, keep=local_keep, persist_every=persist_every, durable=self._engine, durable_db=self.db_path,
+            durable_options=self._storage_options, saver=self._saver)
         self._guard = SignalGuard((signal.SIGTERM,), word="step").__enter__()
         self._closed = False
 
@@ -196,6 +212,8 @@ class Checkpointer:
         """The newest step committed (or restored) by this Checkpointer, None before any."""
         if self.distributed is not None:
             return self.distributed.last_step
+        if self._tier is not None:
+            return self._tier.last_step(self._engine.last_committed)
         return self._engine.last_committed
 
     @property
@@ -249,10 +267,15 @@ class Checkpointer:
         self.wait()
         self._last_save = time.monotonic()
         self._restored = True
-        first = self._chosen_step(step)
-        found = self._engine.resume(first, lambda s: self._load(s, names, state, strict), fallback=step is None)
+        if self._tier is not None:
+            found = self._tier.restore(step, self.steps(), Source("durable", self.handler, self._engine, self.db_path),
+                                       lambda src, s: self._load(s, names, state, strict, src))
+        else:
+            first = self._chosen_step(step)
+            found = self._engine.resume(first, lambda s: self._load(s, names, state, strict), fallback=step is None)
         if self.async_save:  # the run starts: its first snapshot will copy into warm memory
-            prepare = PrepareSaves(self.db_path(0), names, node=NODE, saver=self._saver)
+            where = self._tier.db_path(0) if self._tier is not None else self.db_path(0)
+            prepare = PrepareSaves(where, names, node=NODE, saver=self._saver)
             self._engine.prepare_saves(lambda: prepare(state))
         if found is None:
             logger.info("No checkpoint in %s: starting a new run", self.directory)
@@ -269,12 +292,14 @@ class Checkpointer:
             raise CheckpointNotFoundError(
                 f"step {step} of {self.directory} is not committed (committed steps: {committed}): {ex}") from ex
 
-    def _load(self, step: int | None, names: list[str], state: MutableMapping[str, Any], strict: bool) -> None:
+    def _load(self, step: int | None, names: list[str], state: MutableMapping[str, Any], strict: bool,
+              source: Source | None = None) -> None:
         """Load ``step`` into ``state`` (every checksum verified, and every live object
-        checked, before anything is touched)."""
+        checked, before anything is touched), from ``source`` (None: ``directory``)."""
         if step is None:
             return
-        db = self.db_path(step)
+        db = source.db_path(step) if source is not None else self.db_path(step)
+        engine = source.engine if source is not None else self._engine
         load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True,
                          storage_options=self._storage_options, whole=True, strict=strict)
 
@@ -286,9 +311,9 @@ class Checkpointer:
 
         plan = LoadPlan(check=lambda: checked(lambda: load.check(state)),
                         write=lambda: checked(lambda: {NODE: load.run(state)}), nodes=[NODE])
-        self._engine.load("checkpoint_load", step, plan)
+        engine.load("checkpoint_load", step, plan)
         self.last_restore = RestoreReport(step, 0.0, dict(load.keys.missing), dict(load.keys.unexpected),
-                                          list(load.missing))
+                                          list(load.missing), source.name if source is not None else "durable")
         if load.missing:  # (the db is opened once: no separate listing of its blobs)
             logger.warning("The checkpoint of step %d (%s) has no %s: they keep their current values",
                            step, db, ", ".join(map(repr, load.missing)))
@@ -317,6 +342,10 @@ class Checkpointer:
         self._saved = True
         db = self.db_path(step)
         self._last_save = time.monotonic()
+        if self._tier is not None:
+            self._tier.save(step, state, names, metrics, background=self.async_save,
+                            persist=self._tier.due(self.preempted))
+            return
         if self.async_save:
             snapshot = SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver,
                                        storage_options=self._storage_options)
@@ -357,6 +386,8 @@ class Checkpointer:
         if self.distributed is not None:
             return self.distributed.wait()
         with _in_steps():
+            if self._tier is not None:
+                self._tier.wait()
             self._engine.finish_pending()
 
     def due(self, step: int, every: int | None = None, interval: float | str | None = None) -> bool:
@@ -373,6 +404,8 @@ class Checkpointer:
         """The committed steps, oldest first."""
         if self.distributed is not None:
             return self.distributed.steps()
+        if self._tier is not None:  # either place's
+            return sorted(set(self.handler.committed_epochs()) | set(self._tier.steps()))
         return self.handler.committed_epochs()
 
     def best_steps(self) -> list[int]:
@@ -395,7 +428,12 @@ class Checkpointer:
         self._closed = True
         try:
             self.wait()
+            if self._tier is not None:
+                with _in_steps():
+                    self._tier.persist(self.handler.committed_epochs())
         finally:
+            if self._tier is not None:
+                self._tier.close()
             self._saver.close()
             self._guard.__exit__(None, None, None)
             self._engine.close()
