@@ -64,7 +64,7 @@ from .parts import (
     _reworded,
     _Shown,
 )
-from .tier import LocalTier, Source, check_args
+from .tier import LocalTier, Source, check_args, rank_tier
 
 if TYPE_CHECKING:
     from ..integrations.distributed import DistributedCheckpointer
@@ -135,6 +135,8 @@ class Checkpointer:
         local: str | os.PathLike[str] | None = None,
         persist_every: int | None = 1,
         local_keep: int = 2,
+        replicas: int = 0,
+        replica_stride: int | None = None,
     ) -> None:
         # (torch-free until a process group exists)
         from ..integrations.world import use_distributed
@@ -143,16 +145,23 @@ class Checkpointer:
         #: process group (a world of one included) or on a directory written by ranks; every
         #: method is then its (collective) one. None: this process saves alone.
         self.distributed: DistributedCheckpointer | None = None
+        if local is not None:
+            check_args(local, local_keep, persist_every)
         if use_distributed(directory, storage_options):
             self._open_distributed(directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
                                    async_save=async_save, max_host_bytes=max_host_bytes,
                                    storage_options=storage_options, per_rank=per_rank, group=group,
                                    max_failed_saves=max_failed_saves)
+            if local is not None and self.distributed is not None:
+                self.distributed.tier = rank_tier(self.distributed, local, keep=local_keep,
+                                                  persist_every=persist_every, replicas=replicas,
+                                                  stride=replica_stride)
             return
+        if replicas:
+            raise ValueError("Checkpointer(replicas=...): a copy on a peer is for ranks of a torch.distributed "
+                             "process group; this process is in none")
         if group is not None:
             raise ValueError("Checkpointer(group=...): this process is in no torch.distributed process group")
-        if local is not None:
-            check_args(local, local_keep, persist_every)
         self.directory = local_path(directory)  # file:// is the local disk
         #: the fsspec options every step of this Checkpointer carries (a URL directory)
         self._storage_options = dict(storage_options) if storage_options else None
@@ -248,7 +257,12 @@ class Checkpointer:
             if step is not None or not strict:
                 raise ValueError(f"{self!r}: restore(step=..., strict=False) is for one process; across "
                                  "ranks the newest intact step is restored, strictly")
-            return self.distributed.restore(state)
+            t0 = time.perf_counter()
+            found = self.distributed.restore(state)
+            tier = self.distributed.tier
+            self.last_restore = RestoreReport(found, time.perf_counter() - t0, source=(
+                tier.source if tier is not None else "durable" if found is not None else None))
+            return found
         with _in_steps():
             t0 = time.perf_counter()
             self.last_restore = None
