@@ -66,6 +66,7 @@ from .dcp.background import Pending, Worker
 from .dcp.plan_cache import RecordingSavePlanner, SavePlanCache
 from .dcp.staging import HostStaging
 from .rank_state import dcp_state
+from .rank_tier import RankTier
 from .ranks import RankGroup, process_world, unwrap_failure
 from .world import SINGLE_NODE, load_one_process_step
 
@@ -141,6 +142,8 @@ class DistributedCheckpointer:
         self._last_save = time.monotonic()
         self._guard = RankSignalGuard((signal.SIGTERM,)).__enter__()
         self._closed = False
+        #: this rank's node-local tier (``local=``; docs/tiers.md), None without one
+        self.tier: RankTier | None = None
 
     def __repr__(self) -> str:
         return f"DistributedCheckpointer({self.directory!r}, rank={self.rank}, world={self.world})"
@@ -179,6 +182,11 @@ class DistributedCheckpointer:
         start = time.perf_counter_ns()
         sd, _ = dcp_state(state, self.rank, self.per_rank, None, self.directory)
         self.wait()  # the previous background save is committed (or has failed) first
+        if self.tier is not None:
+            self.tier.save(step, sd)
+            if not self.tier.due(self.preempted):  # this step stays in the local tiers only
+                self.last_step = step
+                return
 
         def writer(deferred: bool = False) -> EpochalStorageWriter:
             return EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
@@ -301,6 +309,9 @@ class DistributedCheckpointer:
         self._check_open()
         self.wait()
         self._last_save = time.monotonic()
+        if self.tier is not None:
+            self.last_step = self.tier.restore(state, self.directory, self._options)
+            return self.last_step
         touched = False
         while True:
             step, problem = -1, None  # type: tuple[int, BaseException | None]
@@ -355,6 +366,8 @@ class DistributedCheckpointer:
         when all are durable rank 0 commits the step, else the step is not committed and
         this raises on every rank (naming the ranks that failed). Nothing to do after a
         synchronous save."""
+        if self.tier is not None:
+            self.tier.wait()
         if not self.async_save:
             return
         pending, self._pending = self._pending, None
@@ -390,6 +403,8 @@ class DistributedCheckpointer:
         finally:
             self._closed = True
             self._guard.__exit__(None, None, None)
+            if self.tier is not None:
+                self.tier.close()
             self._close_handler()
 
     def _close_handler(self) -> None:
