@@ -183,7 +183,7 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
         """``paths`` but those a kept step references (all of them when that is unknown)."""
         paths = list(paths)
         if paths and not in_use:
-            in_use.append(referenced(scanned, [e for e in manifests if e not in doomed], -1))
+            in_use.append(referenced(d.db_path(n, e) for e in manifests if e not in doomed for n in sorted(known)))
         names = in_use[0] if in_use else set()
         if names is None:
             return []

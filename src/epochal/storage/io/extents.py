@@ -225,6 +225,16 @@ def read_extents(src: seam.ByteSource, path: str) -> Extents:
     return parse_extents(path, head, bytes(tables), size)
 
 
+def _options_of(path: str) -> dict[str, Any] | None:
+    """The storage options this file was reached with (a URL), for its siblings: the CLI
+    records ``-o`` options for the one file it was given, not for its folder."""
+    if not seam.is_url(path):
+        return None
+    from .remote.fsspec_store import storage_options_for
+
+    return storage_options_for(path) or None
+
+
 def _sibling(path: str, name: str) -> str:
     if seam.is_url(path):
         return posixpath.join(posixpath.dirname(path), name)
@@ -262,7 +272,7 @@ class ExtentSource:
         ref_path = _sibling(self.name, r.file)
         what = f"step {r.step}'s db {r.file}, which {self.ex.where()} takes bytes from,"
         try:
-            src = seam.store_for(ref_path).open_read(ref_path, what="db")
+            src = seam.store_for(ref_path, _options_of(self.name)).open_read(ref_path, what="db")
         except FileNotFoundError:
             raise _corrupt(self.name, f"{what} is missing ({ref_path})") from None
         except OSError as e:
@@ -328,24 +338,27 @@ class ExtentSource:
         else:
             rest = np.ones(len(src), dtype=bool)
         order = np.lexsort((soff[rest], src[rest]))
-        r_src, r_soff, r_dst, r_len = (x[rest][order].tolist() for x in (src, soff, dst, ln))
-        i, n = 0, len(r_src)
-        while i < n:  # a run: the same source, gaps under MERGE_GAP, at most MERGE_SPAN bytes
-            j, s, start = i + 1, r_src[i], r_soff[i]
-            stop = start + r_len[i]
-            while j < n and r_src[j] == s and r_soff[j] - stop <= MERGE_GAP and r_soff[j] + r_len[j] - start <= MERGE_SPAN:
-                stop = max(stop, r_soff[j] + r_len[j])
-                j += 1
+        r_src, r_soff, r_dst, r_len = (x[rest][order] for x in (src, soff, dst, ln))
+        if not len(r_src):
+            return
+        # runs: the same source, gaps of at most MERGE_GAP, cut every MERGE_SPAN bytes
+        cut = np.ones(len(r_src), dtype=bool)
+        cut[1:] = (r_src[1:] != r_src[:-1]) | (r_soff[1:] - (r_soff + r_len)[:-1] > MERGE_GAP)
+        first = np.flatnonzero(cut)
+        base = np.repeat(r_soff[first], np.diff(np.append(first, len(r_src))))
+        part = (r_soff - base) // MERGE_SPAN
+        cut[1:] |= part[1:] != part[:-1]
+        bounds = np.append(np.flatnonzero(cut), len(r_src)).tolist()
+        srcs, soffs, dsts, lens = r_src.tolist(), r_soff.tolist(), r_dst.tolist(), r_len.tolist()
+        for i, j in zip(bounds, bounds[1:]):
+            s, start = srcs[i], soffs[i]
             if j == i + 1:
-                self._fill(s, [dest[r_dst[i]:r_dst[i] + r_len[i]]], start)
-            else:
-                buf = bytearray(stop - start)
-                tmp = memoryview(buf)
-                self._fill(s, [tmp], start)
-                for m in range(i, j):
-                    a, o = r_dst[m], r_soff[m] - start
-                    dest[a:a + r_len[m]] = tmp[o:o + r_len[m]]
-            i = j
+                self._fill(s, [dest[dsts[i]:dsts[i] + lens[i]]], start)
+                continue
+            stop = soffs[j - 1] + lens[j - 1]
+            tmp = memoryview(bytearray(stop - start))
+            self._fill(s, [tmp], start)
+            _scatter(dest, dsts[i:j], tmp, [o - start for o in soffs[i:j]], lens[i:j])
 
     def _fill(self, source: int, parts: list[memoryview], off: int) -> None:
         src = self._srcs[source]
@@ -413,6 +426,29 @@ class ExtentSource:
         self._srcs = []
 
 
+#: pieces copied by rows of a common unit (numpy) when it is at least this many bytes
+MIN_ROW = 64
+
+
+def _scatter(dest: memoryview, dst: list[int], tmp: memoryview, src: list[int], lens: list[int]) -> None:
+    """Copy ``tmp[src[i]:src[i] + lens[i]]`` to ``dest[dst[i]:...]`` for every i: in one numpy
+    pass by rows of the pieces' common unit where they share one (a table's changed rows),
+    else piece by piece."""
+    d, o, n = np.asarray(dst, np.int64), np.asarray(src, np.int64), np.asarray(lens, np.int64)
+    g = int(np.gcd.reduce(np.concatenate([n, d - d[0], o - o[0]])))
+    if len(dst) < 8 or g < MIN_ROW:
+        for a, b, ln in zip(dst, src, lens):
+            dest[a:a + ln] = tmp[b:b + ln]
+        return
+    d0, o0 = dst[0] % g, src[0] % g
+    dv = np.frombuffer(dest, np.uint8)[d0:d0 + (dest.nbytes - d0) // g * g].reshape(-1, g)
+    sv = np.frombuffer(tmp, np.uint8)[o0:o0 + (tmp.nbytes - o0) // g * g].reshape(-1, g)
+    rows = n // g
+    ends = np.cumsum(rows)
+    step = np.arange(int(ends[-1])) - np.repeat(ends - rows, rows)
+    dv[np.repeat((d - d0) // g, rows) + step] = sv[np.repeat((o - o0) // g, rows) + step]
+
+
 def open_db(path: str, *, what: str = "db") -> seam.ByteSource:
     """Open the db at ``path`` for reading: its bytes as they are, or, for an incremental db,
     the logical bytes it stands for (:class:`ExtentSource`)."""
@@ -435,10 +471,12 @@ def blame_refs(src: seam.ByteSource | None, exc: BaseException | None) -> None:
 
 
 def referenced_files(path: str) -> list[str] | None:
-    """The names of the files the db at ``path`` takes bytes from ([] for a plain db); None
-    when it cannot be read (then nothing it might reference may be deleted)."""
+    """The names of the files the db at ``path`` takes bytes from ([] for a plain db or none
+    there); None when it cannot be read (then nothing it might reference may be deleted)."""
     try:
         src = seam.store_for(path).open_read(path, what="db")
+    except FileNotFoundError:
+        return []
     except OSError:
         return None
     try:
