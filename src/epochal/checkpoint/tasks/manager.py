@@ -279,9 +279,9 @@ class CheckpointManager(HandlerCalls):
             storage_options=self._storage_options, push=None if background else self._push_target(push),
             pushed_output=pushed,
         )
-        on, base = self.incremental_base(epoch) if incremental is None else incremental
+        on, older = self.incremental_base(epoch) if incremental is None else incremental
         if on:
-            save.incremental, save.base = True, (self._db(base) if base is not None else None)
+            save.incremental, save.base = True, (self._db(older) if older is not None else None)
         task = self._timed_task("checkpoint_save", save, db, digest, pushed)
         self._untracked_output = task.untracked_output = task.add_output(untracked)
         return task

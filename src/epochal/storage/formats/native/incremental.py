@@ -6,14 +6,18 @@ same logical bytes: superblock, segments, index) and streams it into an
 ``MIN_CHUNKED`` bytes is cut into content chunks of ``CHUNK_BYTES`` (from the segment's
 start); each chunk is
 
-* a reference to the older bytes when its BLAKE2b-128 digest is one the base file records
-  (a frozen layer, an optimizer state no step touched: whatever moved in the file);
-* else, when the base holds the same blob's same segment at the same length, compared with
-  those bytes in units of ``DIFF_UNIT``: equal runs become references, changed runs are
-  stored (an embedding table with 2% of its rows changed writes about 2% of its bytes),
-  unless more than ``DIFF_MAX`` of it changed;
+* on this machine, when the base holds the same blob's same segment at the same length,
+  compared with those bytes (page cache; no hashing) in units of ``DIFF_UNIT``: equal
+  throughout, a reference whole; equal runs references and changed runs stored (an embedding
+  table with 2% of its rows changed writes about 2% of its bytes), unless more than
+  ``DIFF_MAX`` of it changed;
+* else a reference to the older bytes when its BLAKE2b-128 digest is one the base file
+  records (a frozen layer, an optimizer state no step touched: whatever moved in the file);
+* else, at a URL, compared with the base's same segment as above (a read there is a
+  download: the digest comes first);
 * else stored whole.
 
+A chunk saved as runs records no digest (a later save compares its bytes).
 References name stored bytes of older files (never another reference), so a step is read
 with at most one hop; the base is the newest committed step before this one, whose own
 references are carried over. Everything else (superblock, small segments, padding, index)
