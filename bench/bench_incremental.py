@@ -4,7 +4,8 @@ time of a step whose bytes span many older steps against a full step's.
 Two runs through ``Checkpointer(incremental=True)`` on this disk: a LoRA-style state (a
 frozen base of >= 95% of the bytes, adapters that change every step) and an embedding table
 of which 2% of the rows (at random) change every step. Each is compared with the same saves
-written whole. Usage: ``python bench/bench_incremental.py [--mb 256] [--steps 8]``.
+written whole, in paired rounds (the order flipped each round). Usage:
+``python bench/bench_incremental.py [--mb 256] [--steps 8] [--rounds 3]``.
 """
 
 from __future__ import annotations
@@ -67,20 +68,34 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     for label, make in (("lora", lora), ("embedding 2% rows", embedding)):
-        full = run(make, a.mb, a.steps, False)
-        inc = run(make, a.mb, a.steps, True)
         ch = [changed_bytes(make, a.mb, s) for s in range(2, a.steps + 1)]
-        ratio = [w / c for w, c in zip(inc[0][1:], ch)]
-        print(f"{label} ({a.mb} MiB, {a.steps} steps)")
-        print(f"  full save: {full[0][-1] / 2**20:8.2f} MiB  {np.median(full[1][1:]) * 1e3:7.1f} ms median")
-        print(f"  incremental: {np.mean(inc[0][1:]) / 2**20:8.2f} MiB/save, changed {np.mean(ch) / 2**20:.2f} MiB/save,"
-              f" written/changed {min(ratio):.2f}-{max(ratio):.2f}x, {np.median(inc[1][1:]) * 1e3:7.1f} ms median")
-        print(f"  restore of the last step: full {full[2] * 1e3:7.1f} ms, incremental {inc[2] * 1e3:7.1f} ms"
-              f" ({inc[2] / full[2]:.2f}x)")
-        shutil.rmtree(full[3])
-        shutil.rmtree(inc[3])
+        save_x, rest_x, ratios, fulls, incs = [], [], [], [], []
+        for r in range(a.rounds):  # paired rounds, the order flipped from round to round
+            order = (False, True) if r % 2 == 0 else (True, False)
+            got = {}
+            for incremental in order:
+                got[incremental] = run(make, a.mb, a.steps, incremental)
+                shutil.rmtree(got[incremental][3])
+            full, inc = got[False], got[True]
+            fulls.append(full)
+            incs.append(inc)
+            save_x.append(np.median(inc[1][1:]) / np.median(full[1][1:]))
+            rest_x.append(inc[2] / full[2])
+            ratios += [w / c for w, c in zip(inc[0][1:], ch)]
+            print(f"  round {r}: save full {np.median(full[1][1:]) * 1e3:.1f} ms, incremental "
+                  f"{np.median(inc[1][1:]) * 1e3:.1f} ms; restore full {full[2] * 1e3:.1f} ms, "
+                  f"incremental {inc[2] * 1e3:.1f} ms", flush=True)
+        print(f"{label} ({a.mb} MiB, {a.steps} steps, {a.rounds} rounds)")
+        print(f"  full save: {fulls[0][0][-1] / 2**20:8.2f} MiB  "
+              f"{np.median([np.median(f[1][1:]) for f in fulls]) * 1e3:7.1f} ms median")
+        print(f"  incremental: {np.mean(incs[0][0][1:]) / 2**20:8.2f} MiB/save, changed {np.mean(ch) / 2**20:.2f} MiB/save,"
+              f" written/changed {min(ratios):.2f}-{max(ratios):.2f}x,"
+              f" {np.median([np.median(i[1][1:]) for i in incs]) * 1e3:7.1f} ms median")
+        print(f"  paired incremental/full: save {np.median(save_x):.2f}x ({min(save_x):.2f}-{max(save_x):.2f}),"
+              f" restore of the last step {np.median(rest_x):.2f}x ({min(rest_x):.2f}-{max(rest_x):.2f})")
 
 
 if __name__ == "__main__":

@@ -229,3 +229,27 @@ def test_incremental_and_compressed_steps_restore_bit_exact(tmp_path: Path) -> N
         rc, info, flat = _restore_fresh(d, s, tmp_path)
         assert rc == 0 and info == {"step": s, "saved_step": s}
         assert flat is not None and flat.view(np.uint32).tobytes() == _flat(_state(s)).view(np.uint32).tobytes()
+
+
+def test_the_format_docs_numpy_reader_rebuilds_an_incremental_db(tmp_path: Path) -> None:
+    """docs/format.md's plain-numpy reader of an extent file, run as printed: the logical
+    bytes it rebuilds are those every reader sees, a native db holding step 3's values."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    block = next(b for b in doc.split("```python")[1:] if "def logical_bytes" in b).split("```")[0]
+    scope: dict[str, Any] = {}
+    exec(compile(block, "format.md", "exec"), scope)
+    d = tmp_path / "ck"
+    _save_steps(d, range(1, 4))
+    from epochal.storage.io.extents import open_db
+
+    src = open_db(str(d / "local.3"))
+    try:
+        want = src.read(src.size(), 0)
+    finally:
+        src.close()
+    got = scope["logical_bytes"](str(d / "local.3"))
+    assert got == want and os.path.getsize(d / "local.3") < len(got) // 4
+    (tmp_path / "plain.db").write_bytes(got)
+    from epochal.storage.formats.native.backend import NativeBackend
+
+    assert np.array_equal(NativeBackend().read(str(tmp_path / "plain.db"), ["emb"])["emb"], _state(3)["emb"])

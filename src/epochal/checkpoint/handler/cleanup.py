@@ -185,7 +185,7 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
         if paths and not in_use and not d.has_incremental():  # no step here references another's db
             in_use.append(set())
         if paths and not in_use:
-            in_use.append(referenced(scanned, [e for e in manifests if e not in doomed], -1))
+            in_use.append(referenced(d.db_path(n, e) for e in manifests if e not in doomed for n in sorted(known)))
         names = in_use[0] if in_use else set()
         if names is None:
             return []

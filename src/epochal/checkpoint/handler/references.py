@@ -9,24 +9,22 @@ epoch without a manifest, removed by a later retention pass (docs/reliability.md
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from ...storage.io.extents import referenced_files
 
 __all__ = ["referenced"]
 
 
-def referenced(scanned: Mapping[int, Mapping[str, str]], kept: Iterable[int], after: int) -> set[str] | None:
-    """The file names that the dbs of the ``kept`` epochs newer than ``after`` reference
-    (references only point to older steps); None when one of those dbs cannot be read (its
-    references are unknown: nothing may be deleted then)."""
+def referenced(paths: Iterable[str]) -> set[str] | None:
+    """The file names that the dbs at ``paths`` (those of the kept epochs) reference; None
+    when one of them cannot be read (its references are unknown: nothing may be deleted
+    then). The paths are the kept epochs' db names, not a listing of the folder: a listing
+    at a URL may lag behind the newest upload."""
     names: set[str] = set()
-    for epoch in kept:
-        if epoch <= after:
-            continue
-        for path in scanned.get(epoch, {}).values():
-            refs = referenced_files(path)
-            if refs is None:
-                return None
-            names.update(refs)
+    for path in paths:
+        refs = referenced_files(path)
+        if refs is None:
+            return None
+        names.update(refs)
     return {os.path.basename(n) for n in names}

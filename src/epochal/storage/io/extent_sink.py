@@ -3,8 +3,8 @@
 The format's writer streams the logical file (a native db) into an :class:`ExtentSink` as it
 would into a plain sink. Bytes outside content chunks go straight through to the file; each
 content chunk (a range the caller names: a piece of a big segment) is gathered, given its
-digest, and handed to ``decide``, which says which parts of it are references to older files'
-bytes and which are stored. On commit the tables and the head are written
+handed to ``decide``, which says which parts of it are references to older files' bytes and
+which are stored, and gives its digest when it has one. On commit the tables and the head are written
 (:mod:`.extents`), and the inner sink commits: the whole file appears at once or not at all.
 """
 
@@ -18,14 +18,25 @@ from typing import Any
 import numpy as np
 
 from .checksum import ALGORITHM_IDS, checksum_function
-from .extents import CHUNK_DTYPE, EXT_DTYPE, EXTENT_VERSION, HEAD, HEAD_SIZE, RefFile
+from .extents import (
+    CHUNK_DTYPE,
+    EXT_DTYPE,
+    EXTENT_MAGIC,
+    EXTENT_VERSION,
+    HEAD,
+    HEAD_SIZE,
+    RefFile,
+    pack_extents,
+)
 from .seam import ByteSink
 
 __all__ = ["ExtentSink", "Piece", "digest"]
 
 #: (offset in the chunk, length, source: 0 stored here / k the k-th ref, offset in the source)
 Piece = tuple[int, int, int, int]
-Decide = Callable[[int, memoryview, bytes], list[Piece]]
+#: (chunk's logical offset, its bytes) -> its pieces, and its digest (None: not computed, the
+#: chunk is then absent from the chunk table: a later save compares its bytes instead)
+Decide = Callable[[int, memoryview], tuple[list[Piece], bytes | None]]
 
 
 def digest(data: Any) -> bytes:
@@ -120,17 +131,20 @@ class ExtentSink:
         self._open = None
 
     def _chunk_done(self, start: int, data: memoryview) -> None:
-        dig = digest(data)
-        self.chunk_rows.append((start, data.nbytes, dig))
-        pieces = self.decide(start, data, dig)
+        pieces, dig = self.decide(start, data)
+        if dig is not None:
+            self.chunk_rows.append((start, data.nbytes, dig))
         self.pos = start
         for rel, ln, source, soff in pieces:
-            part = data[rel:rel + ln]
             if source == 0:
-                self._store(part)
+                self._store(data[rel:rel + ln])
             else:
                 self._close()
-                self.ext.append((start + rel, ln, source, self.fn(part, 0), soff))
+                last = self.ext[-1] if self.ext else None
+                if last is not None and last[2] == source and last[0] + last[1] == start + rel and last[4] + last[1] == soff:
+                    self.ext[-1] = (last[0], last[1] + ln, source, 0, last[4])  # (one reference, not two)
+                else:
+                    self.ext.append((start + rel, ln, source, 0, soff))
                 self.pos += ln
         assert self.pos == start + data.nbytes, "decide must cover its chunk"
 
@@ -158,9 +172,10 @@ class ExtentSink:
             ch["digest"] = [np.void(r[2]) for r in self.chunk_rows]
         refs = json.dumps([{"file": r.file, "size": r.size, "step": r.step} for r in self.refs],
                           separators=(",", ":")).encode("utf-8")
-        tables = ext.tobytes() + ch.tobytes() + refs
-        body = HEAD.pack(b"\x89EPXT\r\n\x1a", EXTENT_VERSION, ALGORITHM_IDS[self.algorithm], 0, self.logical_size,
-                         self.phys, len(ext), len(ch), len(refs), self.step, 0, self.fn(tables, 0), 0)
+        packed = pack_extents(ext)
+        tables = packed + ch.tobytes() + refs
+        body = HEAD.pack(EXTENT_MAGIC, EXTENT_VERSION, ALGORITHM_IDS[self.algorithm], 0, self.logical_size,
+                         self.phys, len(ext), len(ch), len(refs), self.step, len(packed), self.fn(tables, 0), 0)
         head = body[:HEAD_SIZE - 4] + self.fn(body[:HEAD_SIZE - 4], 0).to_bytes(4, "little")
         return head, tables
 

@@ -6,14 +6,18 @@ same logical bytes: superblock, segments, index) and streams it into an
 ``MIN_CHUNKED`` bytes is cut into content chunks of ``CHUNK_BYTES`` (from the segment's
 start); each chunk is
 
-* a reference to the older bytes when its BLAKE2b-128 digest is one the base file records
-  (a frozen layer, an optimizer state no step touched: whatever moved in the file);
-* else, when the base holds the same blob's same segment at the same length, compared with
-  those bytes in units of ``DIFF_UNIT``: equal runs become references, changed runs are
-  stored (an embedding table with 2% of its rows changed writes about 2% of its bytes),
-  unless more than ``DIFF_MAX`` of it changed;
+* on this machine, when the base holds the same blob's same segment at the same length,
+  compared with those bytes (page cache; no hashing) in units of ``DIFF_UNIT``: equal
+  throughout, a reference whole; equal runs references and changed runs stored (an embedding
+  table with 2% of its rows changed writes about 2% of its bytes), unless more than
+  ``DIFF_MAX`` of it changed;
+* else a reference to the older bytes when its BLAKE2b-128 digest is one the base file
+  records (a frozen layer, an optimizer state no step touched: whatever moved in the file);
+* else, at a URL, compared with the base's same segment as above (a read there is a
+  download: the digest comes first);
 * else stored whole.
 
+A chunk saved as runs records no digest (a later save compares its bytes).
 References name stored bytes of older files (never another reference), so a step is read
 with at most one hop; the base is the newest committed step before this one, whose own
 references are carried over. Everything else (superblock, small segments, padding, index)
@@ -33,9 +37,9 @@ import numpy as np
 
 from ....errors import CheckpointError
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
-from ...io.extent_sink import ExtentSink, Piece
+from ...io.extent_sink import ExtentSink, Piece, digest
 from ...io.extents import ExtentSource, RefFile
-from ...io.seam import committed, store_for
+from ...io.seam import committed, is_url, store_for
 from .layout import SUPERBLOCK_SIZE, pack_superblock
 from .ranges import RangedFile
 from .writer import index_bytes, plan_file, write_data
@@ -63,6 +67,10 @@ class _Base:
         ex = src.ex
         self.by_digest = {bytes(d): (int(o), int(n)) for o, n, d in
                           zip(ex.chunks["loff"].tolist(), ex.chunks["length"].tolist(), ex.chunks["digest"])}
+        self.digest_of = {o: (n, d) for d, (o, n) in self.by_digest.items()}
+        #: on this machine: a changed chunk is compared with the base's bytes (page cache)
+        #: rather than hashed; at a URL it is hashed first (a read there is a download)
+        self.local = not is_url(path)
         self.starts = ex.ext["loff"].tolist()
         self.lens = ex.ext["length"].tolist()
         self.sources = ex.ext["source"].tolist()
@@ -105,6 +113,11 @@ class _Base:
         row = self.ranged.index.segs[segs.start + j]
         return int(row["offset"]) if int(row["length"]) == length else None
 
+    def digest_at(self, loff: int, length: int) -> bytes | None:
+        """The base's digest of its chunk at ``loff`` of ``length`` bytes, when it has one."""
+        hit = self.digest_of.get(loff)
+        return hit[1] if hit is not None and hit[0] == length else None
+
     def read(self, loff: int, length: int) -> np.ndarray:
         buf = np.empty(length, dtype=np.uint8)
         self.src.read_into([memoryview(buf.data)], loff)
@@ -130,27 +143,25 @@ def _open_base(base: str | None, path: str, refs: list[RefFile]) -> _Base | None
     return _Base(base, ranged, ranged.src, refs)
 
 
-def _pieces(base: _Base | None, counterpart: dict[int, int], loff: int, data: memoryview, dig: bytes) -> list[Piece]:
-    """How chunk ``data`` at logical ``loff`` is written (see the module doc)."""
+def _diff(base: _Base, old_at: int, data: memoryview) -> list[Piece] | None:
+    """``data`` against the base's logical bytes at ``old_at``, in units of ``DIFF_UNIT``:
+    equal runs become references, changed ones are stored; None when more than ``DIFF_MAX``
+    of it changed."""
     n = data.nbytes
-    if base is None:
-        return [(0, n, 0, 0)]
-    hit = base.by_digest.get(dig)
-    if hit is not None and hit[1] == n:
-        return base.resolve(hit[0], n, 0)
-    old_at = counterpart.get(loff)
-    if old_at is None:
-        return [(0, n, 0, 0)]
-    new = np.frombuffer(data, dtype=np.uint8)
     old = base.read(old_at, n)
+    new = np.frombuffer(data, dtype=np.uint8)
     units = -(-n // DIFF_UNIT)
     whole = n // DIFF_UNIT * DIFF_UNIT
     changed = np.empty(units, dtype=bool)
-    changed[: whole // DIFF_UNIT] = np.any(new[:whole].reshape(-1, DIFF_UNIT) != old[:whole].reshape(-1, DIFF_UNIT), axis=1)
+    words = DIFF_UNIT // 8
+    changed[: whole // DIFF_UNIT] = np.any(
+        new[:whole].view(np.uint64).reshape(-1, words) != old[:whole].view(np.uint64).reshape(-1, words), axis=1)
     if whole < n:
         changed[-1] = not np.array_equal(new[whole:], old[whole:])
+    if not changed.any():
+        return base.resolve(old_at, n, 0)
     if changed.mean() > DIFF_MAX:
-        return [(0, n, 0, 0)]
+        return None
     edges = np.flatnonzero(np.diff(changed.astype(np.int8))) + 1
     bounds = [0, *edges.tolist(), units]
     out: list[Piece] = []
@@ -161,6 +172,29 @@ def _pieces(base: _Base | None, counterpart: dict[int, int], loff: int, data: me
         else:
             out.extend(base.resolve(old_at + lo, hi - lo, lo))
     return out
+
+
+def _pieces(base: _Base | None, counterpart: dict[int, int], loff: int,
+            data: memoryview) -> tuple[list[Piece], bytes | None]:
+    """How chunk ``data`` at logical ``loff`` is written, and its digest (see the module doc)."""
+    n = data.nbytes
+    if base is None:
+        return [(0, n, 0, 0)], digest(data)
+    old_at = counterpart.get(loff)
+    if old_at is not None and base.local:  # the base's bytes are at hand: compare, no hashing
+        pieces = _diff(base, old_at, data)
+        if pieces is not None:
+            same = len(pieces) and all(p[2] for p in pieces)
+            return pieces, (base.digest_at(old_at, n) if same else None)
+    dig = digest(data)
+    hit = base.by_digest.get(dig)
+    if hit is not None and hit[1] == n:
+        return base.resolve(hit[0], n, 0), dig
+    if old_at is not None and not base.local:
+        pieces = _diff(base, old_at, data)
+        if pieces is not None:
+            return pieces, dig
+    return [(0, n, 0, 0)], dig
 
 
 def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, base: str | None = None,
@@ -199,7 +233,7 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
         inner = store_for(path).create(path, size=file_size)
         try:
             out = ExtentSink(inner, algorithm, file_size, chunks,
-                             lambda lo, data, dig: _pieces(old, counterpart, lo, data, dig), refs,
+                             lambda lo, data: _pieces(old, counterpart, lo, data), refs,
                              step=step, breaks=[SUPERBLOCK_SIZE])
         except BaseException:
             inner.abort()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...io.checksum import checksum_function
-from ...io.extents import open_db
+from ...io.extents import blame_refs, open_db
 from ...io.reads import read_bytes, read_exact
 from ...io.seam import ByteSource
 from . import coded
@@ -62,8 +62,11 @@ class RangedFile:
     def __enter__(self) -> RangedFile:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            blame_refs(self.src, exc)  # an incremental db: name the older file at fault
+        finally:
+            self.close()
 
     def find(self, name: str) -> tuple[str, dict[str, Any], list[Segment]] | None:
         """``(kind, meta, segments)`` of blob ``name`` (its meta parsed alone), None when absent."""

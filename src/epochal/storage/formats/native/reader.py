@@ -29,7 +29,7 @@ from ...encoding.fit import check_all_live
 from ...io import direct as _direct
 from ...io import tuning
 from ...io.checksum import checksum_function
-from ...io.extents import open_db
+from ...io.extents import blame_refs, open_db
 from ...io.reads import read_bytes, read_exact
 from ...io.seam import ByteSource
 from ..base import BlobInfo, ReadStats
@@ -109,8 +109,11 @@ class NativeFile:
     def __enter__(self) -> NativeFile:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            blame_refs(self._src, exc)  # an incremental db: name the older file at fault
+        finally:
+            self.close()
 
     # ---- inspection
     @property
