@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import gc
 import logging
 import os
 import signal
@@ -406,6 +407,10 @@ class DistributedCheckpointer:
             if self.tier is not None:
                 self.tier.close()
             self._close_handler()
+            # DCP's planners and our loads leave cycles that hold tensors and gloo work:
+            # freed now, while the process group lives (freed at interpreter exit, after
+            # destroy_process_group, gloo's threads can abort the process with SIGABRT)
+            gc.collect()
 
     def _close_handler(self) -> None:
         if self.handler is not None:
