@@ -73,6 +73,25 @@ def test_a_jax_checkpoint_restores_into_torch_bf16_and_fp32(tmp_path: Any) -> No
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("k", ["2", "8"])
+def test_a_torch_state_restores_into_a_flax_pytree_under_a_name_mapping(tmp_path: Any, k: str) -> None:
+    # fc.weight (48, 64) bf16 -> Dense_0/kernel (64, 48), transposed as the mapping says;
+    # fp32 bias; a float8_e4m3fn embedding; every shard compared bit for bit
+    assert run_bits("torch_save_named", str(tmp_path)) == {"saved": 7}
+    assert run_bits("jax_restore_named", str(tmp_path), k) == {"restored": ["bias", "embedding", "kernel"],
+                                                               "step": 7}
+
+
+@pytest.mark.system
+def test_a_flax_pytree_saved_under_a_name_mapping_restores_into_torch(tmp_path: Any) -> None:
+    assert run_bits("jax_save_named", str(tmp_path)) == {"saved": 7}
+    with RangedFile(str(tmp_path / "local.7")) as f:
+        assert sorted(stored_leaves(f)) == [("model", "emb.weight"), ("model", "fc.bias"),
+                                            ("model", "fc.weight"), ("step",)]
+    assert run_bits("torch_restore_named", str(tmp_path)) == {"restored": 7, "step": 7}
+
+
+@pytest.mark.system
 def test_an_orbax_checkpoint_manager_keeps_epochal_files_and_restores_resharded(tmp_path: Any) -> None:
     pytest.importorskip("orbax.checkpoint")
     d = str(tmp_path)
@@ -172,6 +191,62 @@ def test_partial_leaves_out_the_checkpoints_other_leaves(tmp_path: Any) -> None:
     ej.save(str(tmp_path), 4, tree)
     got = ej.restore(str(tmp_path), {"params": {"e": abstract_of(tree)["params"]["e"]}}, partial=True)
     assert np.asarray(got["params"]["e"]).tobytes() == np.asarray(tree["params"]["e"]).tobytes()
+
+
+def _linear(tmp_path: Any) -> Any:
+    """A step holding {"model": {"fc.weight": (4, 6)}} and the (6, 4) array it is the .T of."""
+    k = np.arange(24, dtype=np.float32).reshape(6, 4)
+    ej.save(str(tmp_path), 1, {"model": {"fc.weight": np.ascontiguousarray(k.T)}})
+    return k
+
+
+def test_a_transposed_array_is_refused_unless_the_mapping_says_so(tmp_path: Any) -> None:
+    k = _linear(tmp_path)
+    a = {"params": {"kernel": jax.ShapeDtypeStruct((6, 4), np.float32)}}
+    with pytest.raises(BlobMismatchError) as e:
+        ej.restore(str(tmp_path), a, names={"params/kernel": "model/fc.weight"})
+    for w in ("step 1", "params/kernel (stored as model/fc.weight)", "(4, 6)", "(6, 4)", "transposed("):
+        assert w in str(e.value), (w, str(e.value))
+    got = ej.restore(str(tmp_path), a, names={"params/kernel": ej.transposed("model/fc.weight")})
+    assert np.asarray(got["params"]["kernel"]).tobytes() == k.tobytes()
+
+
+@pytest.mark.parametrize("names", [
+    {"['params']['kernel']": ej.transposed(("model", "fc.weight"))},
+    {"params.kernel": ej.transposed("model/fc.weight")},
+    lambda leaf: ej.transposed("model/fc.weight") if leaf == "params/kernel" else None,
+], ids=["keystr-tuple", "dotted", "callable"])
+def test_a_mapping_names_leaves_by_keystr_dots_or_a_callable(tmp_path: Any, names: Any) -> None:
+    k = _linear(tmp_path)
+    got = ej.restore(str(tmp_path), {"params": {"kernel": jax.ShapeDtypeStruct((6, 4), np.float32)}},
+                     names=names)
+    assert np.asarray(got["params"]["kernel"]).tobytes() == k.tobytes()
+
+
+@pytest.mark.parametrize("names, words", [
+    ({"params/kernal": "model/fc.weight"}, ["no leaf", "'params/kernal'"]),
+    ({"params/kernel": "model/fc.weight", "params/b": "model/fc.weight"}, ["params/b", "params/kernel",
+                                                                          "both stored as model/fc.weight"]),
+    ({"params/kernel": "model//w"}, ["params/kernel", "empty level"]),
+])
+def test_a_bad_mapping_is_refused_naming_the_leaf(tmp_path: Any, names: Any, words: list[str]) -> None:
+    _linear(tmp_path)
+    a = {"params": {"kernel": jax.ShapeDtypeStruct((6, 4), np.float32), "b": jax.ShapeDtypeStruct((4,), np.float32)}}
+    with pytest.raises(ValueError) as e:
+        ej.restore(str(tmp_path), a, names=names)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_a_save_under_a_mapping_stores_the_transpose_under_the_torch_name(tmp_path: Any) -> None:
+    k = np.arange(24, dtype=np.float32).reshape(6, 4)
+    ej.save(str(tmp_path), 2, {"params": {"kernel": jax.numpy.asarray(k)}, "step": 2},
+            names={"params/kernel": ej.transposed("model/fc.weight")})
+    with RangedFile(str(tmp_path / "local.2")) as f:
+        s = stored_leaves(f)
+        assert sorted(s) == [("model", "fc.weight"), ("step",)]
+        assert s[("model", "fc.weight")].meta["shape"] == [4, 6]
+        assert read_region(f, s[("model", "fc.weight")], "w", ()).tobytes() == np.ascontiguousarray(k.T).tobytes()
 
 
 def _flip(path: str, names: tuple[str, ...], at: float) -> None:

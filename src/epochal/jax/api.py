@@ -25,8 +25,9 @@ from ..checkpointer.parts import NODE
 from ..errors import BlobMismatchError, CheckpointError, CheckpointNotFoundError, MissingBlobError
 from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.ranges import RangedFile
-from .host import to_host
-from .names import flat_leaves, leaf_label, nest
+from .host import HostTensor, to_host
+from .mapping import NameMap, Target, map_leaves
+from .names import Leaf, flat_leaves, leaf_label, nest
 from .reads import DEFAULT_CHUNK, Stored, array_layout, read_plain, read_region, stored_leaves
 
 __all__ = ["DEFAULT_CHUNK", "restore", "save"]
@@ -35,13 +36,34 @@ __all__ = ["DEFAULT_CHUNK", "restore", "save"]
 READ_THREADS = 4
 
 
+def keystrs(tree: Any) -> list[str]:
+    """``jax.tree_util.keystr`` of each leaf's path, in jax's order."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def stored_as(leaves: list[Leaf], targets: list[Target]) -> list[Leaf]:
+    """Host leaves (:func:`~.host.to_host`) under their stored names, the transposed ones
+    transposed (a copy: the stored array is C-contiguous)."""
+    out: list[Leaf] = []
+    for (_, v), t in zip(leaves, targets):
+        if t.transpose:
+            if not isinstance(v, HostTensor) or v.array.ndim < 2:
+                raise ValueError(f"names: leaf {t.label} is not an array of 2 or more axes to transpose")
+            v = HostTensor(np.ascontiguousarray(v.array.T), leaf_label(t.names))
+        out.append((t.names, v))
+    return out
+
+
 def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int, pytree: Any, *,
-         metrics: Mapping[str, float] | None = None) -> None:
+         metrics: Mapping[str, float] | None = None, names: NameMap | None = None) -> None:
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
-    are copied to host once; see :mod:`epochal.jax`."""
-    state = nest(to_host(flat_leaves(pytree)))
+    are copied to host once; see :mod:`epochal.jax`. ``names``: the stored name of each
+    leaf (:mod:`.mapping`; default: the pytree's own)."""
+    leaves = flat_leaves(pytree)
+    targets = map_leaves(leaves, keystrs(pytree), names)
+    state = nest(stored_as(to_host(leaves), targets))
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
         return
@@ -67,10 +89,10 @@ def _step_db(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: 
     return view.db_path(NODE, step), step
 
 
-def _fit(names: tuple[str, ...], want: Any, s: Stored, step: int, path: str) -> str:
+def _fit(t: Target, want: Any, s: Stored, step: int, path: str) -> str:
     """What the abstract leaf ``want`` asks of stored ``s``: "array" or "plain";
     BlobMismatchError naming the leaf and step when they do not fit."""
-    label = leaf_label(names)
+    label = t.label
     try:
         layout = array_layout(s)
     except ValueError as e:
@@ -81,13 +103,23 @@ def _fit(names: tuple[str, ...], want: Any, s: Stored, step: int, path: str) -> 
             raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds a {s.kind} value, "
                                     f"the abstract pytree an array {wshape} {wdtype}")
         dt, shape = layout
+        if t.transpose:
+            if len(wshape) < 2:
+                raise ValueError(f"names: leaf {label} is not an array of 2 or more axes to transpose")
+            wshape = wshape[::-1]
         if (shape, dt) != (wshape, wdtype):
+            hint = ""
+            if dt == wdtype and shape == wshape[::-1] and len(shape) > 1:
+                hint = (" (its transpose: nothing is transposed unless names= says so, "
+                        "with epochal.jax.transposed(name))")
             raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds shape {shape} "
-                                    f"dtype {dt}, the abstract pytree shape {wshape} dtype {wdtype}")
+                                    f"dtype {dt}, the abstract pytree shape {wshape} dtype {wdtype}{hint}")
         return "array"
     if layout is not None:
         raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds an array "
                                 f"{layout[1]} {layout[0]}, the abstract pytree a plain {type(want).__name__}")
+    if t.transpose:
+        raise ValueError(f"names: leaf {label} is a plain value, it cannot be transposed")
     return "plain"
 
 
@@ -96,17 +128,25 @@ def _sharding(want: Any) -> jax.sharding.Sharding:
     return sh if isinstance(sh, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _array(f: RangedFile, s: Stored, label: str, want: Any, chunk: int, pool: ThreadPoolExecutor) -> Any:
+def _region(f: RangedFile, s: Stored, t: Target, idx: tuple[Any, ...], chunk: int) -> np.ndarray:
+    """The region ``idx`` of the leaf (of its transpose when stored transposed), checked."""
+    if not t.transpose:
+        return read_region(f, s, t.label, idx, chunk)
+    full = tuple(idx) + (slice(None),) * (len(array_layout(s)[1]) - len(idx))  # type: ignore[index]
+    return np.ascontiguousarray(read_region(f, s, t.label, full[::-1], chunk).T)
+
+
+def _array(f: RangedFile, s: Stored, t: Target, want: Any, chunk: int, pool: ThreadPoolExecutor) -> Any:
     shape = tuple(want.shape)
     if isinstance(want, np.ndarray):
-        return read_region(f, s, label, (), chunk)
+        return _region(f, s, t, (), chunk)
     sharding = _sharding(want)
     wanted = sharding.addressable_devices_indices_map(shape)
     regions: dict[Any, Any] = {}
     for idx in wanted.values():
         key = tuple((sl.start, sl.stop, sl.step) for sl in idx) if idx is not None else None
         if key not in regions:
-            regions[key] = pool.submit(read_region, f, s, label, idx or (), chunk)
+            regions[key] = pool.submit(_region, f, s, t, idx or (), chunk)
     got = {k: fut.result() for k, fut in regions.items()}  # every region checked first
 
     def cb(idx: Any) -> np.ndarray:
@@ -119,46 +159,49 @@ def _array(f: RangedFile, s: Stored, label: str, want: Any, chunk: int, pool: Th
 
 
 def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstract_pytree: Any,
-            step: int | None = None, *, chunk_bytes: int = DEFAULT_CHUNK, partial: bool = False) -> Any:
+            step: int | None = None, *, chunk_bytes: int = DEFAULT_CHUNK, partial: bool = False,
+            names: NameMap | None = None) -> Any:
     """The pytree of ``abstract_pytree``'s structure restored from ``step`` (None: the newest
     committed one) of a Checkpointer's directory: each ``jax.ShapeDtypeStruct`` or
     ``jax.Array`` leaf as a ``jax.Array`` of its shape, dtype and sharding (a struct without
     one: on the first device), each numpy array leaf as a numpy array, each other leaf as the
     stored plain value. Only the byte ranges of each shard are read, every range checked
     before use, with at most ``chunk_bytes`` (or one 4 MiB block, or one row) of scratch
-    memory per reading thread beyond the arrays returned.
+    memory per reading thread beyond the arrays returned. ``names``: where each leaf is
+    stored (:mod:`.mapping`; default: under its own names).
 
     Raises, naming the leaf (``params/w``) and the step: MissingBlobError for a leaf the
     checkpoint lacks; BlobMismatchError for another shape or dtype, or for leaves the
     checkpoint holds that the abstract pytree lacks (``partial=True`` ignores those);
     CheckpointCorruptError for damaged bytes; CheckpointNotFoundError when there is no
-    such committed step."""
+    such committed step; ValueError or TypeError for a bad ``names``."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
     leaves = flat_leaves(abstract_pytree)
+    targets = map_leaves(leaves, keystrs(abstract_pytree), names)
     path, step = _step_db(path_or_checkpointer, step)
     with RangedFile(path) as f:
         stored = stored_leaves(f)
-        wanted = {names for names, _ in leaves}
-        missing = [leaf_label(n) for n, _ in leaves if n not in stored]
+        wanted = {t.names for t in targets}
+        missing = [t.label for t in targets if t.names not in stored]
         if missing:
             raise MissingBlobError(f"step {step} ({path}) lacks the leaves " + ", ".join(missing))
         extra = sorted(leaf_label(n) for n in stored if n not in wanted)
         if extra and not partial:
             raise BlobMismatchError(f"step {step} ({path}) holds leaves the abstract pytree lacks: "
                                     + ", ".join(extra) + " (restore(..., partial=True) leaves them out)")
-        plans = [_fit(names, want, stored[names], step, path) for names, want in leaves]
+        plans = [_fit(t, want, stored[t.names], step, path) for t, (_, want) in zip(targets, leaves)]
         values: list[Any] = []
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            for (names, want), plan in zip(leaves, plans):
-                s = stored[names]
+            for t, (_, want), plan in zip(targets, leaves, plans):
+                s = stored[t.names]
                 if plan == "array":
-                    values.append(_array(f, s, leaf_label(names), want, chunk_bytes, pool))
+                    values.append(_array(f, s, t, want, chunk_bytes, pool))
                     continue
                 try:
                     values.append(read_plain(f, s))
                 except (ValueError, TypeError) as e:
                     if isinstance(e, CheckpointError):
                         raise
-                    raise corrupt(path, f"leaf {leaf_label(names)}: {e}", s.blob) from None
+                    raise corrupt(path, f"leaf {t.label}: {e}", s.blob) from None
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_pytree), values)
