@@ -7,7 +7,9 @@ save); prints one JSON line (``leaves`` compared, ``emb_read``: bytes read of on
 ``torch_save DIR``, ``torch_restore DIR`` (no jax), ``jax_save_cross DIR``,
 ``jax_restore_cross DIR K``: the cross-framework state, saved or restored by either side;
 ``torch_save_named``, ``jax_restore_named DIR K``, ``jax_save_named``, ``torch_restore_named``:
-a torch ``{"model": {"fc.weight", ...}}`` against a flax-style pytree under a name mapping.
+a torch ``{"model": {"fc.weight", ...}}`` against a flax-style pytree under a name mapping;
+``dcp_save DIR WORLD`` (``dcp.save`` with EpochalStorageWriter, 1 process without a process
+group or WORLD ranks), ``jax_restore_dcp DIR K``: that step restored onto K devices.
 """
 
 from __future__ import annotations
@@ -316,6 +318,103 @@ def torch_restore_named(directory: str) -> None:
     print(json.dumps({"restored": step, "step": state["step"]}))
 
 
+def dcp_values() -> dict[str, np.ndarray]:
+    """The state ``dcp.save`` writes, as numpy: a bf16 weight (48, 64), its fp32 bias and an
+    8 MiB fp32 weight (stored as row blocks)."""
+    return {"fc.weight": bf16_bits((48, 64), 5), "fc.bias": np.arange(48, dtype=np.float32) / 9,
+            "big.weight": np.random.default_rng(6).integers(0, 1 << 32, (2048, 1024), dtype=np.uint32)
+            .view(np.float32)}
+
+
+def _dcp_state(mesh: Any) -> dict[str, Any]:
+    import torch
+
+    v = dcp_values()
+    model: dict[str, Any] = {"fc.weight": torch.from_numpy(v["fc.weight"].view(np.int16)).view(torch.bfloat16),
+                             "fc.bias": torch.from_numpy(v["fc.bias"]),
+                             "big.weight": torch.from_numpy(v["big.weight"])}
+    if mesh is not None:  # w split by columns, big by rows over the ranks; the bias replicated
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        model["fc.weight"] = distribute_tensor(model["fc.weight"], mesh, [Shard(1)])
+        model["big.weight"] = distribute_tensor(model["big.weight"], mesh, [Shard(0)])
+    return {"model": model, "step": 7}
+
+
+def dcp_rank_save(rank: int, world: int, directory: str) -> None:
+    """One rank of a 2-rank ``dcp.save`` (spawned by tests/_dist_workers.run_ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from epochal.integrations.dcp import EpochalStorageWriter
+
+    dcp.save(_dcp_state(init_device_mesh("cpu", (world,))), storage_writer=EpochalStorageWriter(directory, step=7))
+
+
+def dcp_save(directory: str, world: int) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from epochal.integrations.dcp import EpochalStorageWriter
+
+    if world == 1:  # one process, no process group
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+            dcp.save(_dcp_state(None), storage_writer=EpochalStorageWriter(directory, step=7))
+    else:
+        from _dist_workers import run_ranks
+
+        run_ranks(dcp_rank_save, world, directory)
+    print(json.dumps({"saved": sorted(f for f in os.listdir(directory) if not f.startswith("."))}))
+
+
+def jax_restore_dcp(directory: str, k: int) -> None:
+    """Restore the DCP step as a pytree of the same nested dicts, then as a flax-style pytree
+    under a name mapping (the kernel transposed), every shard compared bit for bit."""
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import epochal.jax as ej
+
+    m = mesh(k)
+
+    def sds(shape: tuple[int, ...], dt: Any, spec: Any) -> Any:
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(m, spec))
+
+    v = dcp_values()
+    w = v["fc.weight"].view(ml_dtypes.bfloat16)
+    same = {"model": {"fc.weight": sds((48, 64), ml_dtypes.bfloat16, P("x", "y")),
+                      "fc.bias": sds((48,), np.float32, P("y")),
+                      "big.weight": sds((2048, 1024), np.float32, P("y", "x"))}, "step": 0}
+    flax = {"params": {"Dense_0": {"kernel": sds((64, 48), ml_dtypes.bfloat16, P("x", "y")),
+                                   "bias": sds((48,), np.float32, P(None))},
+                       "big": sds((2048, 1024), np.float32, P(None, "y"))}, "step": 0}
+    names = {"params/Dense_0/kernel": ej.transposed("model.fc.weight"), "params/Dense_0/bias": "model.fc.bias",
+             "params/big": "model/big.weight"}
+    checked = 0
+    for abstract, kw, want in (
+        (same, {}, {("model", "fc.weight"): w, ("model", "fc.bias"): v["fc.bias"],
+                    ("model", "big.weight"): v["big.weight"]}),
+        (flax, {"names": names}, {("params", "Dense_0", "kernel"): np.ascontiguousarray(w.T),
+                                  ("params", "Dense_0", "bias"): v["fc.bias"], ("params", "big"): v["big.weight"]}),
+    ):
+        tree = ej.restore(directory, abstract, **kw)
+        assert tree["step"] == 7
+        for names_, expect in want.items():
+            t, a = tree, abstract
+            for n in names_:
+                t, a = t[n], a[n]
+            assert isinstance(t, jax.Array) and t.sharding == a.sharding, names_
+            assert same_bits(expect, t), names_
+            for sh in t.addressable_shards:
+                assert same_bits(expect[sh.index], sh.data), names_
+            checked += 1
+    print(json.dumps({"checked": checked}))
+
+
 def orbax_save(directory: str) -> None:
     import jax
     import orbax.checkpoint as ocp
@@ -362,6 +461,10 @@ if __name__ == "__main__":
         globals()[cmd](args[0])
     elif cmd == "jax_restore_named":
         jax_restore_named(args[0], int(args[1]))
+    elif cmd == "dcp_save":
+        dcp_save(args[0], int(args[1]))
+    elif cmd == "jax_restore_dcp":
+        jax_restore_dcp(args[0], int(args[1]))
     elif cmd == "orbax_save":
         orbax_save(args[0])
     elif cmd == "orbax_restore":

@@ -92,6 +92,40 @@ def test_a_flax_pytree_saved_under_a_name_mapping_restores_into_torch(tmp_path: 
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("world, k", [("1", "8"), ("2", "2")])
+def test_a_dcp_save_restores_into_jax_on_a_mesh(tmp_path: Any, world: str, k: str) -> None:
+    # dcp.save with EpochalStorageWriter, one process without a process group or 2 ranks
+    # (the weights split by columns and rows): each rank's db, DCP's metadata db; the 8 MiB
+    # weight stored as row blocks. Restored as the same nested dicts and as a flax-style
+    # pytree under a mapping (a transposed kernel), every shard compared bit for bit.
+    d = str(tmp_path / "dcp")
+    dbs = ["dcp.7"] + [f"rank{r}.7" for r in range(int(world))]
+    assert run_bits("dcp_save", d, world) == {"saved": dbs}
+    with RangedFile(os.path.join(d, "rank0.7")) as f:
+        assert any(n.startswith("model.big.weight@0,0#b") for n in f.names())
+    assert run_bits("jax_restore_dcp", d, k) == {"checked": 6}
+
+
+@pytest.mark.system
+def test_a_damaged_dcp_block_is_refused_naming_the_leaf(tmp_path: Any) -> None:
+    d = str(tmp_path / "dcp")
+    run_bits("dcp_save", d, "1")
+    db = os.path.join(d, "rank0.7")
+    with RangedFile(db) as f:
+        blob = next(n for n in f.names() if n.startswith("model.big.weight@0,0#b1"))
+        off, length, _ = f.find(blob)[2][0]  # type: ignore[index]
+    with open(db, "r+b") as fh:  # a data byte: the size and the index's digest still match
+        fh.seek(off + length // 2)
+        b = fh.read(1)
+        fh.seek(off + length // 2)
+        fh.write(bytes([b[0] ^ 1]))
+    a = {"model": {"big.weight": jax.ShapeDtypeStruct((2048, 1024), np.float32)}}
+    with pytest.raises(CheckpointCorruptError) as e:
+        ej.restore(d, a, partial=True)
+    assert e.value.path.endswith("rank0.7") and e.value.blob == blob and "model/big.weight" in str(e.value)
+
+
+@pytest.mark.system
 def test_an_orbax_checkpoint_manager_keeps_epochal_files_and_restores_resharded(tmp_path: Any) -> None:
     pytest.importorskip("orbax.checkpoint")
     d = str(tmp_path)

@@ -2,8 +2,9 @@
 
 A save is a Checkpointer save of the pytree as nested dicts (:mod:`.names`) of host tensors
 (:mod:`.host`), so retention, async saves, URLs and the commit protocol are the
-Checkpointer's. A restore opens the step's one db (committed, size and digest checked
-against its manifest) and builds each array leaf with ``jax.make_array_from_callback`` for
+Checkpointer's. A restore opens the step's one db, or for a step ``dcp.save`` wrote its
+rank dbs and DCP's metadata (:mod:`.sources`; committed, size and digest checked against its
+manifest), and builds each array leaf with ``jax.make_array_from_callback`` for
 the abstract leaf's sharding, each shard's region read and checked by :mod:`.reads`; the
 distinct regions of one leaf are read by a few threads at once. Nothing is returned unless
 every leaf was found, fit and checked.
@@ -22,13 +23,13 @@ import numpy as np
 from ..checkpoint.location.view import CheckpointDirectory
 from ..checkpointer import Checkpointer
 from ..checkpointer.parts import NODE
-from ..errors import BlobMismatchError, CheckpointError, CheckpointNotFoundError, MissingBlobError
-from ..storage.formats.native.layout import corrupt
-from ..storage.formats.native.ranges import RangedFile
+from ..errors import BlobMismatchError, CheckpointNotFoundError, MissingBlobError
+from .dcp import is_dcp_step
 from .host import HostTensor, to_host
 from .mapping import NameMap, Target, map_leaves
 from .names import Leaf, flat_leaves, leaf_label, nest
-from .reads import DEFAULT_CHUNK, Stored, array_layout, read_plain, read_region, stored_leaves
+from .reads import DEFAULT_CHUNK
+from .sources import DcpSource, LocalSource, Source
 
 __all__ = ["DEFAULT_CHUNK", "restore", "save"]
 
@@ -71,7 +72,10 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
         ckpt.save(step, state, metrics=metrics)
 
 
-def _step_db(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None) -> tuple[str, int]:
+def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None
+                 ) -> tuple[Source, int]:
+    """The source of committed ``step`` (None: the newest), its dbs checked against the
+    manifest: a Checkpointer's db, or the rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.wait()  # a pending async save is committed first
         directory: str = path_or_checkpointer.directory
@@ -85,22 +89,22 @@ def _step_db(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: 
         step = found[0]
     elif not view.is_committed(step):
         raise CheckpointNotFoundError(f"{directory}: step {step} is not committed")
+    if is_dcp_step(view, step):
+        return DcpSource(directory, step), step
     view.require_intact(step, "quick", nodes=[NODE], word="step")
-    return view.db_path(NODE, step), step
+    return LocalSource(view.db_path(NODE, step)), step
 
 
-def _fit(t: Target, want: Any, s: Stored, step: int, path: str) -> str:
-    """What the abstract leaf ``want`` asks of stored ``s``: "array" or "plain";
+def _fit(t: Target, want: Any, src: Source, step: int) -> str:
+    """What the abstract leaf ``want`` asks of its stored leaf: "array" or "plain";
     BlobMismatchError naming the leaf and step when they do not fit."""
     label = t.label
-    try:
-        layout = array_layout(s)
-    except ValueError as e:
-        raise corrupt(path, f"leaf {label}: {e}", s.blob) from None
+    key = src.key(t.names)
+    layout = src.layout(key, label)
     if isinstance(want, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
         wshape, wdtype = tuple(want.shape), np.dtype(want.dtype)
         if layout is None:
-            raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds a {s.kind} value, "
+            raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds a {src.kind(key)} value, "
                                     f"the abstract pytree an array {wshape} {wdtype}")
         dt, shape = layout
         if t.transpose:
@@ -128,25 +132,26 @@ def _sharding(want: Any) -> jax.sharding.Sharding:
     return sh if isinstance(sh, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _region(f: RangedFile, s: Stored, t: Target, idx: tuple[Any, ...], chunk: int) -> np.ndarray:
+def _region(src: Source, t: Target, ndim: int, idx: tuple[Any, ...], chunk: int) -> np.ndarray:
     """The region ``idx`` of the leaf (of its transpose when stored transposed), checked."""
+    key = src.key(t.names)
     if not t.transpose:
-        return read_region(f, s, t.label, idx, chunk)
-    full = tuple(idx) + (slice(None),) * (len(array_layout(s)[1]) - len(idx))  # type: ignore[index]
-    return np.ascontiguousarray(read_region(f, s, t.label, full[::-1], chunk).T)
+        return src.region(key, t.label, idx, chunk)
+    full = tuple(idx) + (slice(None),) * (ndim - len(idx))
+    return np.ascontiguousarray(src.region(key, t.label, full[::-1], chunk).T)
 
 
-def _array(f: RangedFile, s: Stored, t: Target, want: Any, chunk: int, pool: ThreadPoolExecutor) -> Any:
+def _array(src: Source, t: Target, want: Any, chunk: int, pool: ThreadPoolExecutor) -> Any:
     shape = tuple(want.shape)
     if isinstance(want, np.ndarray):
-        return _region(f, s, t, (), chunk)
+        return _region(src, t, len(shape), (), chunk)
     sharding = _sharding(want)
     wanted = sharding.addressable_devices_indices_map(shape)
     regions: dict[Any, Any] = {}
     for idx in wanted.values():
         key = tuple((sl.start, sl.stop, sl.step) for sl in idx) if idx is not None else None
         if key not in regions:
-            regions[key] = pool.submit(_region, f, s, t, idx or (), chunk)
+            regions[key] = pool.submit(_region, src, t, len(shape), idx or (), chunk)
     got = {k: fut.result() for k, fut in regions.items()}  # every region checked first
 
     def cb(idx: Any) -> np.ndarray:
@@ -179,29 +184,25 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
     leaves = flat_leaves(abstract_pytree)
     targets = map_leaves(leaves, keystrs(abstract_pytree), names)
-    path, step = _step_db(path_or_checkpointer, step)
-    with RangedFile(path) as f:
-        stored = stored_leaves(f)
-        wanted = {t.names for t in targets}
-        missing = [t.label for t in targets if t.names not in stored]
+    src, step = _step_source(path_or_checkpointer, step)
+    try:
+        keys = [src.key(t.names) for t in targets]
+        have = set(src.keys())
+        missing = [t.label for t, k in zip(targets, keys) if k not in have]
         if missing:
-            raise MissingBlobError(f"step {step} ({path}) lacks the leaves " + ", ".join(missing))
-        extra = sorted(leaf_label(n) for n in stored if n not in wanted)
+            raise MissingBlobError(f"step {step} ({src.path}) lacks the leaves " + ", ".join(missing))
+        extra = sorted(leaf_label(k) for k in have - set(keys))
         if extra and not partial:
-            raise BlobMismatchError(f"step {step} ({path}) holds leaves the abstract pytree lacks: "
+            raise BlobMismatchError(f"step {step} ({src.path}) holds leaves the abstract pytree lacks: "
                                     + ", ".join(extra) + " (restore(..., partial=True) leaves them out)")
-        plans = [_fit(t, want, stored[t.names], step, path) for t, (_, want) in zip(targets, leaves)]
+        plans = [_fit(t, want, src, step) for t, (_, want) in zip(targets, leaves)]
         values: list[Any] = []
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            for t, (_, want), plan in zip(targets, leaves, plans):
-                s = stored[t.names]
+            for t, k, (_, want), plan in zip(targets, keys, leaves, plans):
                 if plan == "array":
-                    values.append(_array(f, s, t, want, chunk_bytes, pool))
-                    continue
-                try:
-                    values.append(read_plain(f, s))
-                except (ValueError, TypeError) as e:
-                    if isinstance(e, CheckpointError):
-                        raise
-                    raise corrupt(path, f"leaf {t.label}: {e}", s.blob) from None
+                    values.append(_array(src, t, want, chunk_bytes, pool))
+                else:
+                    values.append(src.plain(k, t.label))
+    finally:
+        src.close()
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_pytree), values)
