@@ -9,7 +9,8 @@ save); prints one JSON line (``leaves`` compared, ``emb_read``: bytes read of on
 ``torch_save_named``, ``jax_restore_named DIR K``, ``jax_save_named``, ``torch_restore_named``:
 a torch ``{"model": {"fc.weight", ...}}`` against a flax-style pytree under a name mapping;
 ``dcp_save DIR WORLD`` (``dcp.save`` with EpochalStorageWriter, 1 process without a process
-group or WORLD ranks), ``jax_restore_dcp DIR K``: that step restored onto K devices.
+group or WORLD ranks), ``jax_restore_dcp DIR K``: that step restored onto K devices;
+``big_save DIR``, ``big_restore_rss DIR K CHUNK``: 96 MiB restored, its peak host RSS.
 """
 
 from __future__ import annotations
@@ -415,6 +416,56 @@ def jax_restore_dcp(directory: str, k: int) -> None:
     print(json.dumps({"checked": checked}))
 
 
+def big_save(directory: str) -> None:
+    """A 64 MiB fp32 leaf and a 32 MiB bf16 one, saved from one device."""
+    import ml_dtypes
+
+    import epochal.jax as ej
+
+    rng = np.random.default_rng(8)
+    ej.save(directory, 1, {"w": rng.integers(0, 1 << 32, (4096, 4096), dtype=np.uint32).view(np.float32),
+                           "e": bf16_bits((4096, 4096), 9).view(ml_dtypes.bfloat16)})
+    print(json.dumps({"saved": 1}))
+
+
+def _hwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def _rss_now_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def big_restore_rss(directory: str, k: int, chunk: int) -> None:
+    """Restore big_save's step onto K devices (column slices on 8), the peak host RSS of the
+    restore above the RSS before it (the high-water mark reset first)."""
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import epochal.jax as ej
+
+    sh = NamedSharding(mesh(k), P("x", "y"))
+    a = {"w": jax.ShapeDtypeStruct((4096, 4096), np.float32, sharding=sh),
+         "e": jax.ShapeDtypeStruct((4096, 4096), ml_dtypes.bfloat16, sharding=sh)}
+    ej.restore(directory, {"w": jax.ShapeDtypeStruct((4096, 4096), np.float32)}, partial=True)  # warm up
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    base = _rss_now_mib()
+    tree = ej.restore(directory, a, chunk_bytes=chunk)
+    peak = _hwm_mib() - base
+    rng = np.random.default_rng(8)
+    assert same_bits(rng.integers(0, 1 << 32, (4096, 4096), dtype=np.uint32).view(np.float32), tree["w"])
+    assert same_bits(bf16_bits((4096, 4096), 9).view(ml_dtypes.bfloat16), tree["e"])
+    print(json.dumps({"peak_mib": round(peak, 1)}))
+
+
 def orbax_save(directory: str) -> None:
     import jax
     import orbax.checkpoint as ocp
@@ -465,6 +516,10 @@ if __name__ == "__main__":
         dcp_save(args[0], int(args[1]))
     elif cmd == "jax_restore_dcp":
         jax_restore_dcp(args[0], int(args[1]))
+    elif cmd == "big_save":
+        big_save(args[0])
+    elif cmd == "big_restore_rss":
+        big_restore_rss(args[0], int(args[1]), int(args[2]))
     elif cmd == "orbax_save":
         orbax_save(args[0])
     elif cmd == "orbax_restore":

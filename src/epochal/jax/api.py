@@ -13,7 +13,7 @@ every leaf was found, fit and checked.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,7 +28,7 @@ from .dcp import is_dcp_step
 from .host import HostTensor, to_host
 from .mapping import NameMap, Target, map_leaves
 from .names import Leaf, flat_leaves, leaf_label, nest
-from .reads import DEFAULT_CHUNK
+from .reads import DEFAULT_CHUNK, Task, aligned_empty
 from .sources import DcpSource, LocalSource, Source
 
 __all__ = ["DEFAULT_CHUNK", "restore", "save"]
@@ -132,35 +132,57 @@ def _sharding(want: Any) -> jax.sharding.Sharding:
     return sh if isinstance(sh, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _region(src: Source, t: Target, ndim: int, idx: tuple[Any, ...], chunk: int) -> np.ndarray:
-    """The region ``idx`` of the leaf (of its transpose when stored transposed), checked."""
+def _regions(src: Source, t: Target, ndim: int, indices: list[tuple[Any, ...]], chunk: int,
+             run: Callable[[list[Task]], None]) -> list[np.ndarray]:
+    """The regions ``indices`` of the leaf (of its transpose when stored transposed), checked,
+    in aligned buffers (:func:`~.reads.aligned_empty`)."""
     key = src.key(t.names)
     if not t.transpose:
-        return src.region(key, t.label, idx, chunk)
-    full = tuple(idx) + (slice(None),) * (ndim - len(idx))
-    return np.ascontiguousarray(src.region(key, t.label, full[::-1], chunk).T)
+        return src.regions(key, t.label, indices, chunk, run)
+    flipped = [(tuple(idx) + (slice(None),) * (ndim - len(idx)))[::-1] for idx in indices]
+    out = []
+    for stored in src.regions(key, t.label, flipped, chunk, run):
+        mine = aligned_empty(stored.shape[::-1], stored.dtype)
+        np.copyto(mine, stored.T)
+        out.append(mine)
+    return out
+
+
+def _index_key(idx: Any) -> Any:
+    return tuple((sl.start, sl.stop, sl.step) for sl in idx) if idx is not None else None
 
 
 def _array(src: Source, t: Target, want: Any, chunk: int, pool: ThreadPoolExecutor) -> Any:
+    """One array leaf for ``want``'s sharding: each distinct shard region read (every byte
+    once, by the pool's threads, all checked before any becomes an array), then put on its
+    devices. On a CPU device JAX adopts the aligned region buffer as it is (no copy), so the
+    host memory of a restore is the arrays it returns plus each reading thread's scratch;
+    a region that several devices hold (replicas) is copied for all but the first (each
+    device owns its buffer)."""
     shape = tuple(want.shape)
+
+    def run(tasks: list[Task]) -> None:
+        for fut in [pool.submit(task) for task in tasks]:
+            fut.result()
+
     if isinstance(want, np.ndarray):
-        return _region(src, t, len(shape), (), chunk)
+        return _regions(src, t, len(shape), [()], chunk, run)[0]
     sharding = _sharding(want)
     wanted = sharding.addressable_devices_indices_map(shape)
-    regions: dict[Any, Any] = {}
-    for idx in wanted.values():
-        key = tuple((sl.start, sl.stop, sl.step) for sl in idx) if idx is not None else None
-        if key not in regions:
-            regions[key] = pool.submit(_region, src, t, len(shape), idx or (), chunk)
-    got = {k: fut.result() for k, fut in regions.items()}  # every region checked first
-
-    def cb(idx: Any) -> np.ndarray:
-        return got[tuple((sl.start, sl.stop, sl.step) for sl in idx) if idx is not None else None]
-
-    try:
-        return jax.make_array_from_callback(shape, sharding, cb)
-    finally:
-        got.clear()
+    distinct = {_index_key(idx): idx or () for idx in wanted.values()}
+    got = dict(zip(distinct, _regions(src, t, len(shape), list(distinct.values()), chunk, run)))
+    placed: list[jax.Array] = []
+    used: set[Any] = set()
+    for dev, idx in wanted.items():
+        key = _index_key(idx)
+        buf = got[key]
+        if key in used:
+            buf = aligned_empty(buf.shape, buf.dtype)
+            np.copyto(buf, got[key])
+        used.add(key)
+        placed.append(jax.device_put(buf, dev))
+    got.clear()
+    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
 
 
 def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstract_pytree: Any,
@@ -171,8 +193,10 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
     ``jax.Array`` leaf as a ``jax.Array`` of its shape, dtype and sharding (a struct without
     one: on the first device), each numpy array leaf as a numpy array, each other leaf as the
     stored plain value. Only the byte ranges of each shard are read, every range checked
-    before use, with at most ``chunk_bytes`` (or one 4 MiB block, or one row) of scratch
-    memory per reading thread beyond the arrays returned. ``names``: where each leaf is
+    before use, with at most ``chunk_bytes`` (or one row) of scratch memory per reading
+    thread (:data:`READ_THREADS`) beyond the arrays returned: on CPU devices the arrays
+    are the buffers read into (no copy), so a restore's host memory is bounded by the
+    arrays plus ``READ_THREADS * chunk_bytes``. ``names``: where each leaf is
     stored (:mod:`.mapping`; default: under its own names).
 
     Raises, naming the leaf (``params/w``) and the step: MissingBlobError for a leaf the

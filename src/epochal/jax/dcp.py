@@ -27,7 +27,7 @@ from ..errors import CheckpointCorruptError
 from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.ranges import RangedFile
 from .names import DTYPES
-from .reads import Stored, array_layout, read_region
+from .reads import Stored, aligned_empty, array_layout, read_region
 
 __all__ = ["DcpLeaf", "Piece", "is_dcp_step", "open_dcp", "read_dcp_region"]
 
@@ -151,14 +151,16 @@ def read_dcp_region(files: dict[str, RangedFile], leaf: DcpLeaf, label: str, ind
     assert leaf.dtype is not None
     full = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
     bounds = [sl.indices(n)[:2] for sl, n in zip(full, leaf.shape)]
-    out = np.empty([max(0, b - a) for a, b in bounds], dtype=leaf.dtype)
+    out = aligned_empty([max(0, b - a) for a, b in bounds], leaf.dtype)
     covered = 0
     for p in leaf.pieces:
         inter = [(max(a, o), min(b, o + n)) for (a, b), o, n in zip(bounds, p.offsets, p.shape)]
         if any(lo >= hi for lo, hi in inter):
             continue
         local = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, p.offsets))
-        got = read_region(files[p.db], p.stored, label, local, chunk)
+        if inter == bounds:  # one piece holds the whole region: read straight into it
+            return read_region(files[p.db], p.stored, label, local, chunk, out=out)
+        got = read_region(files[p.db], p.stored, label, local, chunk)  # (one piece's part, copied)
         out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, bounds))] = got
         covered += math.prod(hi - lo for lo, hi in inter)
     if covered != out.size:

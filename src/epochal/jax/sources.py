@@ -4,13 +4,14 @@ step written by ``dcp.save`` (rank dbs, items by FQN: :mod:`.dcp`), behind one i
 A :class:`Source` is keyed by a leaf's stored names (:class:`~.mapping.Target`): the
 Checkpointer's db by the names themselves, a DCP step by the FQN DCP gives nested dicts
 (the names joined by ``.``: ``model.fc.weight``). For each key it gives the stored layout
-(dtype and shape of an array, None for a plain value), a region of an array read and
+(dtype and shape of an array, None for a plain value), the regions of an array read and
 checked, or a plain value decoded from checked bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.ranges import RangedFile
 from .dcp import DcpLeaf, open_dcp, read_dcp_region
 from .names import leaf_label
-from .reads import Stored, array_layout, read_plain, read_region, stored_leaves
+from .reads import Stored, Task, array_layout, read_plain, read_regions, stored_leaves
 
 __all__ = ["DcpSource", "LocalSource", "Source"]
 
@@ -45,7 +46,10 @@ class Source:
     def layout(self, key: Key, label: str) -> tuple[np.dtype, tuple[int, ...]] | None:
         raise NotImplementedError
 
-    def region(self, key: Key, label: str, index: tuple[Any, ...], chunk: int) -> np.ndarray:
+    def regions(self, key: Key, label: str, indices: list[tuple[Any, ...]], chunk: int,
+                run: Callable[[list[Task]], None]) -> list[np.ndarray]:
+        """The regions ``indices`` of an array leaf, checked, in aligned buffers; ``run``
+        runs independent reads (on a thread pool)."""
         raise NotImplementedError
 
     def plain(self, key: Key, label: str) -> Any:
@@ -89,8 +93,9 @@ class LocalSource(Source):
         except ValueError as e:
             raise corrupt(self.path, f"leaf {label}: {e}", s.blob) from None
 
-    def region(self, key: Key, label: str, index: tuple[Any, ...], chunk: int) -> np.ndarray:
-        return read_region(self.f, self.stored[key], label, index, chunk)
+    def regions(self, key: Key, label: str, indices: list[tuple[Any, ...]], chunk: int,
+                run: Callable[[list[Task]], None]) -> list[np.ndarray]:
+        return read_regions(self.f, self.stored[key], label, indices, chunk, run=run)
 
     def plain(self, key: Key, label: str) -> Any:
         return _plain(self.f, self.stored[key], label)
@@ -132,8 +137,15 @@ class DcpSource(Source):
                           "metadata")
         return leaf.dtype, leaf.shape
 
-    def region(self, key: Key, label: str, index: tuple[Any, ...], chunk: int) -> np.ndarray:
-        return read_dcp_region(self.files, self._item(key), label, index, chunk)
+    def regions(self, key: Key, label: str, indices: list[tuple[Any, ...]], chunk: int,
+                run: Callable[[list[Task]], None]) -> list[np.ndarray]:
+        out: list[Any] = [None] * len(indices)
+
+        def one(i: int) -> None:
+            out[i] = read_dcp_region(self.files, self._item(key), label, indices[i], chunk)
+
+        run([lambda i=i: one(i) for i in range(len(indices))])  # type: ignore[misc]
+        return out
 
     def plain(self, key: Key, label: str) -> Any:
         leaf = self._item(key)
