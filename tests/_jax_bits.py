@@ -10,7 +10,9 @@ save); prints one JSON line (``leaves`` compared, ``emb_read``: bytes read of on
 a torch ``{"model": {"fc.weight", ...}}`` against a flax-style pytree under a name mapping;
 ``dcp_save DIR WORLD`` (``dcp.save`` with EpochalStorageWriter, 1 process without a process
 group or WORLD ranks), ``jax_restore_dcp DIR K``: that step restored onto K devices;
-``big_save DIR``, ``big_restore_rss DIR K CHUNK``: 96 MiB restored, its peak host RSS.
+``big_save DIR``, ``big_restore_rss DIR K CHUNK``: 96 MiB restored, its peak host RSS;
+``v1_save DIR HOW``, ``v1_load DIR HOW K``: through Orbax's v1 API (HOW: local or global
+registry).
 """
 
 from __future__ import annotations
@@ -466,6 +468,57 @@ def big_restore_rss(directory: str, k: int, chunk: int) -> None:
     print(json.dumps({"peak_mib": round(peak, 1)}))
 
 
+def v1_save(directory: str, how: str) -> None:
+    """Save the chain's pytree on 8 devices through Orbax's v1 API: ``local`` with
+    ``ocp.save`` under epochal's local registry (checkpointable ``state``), ``global`` with
+    ``save_checkpointables`` after ``register_handler`` for the name ``params``."""
+    import jax
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    from epochal.jax.orbax_v1 import EpochalHandler, local_registry
+
+    tree = jax.tree_util.tree_map(lambda v, a: jax.device_put(v, a.sharding) if isinstance(v, np.ndarray) else v,
+                                  values(), abstract(8))
+    if how == "local":
+        ctx = ocp.Context()
+        ctx.checkpointables.registry = local_registry()
+        with ctx:
+            ocp.save(directory, tree)
+    else:
+        ocp.handlers.register_handler(EpochalHandler, checkpointable_name="params")
+        ocp.save_checkpointables(directory, {"params": tree, "other": {"a": np.arange(3)}})
+    print(json.dumps({"saved": sorted(os.listdir(directory))}))
+
+
+def v1_load(directory: str, how: str, k: int) -> None:
+    """Load what v1_save wrote onto K devices, every value compared bit for bit."""
+    import jax
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    from epochal.jax.orbax_v1 import EpochalHandler, local_registry
+
+    if how == "local":
+        ctx = ocp.Context()
+        ctx.checkpointables.registry = local_registry()
+        with ctx:
+            # (ocp.load looks for Orbax's own pytree files: load_checkpointables asks the handler)
+            tree = ocp.load_checkpointables(directory, {"state": abstract(k)})["state"]
+    else:
+        ocp.handlers.register_handler(EpochalHandler, checkpointable_name="params")
+        tree = ocp.load_checkpointables(directory, {"params": abstract(k)})["params"]
+    n = 0
+    for w, t, a in zip(jax.tree_util.tree_leaves(values()), jax.tree_util.tree_leaves(tree),
+                       jax.tree_util.tree_leaves(abstract(k))):
+        if isinstance(w, np.ndarray):
+            assert t.sharding == a.sharding and same_bits(w, t)
+            for sh in t.addressable_shards:
+                assert same_bits(w[sh.index], sh.data)
+        else:
+            assert t == w
+        n += 1
+    print(json.dumps({"leaves": n}))
+
+
 def orbax_save(directory: str) -> None:
     import jax
     import orbax.checkpoint as ocp
@@ -520,6 +573,10 @@ if __name__ == "__main__":
         big_save(args[0])
     elif cmd == "big_restore_rss":
         big_restore_rss(args[0], int(args[1]), int(args[2]))
+    elif cmd == "v1_save":
+        v1_save(args[0], args[1])
+    elif cmd == "v1_load":
+        v1_load(args[0], args[1], int(args[2]))
     elif cmd == "orbax_save":
         orbax_save(args[0])
     elif cmd == "orbax_restore":

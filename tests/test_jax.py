@@ -151,6 +151,23 @@ def test_an_orbax_checkpoint_manager_keeps_epochal_files_and_restores_resharded(
     assert out.returncode != 0 and "CheckpointCorruptError" in out.stderr and "params/w" in out.stderr
 
 
+@pytest.mark.system
+@pytest.mark.parametrize("how, item", [("local", "state"), ("global", "params")])
+def test_an_orbax_v1_checkpointable_is_an_epochal_checkpoint_restored_resharded(
+        tmp_path: Any, how: str, item: str) -> None:
+    pytest.importorskip("orbax.checkpoint.experimental.v1")
+    d = str(tmp_path / "v1")
+    saved = run_bits("v1_save", d, how)["saved"]
+    assert item in saved and "_CHECKPOINT_METADATA" in saved
+    assert epochal.CheckpointDirectory(os.path.join(d, item)).committed_epochs() == [0]
+    assert sorted(os.listdir(os.path.join(d, item))) == [".epochal", "local.0"]
+    assert run_bits("v1_load", d, how, "2") == {"leaves": 6}
+    _flip(os.path.join(d, item, "local.0"), ("params", "w"), 0.5)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "_jax_bits.py"), "v1_load", d, how, "2"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0 and "CheckpointCorruptError" in out.stderr and "params/w" in out.stderr
+
+
 # ---------------------------------------------------------------- in one process, one device
 def dev_tree() -> dict[str, Any]:
     rng = np.random.default_rng(5)
