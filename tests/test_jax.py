@@ -350,6 +350,27 @@ def _record(arr: np.ndarray, blocks: bool, tmp_path: Any) -> tuple[str, Stored]:
 
 
 @pytest.mark.parametrize("blocks", [True, False], ids=["row-blocks", "one-checksum"])
+def test_any_set_of_regions_reads_the_same_bytes_as_numpy(tmp_path: Any, blocks: bool, monkeypatch: Any) -> None:
+    monkeypatch.setattr(ej.host, "BLOCK_BYTES", 700)  # blocks of a few rows, edges inside regions
+    rng = np.random.default_rng(11)
+    for case, shape in enumerate([(37, 5, 3), (64,), (9, 40), (1, 7), (50, 1)]):
+        arr = rng.standard_normal(shape).astype(np.float32)
+        path, s = _record(arr, blocks, tmp_path / str(case))
+        indices: list[tuple[Any, ...]] = [()]
+        for _ in range(12):
+            idx = []
+            for n in shape:
+                a = int(rng.integers(0, n))
+                idx.append(slice(a, int(rng.integers(a, n + 1))))
+            indices.append(tuple(idx))
+        for chunk in (1, 64, 1 << 20):
+            with RangedFile(path) as f:
+                got = read_regions(f, s, "x", indices, chunk, run=lambda tasks: [t() for t in reversed(tasks)] and None)
+            for index, g in zip(indices, got):
+                assert g.shape == arr[index].shape and g.tobytes() == arr[index].tobytes(), (shape, index, chunk)
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["row-blocks", "one-checksum"])
 def test_column_slices_of_one_row_range_share_one_read_of_each_byte(tmp_path: Any, blocks: bool,
                                                                      monkeypatch: Any) -> None:
     arr = np.random.default_rng(3).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB, 2 blocks
