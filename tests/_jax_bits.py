@@ -397,6 +397,17 @@ def jax_restore_dcp(directory: str, k: int) -> None:
                        "big": sds((2048, 1024), np.float32, P(None, "y"))}, "step": 0}
     names = {"params/Dense_0/kernel": ej.transposed("model.fc.weight"), "params/Dense_0/bias": "model.fc.bias",
              "params/big": "model/big.weight"}
+    from epochal.storage.formats.native import ranges
+
+    reads: list[tuple[str, int, int]] = []
+    orig = ranges.RangedFile.read_into
+
+    def counted(self: Any, view: memoryview, offset: int, blob: Any = None) -> None:
+        if isinstance(blob, str) and blob.startswith("model.big.weight@"):
+            reads.append((self.path, offset, view.nbytes))
+        orig(self, view, offset, blob)
+
+    ranges.RangedFile.read_into = counted  # type: ignore[method-assign]
     checked = 0
     for abstract, kw, want in (
         (same, {}, {("model", "fc.weight"): w, ("model", "fc.bias"): v["fc.bias"],
@@ -415,7 +426,10 @@ def jax_restore_dcp(directory: str, k: int) -> None:
             for sh in t.addressable_shards:
                 assert same_bits(expect[sh.index], sh.data), names_
             checked += 1
-    print(json.dumps({"checked": checked}))
+        if not kw:  # each byte of the big weight read once, for all the shards that hold it
+            big_read = sum(n for _, _, n in reads)
+            assert len(set(reads)) == len(reads), "a range read twice"
+    print(json.dumps({"checked": checked, "big_read": big_read}))
 
 
 def big_save(directory: str) -> None:

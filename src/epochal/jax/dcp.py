@@ -8,15 +8,18 @@ shape, dtype and chunks, and where each chunk lives. :func:`open_dcp` reads that
 (through the integration's reader, so torch must be installed to parse it: it was written
 by torch) and gives every item by its FQN (``model.fc.weight``: DCP joins the levels of
 nested dicts with dots) as :class:`DcpLeaf`: its layout and its pieces (a chunk, or one
-block of a chunk) at their global offsets. :func:`read_dcp_region` fills one shard's
-region from the pieces it overlaps, each read by :func:`~.reads.read_region` (only the
-blocks holding its rows, each checked before use), so a restore onto any mesh reads about
-the bytes its shards need, never a rank's whole db.
+block of a chunk) at their global offsets. :func:`read_dcp_regions` fills the shard
+regions from the pieces they overlap, each piece read once for all of them by
+:func:`~.reads.read_regions` (only the blocks holding their rows, each checked before
+use), so a restore onto any mesh reads about the bytes its shards need, never a rank's
+whole db.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +30,9 @@ from ..errors import CheckpointCorruptError
 from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.ranges import RangedFile
 from .names import DTYPES
-from .reads import Stored, aligned_empty, array_layout, read_region
+from .reads import Stored, Task, aligned_empty, array_layout, read_regions
 
-__all__ = ["DcpLeaf", "Piece", "is_dcp_step", "open_dcp", "read_dcp_region"]
+__all__ = ["DcpLeaf", "Piece", "is_dcp_step", "open_dcp", "read_dcp_regions"]
 
 #: the node of a DCP step's metadata db (epochal.integrations.dcp.META_NODE)
 META_NODE = "dcp"
@@ -143,28 +146,47 @@ def open_dcp(directory: str, step: int, files: dict[str, RangedFile]) -> tuple[d
     return out, meta_db
 
 
-def read_dcp_region(files: dict[str, RangedFile], leaf: DcpLeaf, label: str, index: tuple[Any, ...],
-                    chunk: int) -> np.ndarray:
-    """The region ``index`` (one slice per axis) of tensor item ``leaf``: each piece it
-    overlaps read (only the rows needed, checked) and copied into place.
-    CheckpointCorruptError when the pieces do not cover the region."""
+def read_dcp_regions(files: dict[str, RangedFile], leaf: DcpLeaf, label: str, indices: Sequence[tuple[Any, ...]],
+                     chunk: int, run: Callable[[list[Task]], None]) -> list[np.ndarray]:
+    """The regions ``indices`` (one slice per axis each) of tensor item ``leaf``, in aligned
+    buffers: each piece (a chunk, or a row block) read once for all the regions it overlaps
+    (only the rows needed, checked; :func:`~.reads.read_regions`), straight into a region it
+    covers whole, else into a buffer of the overlap then copied into place. ``run`` runs
+    the pieces' reads (on threads: they write disjoint parts). CheckpointCorruptError when
+    the pieces do not cover a region."""
     assert leaf.dtype is not None
-    full = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
-    bounds = [sl.indices(n)[:2] for sl, n in zip(full, leaf.shape)]
-    out = aligned_empty([max(0, b - a) for a, b in bounds], leaf.dtype)
-    covered = 0
+    dt = leaf.dtype
+    bounds = [[sl.indices(n)[:2] for sl, n in zip(tuple(ix) + (slice(None),) * (len(leaf.shape) - len(ix)),
+                                                  leaf.shape)] for ix in indices]
+    outs = [aligned_empty([max(0, b - a) for a, b in bd], dt) for bd in bounds]
+    covered = [0] * len(outs)
+    tasks: list[Task] = []
     for p in leaf.pieces:
-        inter = [(max(a, o), min(b, o + n)) for (a, b), o, n in zip(bounds, p.offsets, p.shape)]
-        if any(lo >= hi for lo, hi in inter):
-            continue
-        local = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, p.offsets))
-        if inter == bounds:  # one piece holds the whole region: read straight into it
-            return read_region(files[p.db], p.stored, label, local, chunk, out=out)
-        got = read_region(files[p.db], p.stored, label, local, chunk)  # (one piece's part, copied)
-        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, bounds))] = got
-        covered += math.prod(hi - lo for lo, hi in inter)
-    if covered != out.size:
+        parts = []  # (region, its overlap with the piece)
+        for r, bd in enumerate(bounds):
+            inter = [(max(a, o), min(b, o + n)) for (a, b), o, n in zip(bd, p.offsets, p.shape)]
+            if all(lo < hi for lo, hi in inter):
+                parts.append((r, inter))
+                covered[r] += math.prod(hi - lo for lo, hi in inter)
+        if parts:
+            tasks.append(functools.partial(_read_piece, files, p, label, parts, bounds, outs, chunk))
+    bad = [r for r, o in enumerate(outs) if covered[r] != o.size]
+    if bad:
         raise CheckpointCorruptError(next(iter(files.values())).path if files else "",
-                                     f"leaf {label}: the saved chunks cover {covered} of the "
-                                     f"{out.size} elements of region {list(bounds)}", leaf.fqn)
-    return out
+                                     f"leaf {label}: the saved chunks cover {covered[bad[0]]} of the "
+                                     f"{outs[bad[0]].size} elements of region {bounds[bad[0]]}", leaf.fqn)
+    run(tasks)
+    return outs
+
+
+def _read_piece(files: dict[str, RangedFile], p: Piece, label: str, parts: list[tuple[int, list[tuple[int, int]]]],
+                bounds: list[list[tuple[int, int]]], outs: list[np.ndarray], chunk: int) -> None:
+    """One piece's parts of the regions (see :func:`read_dcp_regions`)."""
+    local = [tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, p.offsets)) for _, inter in parts]
+    whole = [inter == bounds[r] for r, inter in parts]
+    dest = [outs[r] if w else aligned_empty([hi - lo for lo, hi in inter], outs[r].dtype)
+            for (r, inter), w in zip(parts, whole)]
+    read_regions(files[p.db], p.stored, label, local, chunk, dest)
+    for (r, inter), w, got in zip(parts, whole, dest):
+        if not w:
+            outs[r][tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, bounds[r]))] = got

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.ranges import RangedFile
-from .dcp import DcpLeaf, open_dcp, read_dcp_region
+from .dcp import DcpLeaf, open_dcp, read_dcp_regions
 from .names import leaf_label
 from .reads import Stored, Task, array_layout, read_plain, read_regions, stored_leaves
 
@@ -139,13 +139,7 @@ class DcpSource(Source):
 
     def regions(self, key: Key, label: str, indices: list[tuple[Any, ...]], chunk: int,
                 run: Callable[[list[Task]], None]) -> list[np.ndarray]:
-        out: list[Any] = [None] * len(indices)
-
-        def one(i: int) -> None:
-            out[i] = read_dcp_region(self.files, self._item(key), label, indices[i], chunk)
-
-        run([lambda i=i: one(i) for i in range(len(indices))])  # type: ignore[misc]
-        return out
+        return read_dcp_regions(self.files, self._item(key), label, indices, chunk, run)
 
     def plain(self, key: Key, label: str) -> Any:
         leaf = self._item(key)
