@@ -53,19 +53,40 @@ class Requests:
 
     def __init__(self) -> None:
         self.by_method: Counter[str] = Counter()
+        #: bytes of the request bodies sent (PUT, UploadPart), by s3 API name
+        self.bytes_by_method: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     @property
     def total(self) -> int:
         return sum(self.by_method.values())
 
-    def add(self, method: str) -> None:
+    def add(self, method: str, nbytes: int = 0) -> None:
         with self._lock:
             self.by_method[method] += 1
+            self.bytes_by_method[method] += nbytes
 
     def clear(self) -> None:
         with self._lock:
             self.by_method.clear()
+            self.bytes_by_method.clear()
+
+
+def _body_size(body: Any) -> int:
+    """The bytes of a request body: a buffer's length, or a stream's from where it stands."""
+    if body is None:
+        return 0
+    if isinstance(body, memoryview):
+        return body.nbytes
+    if isinstance(body, (bytes, bytearray, str)):
+        return len(body)
+    try:
+        here = body.tell()
+        end = body.seek(0, 2)
+        body.seek(here)
+        return int(end - here)
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 @contextlib.contextmanager
@@ -86,7 +107,7 @@ def count_requests(exclude: tuple[str, ...] = (), latency: float = 0.0) -> Itera
     async def counted(self: Any, operation_name: str, api_params: dict[str, Any]) -> Any:
         key = str(api_params.get("Key", "")) + str(api_params.get("Prefix", ""))
         if not any(x in key for x in exclude):
-            seen.add(xform_name(operation_name))
+            seen.add(xform_name(operation_name), _body_size(api_params.get("Body")))
         if latency > 0:
             await asyncio.sleep(latency)
         return await real(self, operation_name, api_params)

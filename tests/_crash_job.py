@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epoch-ms", type=float, default=10.0, help="extra time spent in each epoch")
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--keep-every", type=int, default=None)
+    p.add_argument("--incremental", action="store_true", help="incremental dbs (DirectoryMetadataHandler)")
     args = p.parse_args(argv)
 
     from epochal import (
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         ws["w_c"] = rng.integers(0, 1 << 40, size=n, dtype=np.int64)
         ws["step"] = np.int64(0)
         ws["log"] = np.zeros(0, dtype=np.int64)
+        if args.incremental:  # bytes that later epochs share: a frozen blob, a table of rows
+            ws["frozen"] = rng.standard_normal(n * 2).astype(np.float32)
+            ws["rows"] = rng.standard_normal((n // 64, 64)).astype(np.float32)
 
     def train_epoch(ws: Any) -> None:
         e = int(ws["step"]) + 1
@@ -94,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         ws["w_b"] = np.roll(ws["w_b"], e) * 1.0001 - e * 1e-3
         ws["w_c"] = ws["w_c"] ^ np.int64((e * 2654435761) & ((1 << 40) - 1))
         ws["log"] = np.append(ws["log"], np.int64(e * 1000 + int(ws["w_c"][e % n]) % 1000))
+        if args.incremental:  # 2% of the rows change
+            rows = ws["rows"].copy()
+            rows[np.random.default_rng(e).choice(len(rows), max(1, len(rows) // 50), replace=False)] += np.float32(e)
+            ws["rows"] = rows
         if args.epoch_ms:
             time.sleep(args.epoch_ms / 1000)
 
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                     Task(step=init)
                 epoch_limiter(job, args.epochs)  # first, so EPOCH hashes include its count
                 Task(step=[train_epoch, report_epoch])
-        handler = DirectoryMetadataHandler(keep_last=args.keep_last, keep_every=args.keep_every)
+        handler = DirectoryMetadataHandler(keep_last=args.keep_last, keep_every=args.keep_every,
+                                           incremental=args.incremental)
         manager = MultiNodeCheckpointManager(args.dir, "native", metadata_handler=handler)
         last = JobRunner(job, manager, listeners=[Markers()], progress=False).train(LocalSession(ws))
     _say("DONE", last, state_hash(ws))

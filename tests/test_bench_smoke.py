@@ -1,4 +1,4 @@
-"""The async, torch and resume benchmarks run at a tiny size, so they cannot rot (no timing asserted)."""
+"""The async, torch, resume and bytes benchmarks run at a tiny size, so they cannot rot (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,10 @@ def test_bench_resume_quick_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "train / bare" in out.stdout and "train_2pass / train" in out.stdout
     assert not (tmp_path / "r").exists()  # its data is removed
+
+
+def test_bench_bytes_quick_runs(tmp_path):
+    pytest.importorskip("zstandard")
+    out = _run("bench_bytes.py", "--quick", "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "bf16 N(0,0.02)" in out.stdout and "compression=zstd" in out.stdout

@@ -14,12 +14,10 @@
             if ckpt.preempted:                 # SIGTERM: the step is saved, leave
                 break
 
-The same machinery as the Job model, on the same directory layout: a step is an epoch of one
-node (``local``), saved as the db ``<directory>/local.<step>`` by the native backend (temp
-file, fsync, rename; CRC32C on every byte; no pickle) and committed by
-:class:`~epochal.checkpoint.handler.directory.DirectoryMetadataHandler` (``.epochal/manifest.<step>.json``,
-retention, stats), so ``epochal ls`` and ``CheckpointDirectory`` show it like any other, and a
-save interrupted at any instant never damages an earlier checkpoint.
+The same machinery as the Job model, on the same layout: a step is an epoch of one node
+(``local``), the db ``<directory>/local.<step>`` (native format: CRC32C on every byte, no
+pickle), committed by a DirectoryMetadataHandler (manifest, retention, stats), so ``epochal
+ls`` shows it, and a save interrupted at any instant never damages an earlier checkpoint.
 
 What ``restore`` does with each entry of ``state``: an object with ``state_dict``/
 ``load_state_dict`` (modules, optimizers, schedulers, GradScaler, samplers, torchdata's
@@ -36,7 +34,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..checkpoint.engine import CheckpointEngine, Done, LoadPlan
 from ..checkpoint.handler.directory import DirectoryMetadataHandler
@@ -53,6 +51,7 @@ from ..errors import (
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.events import auto_progress
 from ..jobs.preemption import SignalGuard
+from ..storage.encoding.compress import WriteOptions, write_options
 from ..storage.io.seam import is_url, local_path
 from .parts import (
     DB_TYPE,
@@ -64,11 +63,14 @@ from .parts import (
     _reworded,
     _Shown,
 )
+from .tier import LocalTier, Source, check_args, rank_tier
 
 if TYPE_CHECKING:
     from ..integrations.distributed import DistributedCheckpointer
 
 __all__ = ["Checkpointer"]
+
+_S = TypeVar("_S", bound=SaveBlobs)
 
 logger = logging.getLogger("epochal")
 
@@ -86,16 +88,29 @@ class Checkpointer:
     second only while a write is in flight; N: at most N bytes, and a state bigger than N is
     saved synchronously, with no copy; 0: every save synchronous; see
     :mod:`epochal.checkpoint.tasks.background`).
-    ``storage_options``: for a remote (URL) directory, passed to the handler where it
-    supports them. ``max_failed_saves`` (default 1): how many saves in a row may fail before
+    ``incremental``: each save writes only the bytes that differ from the newest step committed
+    before it (whole chunks found there by content digest, and changed runs of a chunk); the
+    rest are references to the older steps' files, which retention then keeps as long as a
+    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md).
+    ``storage_options``: fsspec's, for a URL directory. ``max_failed_saves`` (default 1): how many saves in a row may fail before
     :meth:`save` raises. With 1 every failed save raises its own error (OSError, ...), as a
     plain function call would; with N > 1 a storage error (disk full, I/O, network) is a
     warning, the step is not committed and training goes on, until the N-th failure in a
     row raises CheckpointError naming the steps and the newest committed one (the JobRunner's
     policy, whose default is 3); None: never (each failure a warning). A value no format
-    stores always raises at once. ``progress``: None (default) shows a bar and a line for
-    each save or load of 64 MiB or more when stderr is a terminal (not under ``CI`` or
-    ``EPOCHAL_QUIET``); True always (on stderr); False never.
+    stores always raises at once. ``progress``: None (default) a bar and a line for each save
+    or load of 64 MiB or more when stderr is a terminal (not under ``CI`` or ``EPOCHAL_QUIET``);
+    True always (on stderr); False never. ``compression``: None (default)
+    writes every byte raw; ``"zstd"`` compresses each blob (byte planes of floats, then zstd,
+    in frames a partial read decodes alone; a blob that would not shrink stays raw);
+    ``"auto"`` does so only where a sample of the blob compresses (docs/format.md). With
+    ``async_save`` the compression runs on the background writer, not in the snapshot.
+
+    ``local``: a node-local directory (RAM-backed, e.g. ``/dev/shm/run``) that every save goes
+    to, as an ordinary location keeping ``local_keep`` steps; every ``persist_every``-th save
+    (None: none), the save after a SIGTERM and :meth:`close` also put the step in
+    ``directory``, as a copy of the local db's bytes; :meth:`restore` takes the newest step
+    intact in either place, the local copy first (:mod:`.tier`, docs/tiers.md).
 
     In a ``torch.distributed`` process group (under ``torchrun``; a world of one included), or
     on a directory whose newest step was written by ranks, the same one line saves across
@@ -125,22 +140,46 @@ class Checkpointer:
         progress: bool | None = None,
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
+        compression: str | None = None,
+        incremental: bool = False,
+        local: str | os.PathLike[str] | None = None,
+        persist_every: int | None = 1,
+        local_keep: int = 2,
+        replicas: int = 0,
+        replica_stride: int | None = None,
     ) -> None:
-        # (torch-free until a process group exists)
-        from ..integrations.world import use_distributed
+        #: how the step's db is written (compression), set around each save
+        self._write_options = WriteOptions(compression=compression)  # (ValueError: unknown)
+        from ..integrations.world import use_distributed  # (torch-free without a process group)
 
         #: the part that saves across ranks (docs/distributed.md): set in a torch.distributed
         #: process group (a world of one included) or on a directory written by ranks; every
         #: method is then its (collective) one. None: this process saves alone.
         self.distributed: DistributedCheckpointer | None = None
+        if local is not None:
+            check_args(local, local_keep, persist_every)
+            if incremental:
+                raise ValueError("Checkpointer(incremental=True, local=...): a local tier's steps are written whole")
         if use_distributed(directory, storage_options):
+            if incremental:
+                raise ValueError("Checkpointer(incremental=True) is for one process: across ranks every step "
+                                 "is written whole")
             self._open_distributed(directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
                                    async_save=async_save, max_host_bytes=max_host_bytes,
                                    storage_options=storage_options, per_rank=per_rank, group=group,
-                                   max_failed_saves=max_failed_saves)
+                                   max_failed_saves=max_failed_saves, compression=compression)
+            if local is not None and self.distributed is not None:
+                self.distributed.tier = rank_tier(self.distributed, local, keep=local_keep,
+                                                  persist_every=persist_every, replicas=replicas,
+                                                  stride=replica_stride)
             return
+        if replicas:
+            raise ValueError("Checkpointer(replicas=...): a copy on a peer is for ranks of a torch.distributed "
+                             "process group; this process is in none")
         if group is not None:
             raise ValueError("Checkpointer(group=...): this process is in no torch.distributed process group")
+        #: each save writes only the bytes the newest committed step before it does not hold
+        self.incremental = bool(incremental)
         self.directory = local_path(directory)  # file:// is the local disk
         #: the fsspec options every step of this Checkpointer carries (a URL directory)
         self._storage_options = dict(storage_options) if storage_options else None
@@ -155,7 +194,6 @@ class Checkpointer:
                                 path_prefix=None, path_type=None)
         assert self.handler.directory is not None
         self._dir = self.handler.directory
-        #: resume, save, commit and the failure policy, shared with the JobRunner
         #: the terminal display of long saves and loads (None: quiet; see ``progress``)
         self._display = None if progress is False else auto_progress(force=bool(progress), big_only=True,
                                                                         word="step")
@@ -170,6 +208,10 @@ class Checkpointer:
         self.last_restore: RestoreReport | None = None
         self._saved = False
         self._last_save = time.monotonic()
+        #: the node-local fast tier (``local=``; None without one): see :mod:`.tier`
+        self._tier = None if local is None else LocalTier(
+            local, keep=local_keep, persist_every=persist_every, durable=self._engine, durable_db=self.db_path,
+            durable_options=self._storage_options, saver=self._saver)
         self._guard = SignalGuard((signal.SIGTERM,), word="step").__enter__()
         self._closed = False
 
@@ -196,6 +238,8 @@ class Checkpointer:
         """The newest step committed (or restored) by this Checkpointer, None before any."""
         if self.distributed is not None:
             return self.distributed.last_step
+        if self._tier is not None:
+            return self._tier.last_step(self._engine.last_committed)
         return self._engine.last_committed
 
     @property
@@ -230,7 +274,12 @@ class Checkpointer:
             if step is not None or not strict:
                 raise ValueError(f"{self!r}: restore(step=..., strict=False) is for one process; across "
                                  "ranks the newest intact step is restored, strictly")
-            return self.distributed.restore(state)
+            t0 = time.perf_counter()
+            found = self.distributed.restore(state)
+            tier = self.distributed.tier
+            self.last_restore = RestoreReport(found, time.perf_counter() - t0, source=(
+                tier.source if tier is not None else "durable" if found is not None else None))
+            return found
         with _in_steps():
             t0 = time.perf_counter()
             self.last_restore = None
@@ -249,10 +298,15 @@ class Checkpointer:
         self.wait()
         self._last_save = time.monotonic()
         self._restored = True
-        first = self._chosen_step(step)
-        found = self._engine.resume(first, lambda s: self._load(s, names, state, strict), fallback=step is None)
+        if self._tier is not None:
+            found = self._tier.restore(step, self.steps(), Source("durable", self.handler, self._engine, self.db_path),
+                                       lambda src, s: self._load(s, names, state, strict, src))
+        else:
+            first = self._chosen_step(step)
+            found = self._engine.resume(first, lambda s: self._load(s, names, state, strict), fallback=step is None)
         if self.async_save:  # the run starts: its first snapshot will copy into warm memory
-            prepare = PrepareSaves(self.db_path(0), names, node=NODE, saver=self._saver)
+            where = self._tier.db_path(0) if self._tier is not None else self.db_path(0)
+            prepare = PrepareSaves(where, names, node=NODE, saver=self._saver)
             self._engine.prepare_saves(lambda: prepare(state))
         if found is None:
             logger.info("No checkpoint in %s: starting a new run", self.directory)
@@ -269,12 +323,14 @@ class Checkpointer:
             raise CheckpointNotFoundError(
                 f"step {step} of {self.directory} is not committed (committed steps: {committed}): {ex}") from ex
 
-    def _load(self, step: int | None, names: list[str], state: MutableMapping[str, Any], strict: bool) -> None:
+    def _load(self, step: int | None, names: list[str], state: MutableMapping[str, Any], strict: bool,
+              source: Source | None = None) -> None:
         """Load ``step`` into ``state`` (every checksum verified, and every live object
-        checked, before anything is touched)."""
+        checked, before anything is touched), from ``source`` (None: ``directory``)."""
         if step is None:
             return
-        db = self.db_path(step)
+        db = source.db_path(step) if source is not None else self.db_path(step)
+        engine = source.engine if source is not None else self._engine
         load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True,
                          storage_options=self._storage_options, whole=True, strict=strict)
 
@@ -286,9 +342,9 @@ class Checkpointer:
 
         plan = LoadPlan(check=lambda: checked(lambda: load.check(state)),
                         write=lambda: checked(lambda: {NODE: load.run(state)}), nodes=[NODE])
-        self._engine.load("checkpoint_load", step, plan)
+        engine.load("checkpoint_load", step, plan)
         self.last_restore = RestoreReport(step, 0.0, dict(load.keys.missing), dict(load.keys.unexpected),
-                                          list(load.missing))
+                                          list(load.missing), source.name if source is not None else "durable")
         if load.missing:  # (the db is opened once: no separate listing of its blobs)
             logger.warning("The checkpoint of step %d (%s) has no %s: they keep their current values",
                            step, db, ", ".join(map(repr, load.missing)))
@@ -303,7 +359,7 @@ class Checkpointer:
         next restore would return the newer step of an earlier run."""
         if self.distributed is not None:
             return self.distributed.save(step, state, metrics)
-        with _in_steps():
+        with _in_steps(), write_options(self._write_options):  # (seen by a background write too)
             self._save(step, state, metrics)
 
     def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
@@ -317,14 +373,28 @@ class Checkpointer:
         self._saved = True
         db = self.db_path(step)
         self._last_save = time.monotonic()
+        if self._tier is not None:
+            self._tier.save(step, state, names, metrics, background=self.async_save,
+                            persist=self._tier.due(self.preempted))
+            return
         if self.async_save:
             snapshot = SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver,
                                        storage_options=self._storage_options)
-            self._engine.save(step, lambda: _Background(snapshot, state, self._saver), background=True,
-                              metrics=metrics)
+            self._engine.save(step, lambda: _Background(self._based(snapshot), state, self._saver),
+                              background=True, metrics=metrics)
             return
         save = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step, storage_options=self._storage_options)
-        self._engine.save(step, lambda: Done({NODE: save.run(state)}), metrics=metrics)
+        self._engine.save(step, lambda: Done({NODE: self._based(save).run(state)}), metrics=metrics)
+
+    def _based(self, save: _S) -> _S:
+        """``save``, incremental on the db of the newest step committed before its own (asked
+        as it starts: after any earlier background save is committed) when ``incremental``."""
+        if self.incremental:
+            self._dir.mark_incremental()  # (retention then asks kept dbs what they reference)
+            older = [e for e in self._dir.manifest_epochs() if e < save.epoch]
+            save.incremental = True
+            save.base = self.db_path(max(older)) if older else None
+        return save
 
     def _check_ranked(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
         """With ``keep_best``, metrics given must hold the metric (or ``state`` a scalar of
@@ -344,12 +414,11 @@ class Checkpointer:
             f"of it: metrics given: {given}; state keys: {keys}")
 
     def _warn_older(self, step: int) -> None:
-        committed = self.steps()
-        if committed and step < committed[-1]:
+        if (committed := self.steps()) and step < committed[-1]:
             logger.warning(
-                "Saving step %d in %s, which holds committed steps up to %d of an earlier run: "
-                "restore() would return step %d, not this run's. Call restore() first to continue "
-                "that run, or use a new directory", step, self.directory, committed[-1], committed[-1])
+                "Saving step %d in %s, which holds committed steps up to %d of an earlier run: restore() would "
+                "return step %d, not this run's. Call restore() first to continue that run, or use a new "
+                "directory", step, self.directory, committed[-1], committed[-1])
 
     def wait(self) -> None:
         """Wait for the background save in flight (if any) and commit it; re-raise its error
@@ -357,6 +426,8 @@ class Checkpointer:
         if self.distributed is not None:
             return self.distributed.wait()
         with _in_steps():
+            if self._tier is not None:
+                self._tier.wait()
             self._engine.finish_pending()
 
     def due(self, step: int, every: int | None = None, interval: float | str | None = None) -> bool:
@@ -373,6 +444,8 @@ class Checkpointer:
         """The committed steps, oldest first."""
         if self.distributed is not None:
             return self.distributed.steps()
+        if self._tier is not None:  # either place's
+            return sorted(set(self.handler.committed_epochs()) | set(self._tier.steps()))
         return self.handler.committed_epochs()
 
     def best_steps(self) -> list[int]:
@@ -395,7 +468,12 @@ class Checkpointer:
         self._closed = True
         try:
             self.wait()
+            if self._tier is not None:
+                with _in_steps():
+                    self._tier.persist(self.handler.committed_epochs())
         finally:
+            if self._tier is not None:
+                self._tier.close()
             self._saver.close()
             self._guard.__exit__(None, None, None)
             self._engine.close()

@@ -48,13 +48,16 @@ class RestoreReport:
     restored, per entry of the state (as torch's ``_IncompatibleKeys``): ``missing_keys``
     (live keys the checkpoint lacks: they keep their values), ``unexpected_keys`` (the
     checkpoint's keys the live object lacks). ``missing_blobs``: entries of the state the
-    checkpoint lacks (they keep their values)."""
+    checkpoint lacks (they keep their values). ``source``: where the bytes came from:
+    ``"local"`` (the node-local tier, ``local=``), ``"peer"`` (a peer's copy of this rank's
+    part), ``"durable"`` (the Checkpointer's directory); None on a fresh start."""
 
     step: int | None
     seconds: float
     missing_keys: dict[str, list[str]] = field(default_factory=dict)
     unexpected_keys: dict[str, list[str]] = field(default_factory=dict)
     missing_blobs: list[str] = field(default_factory=list)
+    source: str | None = None
 
 
 class _Shown:

@@ -37,6 +37,7 @@ may already hold part of the damaged step then). Coordination uses tensors on a 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -57,6 +58,7 @@ from ..checkpoint.location.view import CheckpointDirectory, best_of_directory
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.preemption import SignalGuard
+from ..storage.encoding.compress import WriteOptions, write_options
 from ..storage.io.location import location_for
 from ..storage.io.seam import local_path
 from .dcp import META_NODE, EpochalStorageReader, EpochalStorageWriter, Whole
@@ -64,6 +66,7 @@ from .dcp.background import Pending, Worker
 from .dcp.plan_cache import RecordingSavePlanner, SavePlanCache
 from .dcp.staging import HostStaging
 from .rank_state import dcp_state
+from .rank_tier import RankTier
 from .ranks import RankGroup, process_world, unwrap_failure
 from .world import SINGLE_NODE, load_one_process_step
 
@@ -100,7 +103,10 @@ class DistributedCheckpointer:
         storage_options: dict[str, Any] | None = None,
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
+        compression: str | None = None,
     ) -> None:
+        #: how each rank's db is written (compression, as the Checkpointer's), set around saves
+        self._write_options = WriteOptions(compression=compression)
         location = location_for(local_path(directory), storage_options)  # file:// is the local disk
         location.remember()  # a URL's options: this process's for every path under it
         self.directory = location.root
@@ -136,6 +142,8 @@ class DistributedCheckpointer:
         self._last_save = time.monotonic()
         self._guard = RankSignalGuard((signal.SIGTERM,)).__enter__()
         self._closed = False
+        #: this rank's node-local tier (``local=``; docs/tiers.md), None without one
+        self.tier: RankTier | None = None
 
     def __repr__(self) -> str:
         return f"DistributedCheckpointer({self.directory!r}, rank={self.rank}, world={self.world})"
@@ -160,6 +168,10 @@ class DistributedCheckpointer:
         this rank's state is copied into host memory and the rest (planning, writing, the
         ranks' agreement) runs in the background, on a group of its own: no collective here;
         a failure is raised by :meth:`wait` (or the next save) on every rank."""
+        with write_options(self._write_options):  # (the background job runs in a copy of this context)
+            self._save(step, state, metrics)
+
+    def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -170,6 +182,11 @@ class DistributedCheckpointer:
         start = time.perf_counter_ns()
         sd, _ = dcp_state(state, self.rank, self.per_rank, None, self.directory)
         self.wait()  # the previous background save is committed (or has failed) first
+        if self.tier is not None:
+            self.tier.save(step, sd)
+            if not self.tier.due(self.preempted):  # this step stays in the local tiers only
+                self.last_step = step
+                return
 
         def writer(deferred: bool = False) -> EpochalStorageWriter:
             return EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
@@ -195,7 +212,7 @@ class DistributedCheckpointer:
             w = writer()
             job = functools.partial(self._write_snapshot, step, snap, w, problem)
         self._pending = Pending(step, w, start, self._bg, job)
-        self._worker.submit(self._pending.run)
+        self._worker.submit(functools.partial(contextvars.copy_context().run, self._pending.run))
 
     def _write_snapshot(self, step: int, snap: tuple[dict[str, Any], bool] | None, writer: EpochalStorageWriter,
                         problem: BaseException | None) -> None:
@@ -292,6 +309,9 @@ class DistributedCheckpointer:
         self._check_open()
         self.wait()
         self._last_save = time.monotonic()
+        if self.tier is not None:
+            self.last_step = self.tier.restore(state, self.directory, self._options)
+            return self.last_step
         touched = False
         while True:
             step, problem = -1, None  # type: tuple[int, BaseException | None]
@@ -346,6 +366,8 @@ class DistributedCheckpointer:
         when all are durable rank 0 commits the step, else the step is not committed and
         this raises on every rank (naming the ranks that failed). Nothing to do after a
         synchronous save."""
+        if self.tier is not None:
+            self.tier.wait()
         if not self.async_save:
             return
         pending, self._pending = self._pending, None
@@ -381,6 +403,8 @@ class DistributedCheckpointer:
         finally:
             self._closed = True
             self._guard.__exit__(None, None, None)
+            if self.tier is not None:
+                self.tier.close()
             self._close_handler()
 
     def _close_handler(self) -> None:

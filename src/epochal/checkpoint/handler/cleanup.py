@@ -6,7 +6,9 @@
   files; dbs of older epochs that were never committed (killed or failed saves) go too,
   but only of epochs with no manifest file at all: an epoch whose manifest exists and cannot
   be read at that moment (EIO, EMFILE, a failed GET) or parsed is kept, named in a warning.
-  Only files named exactly as an epoch's db of a known node are ever deleted.
+  Only files named exactly as an epoch's db of a known node are ever deleted, and never one
+  that a kept step's incremental db takes bytes from (:mod:`.references`): it goes in a
+  later pass, once no kept step references it.
 * **Temp files** (:func:`clean_temp_files`, when a handler starts): the ``*.tmp.<host>.<pid>.*``
   files of killed saves of this host whose process is gone. Another host's are never touched.
   At a URL (:func:`clean_temp_keys`, once the lease is held): the ``*.tmp.upload.<hex>`` keys
@@ -29,6 +31,7 @@ from ..location.lock import pid_alive
 from ..location.manifest import Manifest
 from ..location.retention import RetentionPolicy, best_epochs, metric_unreadable
 from ..location.view import CheckpointDirectory
+from .references import referenced
 
 logger = logging.getLogger("epochal")
 
@@ -174,13 +177,27 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
         return {n: p for n, p in scanned.get(e, {}).items()
                 if n in known and os.path.basename(p) == os.path.basename(d.db_path(n, e))}
 
+    in_use: list[set[str] | None] = []  # names kept steps' dbs take bytes from (read once, when needed)
+
+    def unused(paths: Iterable[str]) -> list[str]:
+        """``paths`` but those a kept step references (all of them when that is unknown)."""
+        paths = list(paths)
+        if paths and not in_use and not d.has_incremental():  # no step here references another's db
+            in_use.append(set())
+        if paths and not in_use:
+            in_use.append(referenced(d.db_path(n, e) for e in manifests if e not in doomed for n in sorted(known)))
+        names = in_use[0] if in_use else set()
+        if names is None:
+            return []
+        return [p for p in paths if os.path.basename(p) not in names]
+
     for epoch in doomed:
         nodes = reads.good[epoch].nodes
         files = [d.db_path(n, epoch) for n, entry in nodes.items()
                  if entry.file == os.path.basename(d.db_path(n, epoch))]
         d.records.delete(d.manifest_path(epoch))
         d.records.sync_dir(d.records_dir)
-        for path in {*files, *on_disk(epoch).values()}:
+        for path in unused({*files, *on_disk(epoch).values()}):
             d.records.delete(path)
         logger.info("Retention: deleted the checkpoint of epoch %d", epoch)
     # leftovers of saves that never committed (or of a delete that was interrupted): dbs of
@@ -191,8 +208,11 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
             continue
         dbs = on_disk(epoch)
         if dbs and _manifest_absent(d, epoch):
-            for path in dbs.values():
+            gone = unused(dbs.values())
+            for path in gone:
                 d.records.delete(path)
+            if not gone:
+                continue
             logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs.values()))
     d.records.sync_dir(d.db_dir)
     if index is not None:

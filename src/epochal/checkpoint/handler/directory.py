@@ -118,6 +118,7 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         storage_options: dict[str, Any] | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         mirror_from_nodes: bool = False,
+        incremental: bool = False,
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
@@ -152,6 +153,9 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         self._rejected: set[int] = set()  # epochs whose load failed its checks in this run
         self._repulled: set[int] = set()  # ... and that were restored from the mirror once
         self._index: Any = None  # the metrics index keep_best ranks by (cleanup.metric_index)
+        #: the managers' saves write incremental dbs on the newest committed epoch (native
+        #: dbs; docs/format.md); retention keeps the files a kept epoch references either way
+        self.incremental = bool(incremental)
 
     def __repr__(self) -> str:
         where = self.directory.db_dir if self.directory is not None else None

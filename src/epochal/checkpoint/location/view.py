@@ -36,6 +36,9 @@ from .stats import StatsLine
 logger = logging.getLogger("epochal")
 
 PINS_FILE = "pins.json"
+#: the mark of a location where incremental steps may be (written before the first one's db):
+#: retention then asks each kept step's db what it references; elsewhere it reads no db
+INCREMENTAL_MARK = "incremental"
 PINS_FORMAT = "epochal-pins"
 #: how much of a committed epoch is checked: ``"full"`` (every checksum), ``"quick"`` (each
 #: db's size and digest against the manifest), ``"none"`` (the manifest is valid and lists
@@ -138,6 +141,17 @@ class CheckpointDirectory:
             if epoch is not None:
                 epochs.append(epoch)
         return sorted(epochs)
+
+    def has_incremental(self) -> bool:
+        """Whether incremental steps may be here (:data:`INCREMENTAL_MARK`; the records
+        folder's listing, remembered where the record store remembers it)."""
+        return any(name == INCREMENTAL_MARK for name, _ in self.records.files(self.records_dir))
+
+    def mark_incremental(self) -> None:
+        """Mark the location before its first incremental db is written (once; never removed)."""
+        if not self.has_incremental():
+            self.records.makedirs(self.records_dir)
+            self.records.write(os.path.join(self.records_dir, INCREMENTAL_MARK), b"")
 
     def committed_epochs(self) -> list[int]:
         """Epochs with a valid manifest (the dbs are not read), oldest first: every manifest is

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -54,6 +54,8 @@ __all__ = [
 #: the switch interval (seconds) while a background write is in flight: the default of the
 #: ``switch_interval`` knob (:mod:`epochal.knobs`), which a saver built without one follows
 DEFAULT_SWITCH_INTERVAL = knobs.DEFAULT_SWITCH_INTERVAL
+#: writes a db's blobs, returns the bytes written (a backend's ``write``)
+Writer = Callable[[str, Mapping[str, Any]], int]
 
 
 @dataclass
@@ -185,12 +187,14 @@ class BackgroundSaver:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochal-save")
         return self._executor
 
-    def start(self, db: str, db_type: str, snap: Snapshot) -> None:
+    def start(self, db: str, db_type: str, snap: Snapshot, write: Writer | None = None) -> None:
         """Write ``snap`` to ``db`` on the writer thread; :meth:`join` waits for it. A snapshot
         without an arena (it did not fit ``max_host_bytes``: it holds the live state's own
-        segments) is written here, before this returns."""
+        segments) is written here, before this returns. ``write(db, blobs)``: how (None: the
+        db type's write; an incremental save passes its own)."""
+        write = write or get_db_type(db_type).write
         if snap.arena is None:
-            self._start_synchronous(db, db_type, snap)
+            self._start_synchronous(db, write, snap)
             return
         with self._lock:
             if db in self._pending:
@@ -201,14 +205,14 @@ class BackgroundSaver:
             try:
                 self.pool.writing(snap.arena)
                 # in the caller's context: the write reaches a URL with its step's Location
-                future = executor.submit(contextvars.copy_context().run, self._write, db_type, db, snap)
+                future = executor.submit(contextvars.copy_context().run, self._write, write, db, snap)
             except BaseException:
                 self._switch.exit()
                 self.pool.release(snap.arena)
                 raise
             self._pending[db] = (future, snap)
 
-    def _start_synchronous(self, db: str, db_type: str, snap: Snapshot) -> None:
+    def _start_synchronous(self, db: str, write: Writer, snap: Snapshot) -> None:
         """Write a snapshot that holds the live state's segments now, on this thread (its
         error is raised by :meth:`join`, as a background write's)."""
         if self.pending(db):
@@ -216,7 +220,7 @@ class BackgroundSaver:
         done: Future[SaveDone] = Future()
         try:
             start = time.perf_counter_ns()
-            nbytes = int(get_db_type(db_type).write(db, snap.blobs))
+            nbytes = int(write(db, snap.blobs))
             end = time.perf_counter_ns()
             done.set_result(SaveDone(nbytes, snap.started_ns, end, snap.snapshot_ns, end - start))
         except Exception as ex:
@@ -224,10 +228,10 @@ class BackgroundSaver:
         with self._lock:
             self._pending[db] = (done, snap)
 
-    def _write(self, db_type: str, db: str, snap: Snapshot) -> SaveDone:
+    def _write(self, write: Writer, db: str, snap: Snapshot) -> SaveDone:
         start = time.perf_counter_ns()
         try:
-            nbytes = int(get_db_type(db_type).write(db, snap.blobs))
+            nbytes = int(write(db, snap.blobs))
         finally:
             self.pool.release(snap.arena)
             self._switch.exit()

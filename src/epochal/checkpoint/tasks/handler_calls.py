@@ -50,6 +50,20 @@ class HandlerCalls:
         h = self._metadata_handler
         return None if h is None else with_extensions(h)
 
+    def incremental_base(self, epoch: int) -> tuple[bool, int | None]:
+        """Whether the save of ``epoch`` is incremental (the handler's ``incremental``), and
+        on which epoch: the newest committed before it (None: none, the db is written whole)."""
+        h = self._metadata_handler
+        if h is None or not getattr(h, "incremental", False):
+            return False, None
+        if getattr(h, "directory", None) is not None:
+            h.directory.mark_incremental()  # before its first incremental db (retention reads refs there)
+        newest = h.directory.newest_committed() if getattr(h, "directory", None) is not None else None
+        if newest is not None and newest[0] < epoch:
+            return True, int(newest[0])
+        older = [e for e in h.committed_epochs() if e < epoch]
+        return True, (max(older) if older else None)
+
     # -- epochal's handler extensions, for the runner (no-ops without a handler)
     def expect_final(self, epoch: int) -> None:
         """The stop condition holds at ``epoch``, about to be saved (see the handler doc)."""

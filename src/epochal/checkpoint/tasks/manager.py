@@ -255,12 +255,16 @@ class CheckpointManager(HandlerCalls):
             return push
         return self._handler.node_push_target()
 
-    def save(self, epoch: int, background: bool = False, *, push: PushTarget | None = None) -> CheckpointTask:
+    def save(self, epoch: int, background: bool = False, *, push: PushTarget | None = None,
+             incremental: tuple[bool, int | None] | None = None) -> CheckpointTask:
         """A timed Task saving the blob list, in order, to the db of ``epoch``; after it ran,
         its :meth:`~.handles.CheckpointTask.results` hold the db's size, digest and time.
 
         With ``background``, the task only snapshots the blobs and starts the write on a
         background thread of the node's process; run :meth:`join_save` before committing.
+        With a handler whose ``incremental`` is set (or ``incremental``: (True, base epoch),
+        from a multi-node manager), the db holds only the bytes the base epoch's db of this
+        node lacks (docs/format.md, "Incremental db files").
         """
         db = self._db(epoch)
         logger.info("Saving to %s%s", db, " (background)" if background else "")
@@ -269,12 +273,16 @@ class CheckpointManager(HandlerCalls):
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
         digest = None if background else f"{base}.digest"
         pushed = None if background else f"{base}.pushed"
-        task = self._timed_task("checkpoint_save", step(
+        save = step(
             db, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
             untracked_output=untracked, digest_output=digest,
             storage_options=self._storage_options, push=None if background else self._push_target(push),
             pushed_output=pushed,
-        ), db, digest, pushed)
+        )
+        on, older = self.incremental_base(epoch) if incremental is None else incremental
+        if on:
+            save.incremental, save.base = True, (self._db(older) if older is not None else None)
+        task = self._timed_task("checkpoint_save", save, db, digest, pushed)
         self._untracked_output = task.untracked_output = task.add_output(untracked)
         return task
 
@@ -416,7 +424,8 @@ class MultiNodeCheckpointManager(HandlerCalls):
 
     def save(self, epoch: int, background: bool = False) -> CheckpointGroup:
         push = self._handler.node_push_target() if self._handler is not None else None
-        return self._task_group(CheckpointManager.save, epoch, background=background, push=push)
+        return self._task_group(CheckpointManager.save, epoch, background=background, push=push,
+                                incremental=self.incremental_base(epoch))
 
     def prepare_saves(self) -> CheckpointGroup:
         return self._task_group(CheckpointManager.prepare_saves)

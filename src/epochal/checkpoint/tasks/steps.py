@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,6 +278,21 @@ class SaveBlobs:
         self.untracked_output, self.digest_output = untracked_output, digest_output
         self.location = db_location(db, storage_options)
         self.push, self.pushed_output = push, pushed_output
+        #: write only what differs from ``base`` (the db of the newest committed step before
+        #: this one; set just before the save runs), a native db only (docs/format.md)
+        self.incremental = False
+        self.base: str | None = None
+
+    def writer(self) -> Callable[[str, Mapping[str, Any]], int]:
+        """How this save writes its db: the db type's write, or an incremental one."""
+        if not self.incremental:
+            return get_db_type(self.db_type).write
+        if self.db_type != "native":
+            raise CheckpointError(f"incremental saves write native dbs, not {self.db_type!r}")
+        from ...storage.formats.native.incremental import write_incremental
+
+        base, step = self.base, self.epoch
+        return lambda path, blobs: write_incremental(path, blobs, base=base, step=step)
 
     def _where(self) -> str:
         return f"node {self.node!r}, epoch {self.epoch} ({self.db})"
@@ -311,7 +326,7 @@ class SaveBlobs:
         self._note_untracked(ws)
         with self.location.active():
             try:
-                nbytes = int(get_db_type(self.db_type).write(self.db, blobs))
+                nbytes = int(self.writer()(self.db, blobs))
             except UnsupportedBlobError as ex:  # a value no format stores: name where it is
                 raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
             digest = db_digest(self.db_type, self.db)
@@ -384,7 +399,7 @@ class SnapshotAndSave(SaveBlobs):
         except UnsupportedBlobError as ex:
             raise UnsupportedBlobError(f"{self._where()}: {ex}") from ex
         with self.location.active():  # the saver's thread writes with this location's options
-            saver.start(self.db, self.db_type, snap)
+            saver.start(self.db, self.db_type, snap, self.writer())
         return snap.nbytes
 
 

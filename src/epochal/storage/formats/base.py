@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointError
+from ..io.extents import open_db
 from ..io.progress import IO_PROGRESS, report_progress
 from ..io.seam import store_for
 
@@ -175,7 +176,7 @@ class DbBackend(abc.ABC):
         """Header-level summary: sizes, counts and digest (no blob data read). The default
         builds it from :meth:`describe` and :meth:`digest`."""
         infos = self.describe(path)
-        src = store_for(path).open_read(path)
+        src = open_db(path)
         try:
             size = src.size()
         finally:
@@ -216,7 +217,7 @@ def sniff_db_type(path: str) -> str | None:
     """The db_type that wrote the file at ``path``, from its head (None: no registered
     backend recognises it, e.g. an empty file). CheckpointNotFoundError when it is missing;
     OSError when it cannot be read."""
-    src = store_for(path).open_read(path, what="db")
+    src = open_db(path, what="db")
     try:
         size = src.size()
         head = src.read(SNIFF_BYTES, 0)

@@ -7,6 +7,7 @@ from typing import Any
 
 from ....errors import CheckpointCorruptError, CheckpointError
 from ...encoding.codecs import LOAD_OPTIONS
+from ...io.extents import ExtentSource
 from ..base import BlobInfo, DbBackend, DbProblem, DbStat, ReadStats, register_db_type
 from .layout import is_native
 from .reader import NativeFile, stat_native
@@ -52,7 +53,7 @@ class NativeBackend(DbBackend):
         return stat_native(path).digest
 
     def verify(self, path: str) -> None:
-        with NativeFile(path, mmap=False, whole=True) as f:
+        with NativeFile(path, mmap=False, whole=True) as f:  # (its exit names a damaged older file)
             f.verify()
 
 
@@ -67,6 +68,10 @@ class NativeBackend(DbBackend):
                     return problems
                 except CheckpointCorruptError as e:  # (not kept: its frames hold buffers)
                     whole = DbProblem.of(e, path, e.blob)
+                try:
+                    _blame_refs(f)
+                except CheckpointCorruptError as e:  # an older step's file it takes bytes from
+                    problems.append(DbProblem.of(e, path))
                 for blob in f.names():
                     try:
                         f.verify([blob])
@@ -88,6 +93,14 @@ class NativeBackend(DbBackend):
 
     def sniff(self, head: bytes, size: int) -> bool:
         return is_native(head)
+
+
+def _blame_refs(f: NativeFile) -> None:
+    """For an incremental db whose data did not verify: raise the error naming the older
+    step's file whose referenced bytes are damaged, if that is where the damage is."""
+    src = getattr(f, "_src", None)
+    if isinstance(src, ExtentSource):
+        src.check_refs()
 
 
 register_db_type("native", NativeBackend)

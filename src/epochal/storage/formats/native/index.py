@@ -20,9 +20,9 @@ from ...encoding import codecs as _codecs
 from ...encoding import strict_json
 from ...io.checksum import checksum_function, combined, format_checksum
 from ..base import BlobInfo
+from .frames import CodedTable
 from .layout import (
     ALIGN,
-    FORMAT_MAJOR,
     FORMAT_MINOR,
     GROUP_DTYPE,
     INDEX_HEAD,
@@ -78,8 +78,12 @@ class Index:
             + ngroups * GROUP_DTYPE.itemsize + nmetas * MOFF_DTYPE.itemsize + n * 4
             + names_len + metas_len
         )
-        # a newer minor version may append parts this reader does not know (and ignores)
-        newer = (header.major, header.minor) > (FORMAT_MAJOR, FORMAT_MINOR)
+        coded_at = expect
+        if header.major >= 3:  # the codec part follows the metas text
+            expect += CodedTable.sizes(raw, coded_at)[2] if expect <= len(raw) else 0
+        # a newer minor version (of the file's major: every major this reader knows is at its
+        # minor FORMAT_MINOR) may append parts this reader does not know (and ignores)
+        newer = header.minor > FORMAT_MINOR
         if expect > len(raw) or (expect != len(raw) and not newer):
             raise corrupt(
                 path, f"absurd index counts ({n} blobs, {nseg} segments, {ngroups} groups, {nmetas} metas)"
@@ -100,6 +104,12 @@ class Index:
         self.names_heap = raw[pos : pos + names_len]
         # a view, not a copy: a forged metas text as big as the file is refused before any copy
         self.metas_text = memoryview(raw)[pos + names_len : pos + names_len + metas_len]
+        #: the compressed segments (version 3; None when there are none)
+        self.coded: CodedTable | None = None
+        if header.major >= 3:
+            ctable = CodedTable.parse(path, raw, coded_at)
+            if len(ctable.coded) or len(ctable.streams):
+                self.coded = ctable
         self._validate()
         self._names: list[str] | None = None
         self._ids: dict[str, int] | None = None
@@ -155,6 +165,8 @@ class Index:
             raise corrupt(path, "segments without blobs")
         self._check_groups()
         self._check_meta_table()
+        if self.coded is not None:
+            self.coded.validate(self.segs, self.groups)
 
     def _check_groups(self) -> None:
         """Checksum groups are non-empty runs of segments, in file order, disjoint, inside
@@ -402,6 +414,31 @@ class Index:
             )
         return self._cols
 
+    def is_coded(self, i: int) -> bool:
+        """Whether blob ``i`` has a compressed segment."""
+        c = self.coded
+        return c is not None and any(k in c.row_of for k in self.seg_range(i))
+
+    def coded_blobs(self, ids: Sequence[int]) -> set[int]:
+        """The blobs of ``ids`` that have a compressed segment."""
+        c = self.coded
+        if c is None:
+            return set()
+        owners = np.searchsorted(self.recs["seg_first"], c.coded["seg"], side="right") - 1
+        return set(owners.tolist()) & set(ids)
+
+    def sizes(self, i: int) -> list[int]:
+        """The logical (decoded) length of each segment of blob ``i``."""
+        r = self.seg_range(i)
+        out: list[int] = self.segs["length"][r.start : r.stop].tolist()
+        c = self.coded
+        if c is not None:
+            for j, k in enumerate(r):
+                row = c.row(k)
+                if row is not None:
+                    out[j] = c.logical(row)
+        return out
+
     def seg_range(self, i: int) -> range:
         r = self.recs[i]
         first = int(r["seg_first"])
@@ -411,7 +448,7 @@ class Index:
         kind, meta = self.entry(i)
         segs = self.seg_range(i)
         rows = self.segs[segs.start : segs.stop]
-        lengths, crcs = rows["length"].tolist(), rows["crc"].tolist()
+        lengths, crcs = self.sizes(i), rows["crc"].tolist()
         dtype = meta.get("dtype")
         if dtype is not None and not isinstance(dtype, str):
             dtype = json.dumps(dtype, separators=(",", ":"))

@@ -20,11 +20,14 @@ from ...io.checksum import ALGORITHM_NAMES, ChecksumFn, checksum_function
 
 MAGIC = b"\x89EPCK\r\n\x1a"
 #: the newest version this code reads and writes; a file is written in the oldest version
-#: that describes it: 1.0 without checksum groups, 2.0 with them (docs/format.md)
-FORMAT_MAJOR = 2
+#: that describes it: 1.0 without checksum groups, 2.0 with them, 3.0 with compressed
+#: segments (docs/format.md)
+FORMAT_MAJOR = 3
 FORMAT_MINOR = 0
 #: the version of files without checksum groups (byte-identical to what 1.0 writers wrote)
 V1 = (1, 0)
+#: the version of files with checksum groups and no compressed segment
+V2 = (2, 0)
 #: every segment starts at a multiple of ALIGN bytes and owns the zero padding up to the next
 ALIGN = 64
 INDEX_MAGIC = b"EPIX"
@@ -56,6 +59,24 @@ SEG_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u8"), ("crc", "<u4"), ("pa
 #: padding, as one contiguous range of the file, have one more checksum, so that a reader of
 #: the whole run checks it with one call instead of one per segment
 GROUP_DTYPE = np.dtype([("seg_first", "<u4"), ("seg_count", "<u4"), ("crc", "<u4"), ("flags", "<u4")])
+#: version 3: the head of the codec part (after the metas text): compressed segment count,
+#: stream count, 8 reserved bytes (0)
+CODEC_HEAD = struct.Struct("<IIQ")
+#: version 3: one record per compressed segment, in file order: its segment, codec (1: zstd
+#: frames, 2: byte planes of rotated words, then zstd), planes per frame (1, or the word
+#: size), logical bytes per frame, its first stream, its logical (decoded) length
+CODED_DTYPE = np.dtype(
+    [
+        ("seg", "<u4"),
+        ("codec", "<u2"),
+        ("planes", "<u2"),
+        ("frame_bytes", "<u4"),
+        ("stream_first", "<u4"),
+        ("logical", "<u8"),
+    ]
+)
+#: version 3: one record per stream (one zstd frame), in file order: stored length, checksum
+STREAM_DTYPE = np.dtype([("length", "<u4"), ("crc", "<u4")])
 #: where each distinct ``[kind, meta]`` JSON text sits in the metas array
 MOFF_DTYPE = np.dtype([("off", "<u4"), ("len", "<u4")])
 #: name-sorted permutation of the blob records (for bisection)

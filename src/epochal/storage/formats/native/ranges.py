@@ -8,6 +8,11 @@ into a caller's buffer. Checking what was read is the caller's: against the segm
 checksum when it reads the whole segment (in chunks, :meth:`RangedFile.stream`), or
 against per-block checksums a codec recorded in the blob's meta (which the index checksum
 covers). Nothing here decodes a value or runs code from the file.
+
+A blob with a compressed segment (format 3.0) is read, checked and decoded whole when it is
+found (:mod:`.coded`) and held in memory until the file is closed; its segments are then
+given at offsets past the end of the file (never a file offset), with the checksum of their
+decoded bytes, and read from there: the caller reads and checks them as any other.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ...io.checksum import checksum_function
+from ...io.extents import blame_refs, open_db
 from ...io.reads import read_bytes, read_exact
-from ...io.seam import ByteSource, store_for
+from ...io.seam import ByteSource
+from . import coded
 from .index import Index
+from .items import Opened
 from .layout import SUPERBLOCK_SIZE, corrupt, parse_superblock
 
 __all__ = ["RangedFile", "Segment"]
@@ -33,7 +41,7 @@ class RangedFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.src: ByteSource = store_for(self.path).open_read(self.path, what="native db")
+        self.src: ByteSource = open_db(self.path, what="native db")
         try:
             self.header = parse_superblock(self.path, self.src.read(SUPERBLOCK_SIZE, 0), self.src.size())
             raw = read_bytes(self.src, self.header.index_length, self.header.index_offset, "the index")
@@ -43,6 +51,10 @@ class RangedFile:
             raise
         #: the file's checksum function (``fn(data, previous=0)``), releasing the GIL
         self.fn: Callable[..., int] = checksum_function(self.header.algorithm)
+        #: decoded compressed blobs: blob index -> its segments; (start, bytes) of each
+        self._found: dict[int, list[Segment]] = {}
+        self._decoded: list[tuple[int, memoryview]] = []
+        self._next = self.header.file_size
 
     def close(self) -> None:
         self.src.close()
@@ -50,8 +62,11 @@ class RangedFile:
     def __enter__(self) -> RangedFile:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            blame_refs(self.src, exc)  # an incremental db: name the older file at fault
+        finally:
+            self.close()
 
     def find(self, name: str) -> tuple[str, dict[str, Any], list[Segment]] | None:
         """``(kind, meta, segments)`` of blob ``name`` (its meta parsed alone), None when absent."""
@@ -59,16 +74,37 @@ class RangedFile:
         if i is None:
             return None
         kind, meta = self.index.entry(i)
+        if self.index.coded is not None and self.index.is_coded(i):
+            return kind, meta, self._decode(i)
         rows = self.index.segs[self.index.seg_range(i).start : self.index.seg_range(i).stop]
         segs = [(int(r["offset"]), int(r["length"]), int(r["crc"])) for r in rows]
         return kind, meta, segs
+
+    def _decode(self, i: int) -> list[Segment]:
+        """Blob ``i``'s segments, read, checked and decoded (once), at offsets past the file."""
+        segs = self._found.get(i)
+        if segs is None:
+            item = coded.read_coded(Opened(self.path, self.src, self.index), [i], True)[0]
+            segs = []
+            for buf in item.bufs:
+                self._decoded.append((self._next, buf))
+                segs.append((self._next, buf.nbytes, self.fn(buf, 0)))
+                self._next += buf.nbytes + 1  # (+1: no two share an offset, empty ones neither)
+            self._found[i] = segs
+        return segs
 
     def names(self) -> list[str]:
         """Every blob's name, in file order."""
         return list(self.index.names())
 
     def read_into(self, view: memoryview, offset: int, blob: str | None = None) -> None:
-        """Fill ``view`` (flat bytes) from file ``offset`` on; a short file is corrupt."""
+        """Fill ``view`` (flat bytes) from file ``offset`` on; a short file is corrupt. Offsets
+        past the file are of decoded segments (see the module doc)."""
+        if offset >= self.header.file_size and self._decoded:
+            for start, buf in self._decoded:
+                if start <= offset and offset + view.nbytes <= start + buf.nbytes:
+                    view[:] = buf[offset - start : offset - start + view.nbytes]
+                    return
         read_exact(self.src, [view], offset, blob, progress=False)
 
     def stream(self, seg: Segment, scratch: memoryview, blob: str,

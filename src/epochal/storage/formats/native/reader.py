@@ -29,10 +29,12 @@ from ...encoding.fit import check_all_live
 from ...io import direct as _direct
 from ...io import tuning
 from ...io.checksum import checksum_function
+from ...io.extents import blame_refs, open_db
 from ...io.reads import read_bytes, read_exact
-from ...io.seam import ByteSource, store_for
+from ...io.seam import ByteSource
 from ..base import BlobInfo, ReadStats
-from . import batch, fill, inplace, mapped
+from . import batch, coded, fill, inplace, mapped
+from .checks import GroupSums, check_meta
 from .index import Index
 from .items import DECODE_ERRORS, LoadItem, Opened, raise_codec_error
 from .layout import (
@@ -50,7 +52,7 @@ __all__ = ["NativeFile", "allocate", "decode", "open_native", "stat_native"]
 
 
 def _open(path: str) -> ByteSource:
-    return store_for(path).open_read(path, what="native db")
+    return open_db(path, what="native db")
 
 
 def _read_header(path: str, src: ByteSource) -> Header:
@@ -107,8 +109,11 @@ class NativeFile:
     def __enter__(self) -> NativeFile:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            blame_refs(self._src, exc)  # an incremental db: name the older file at fault
+        finally:
+            self.close()
 
     # ---- inspection
     @property
@@ -195,6 +200,16 @@ class NativeFile:
         ids = self._resolve(names, allow_incomplete)
         if existing:
             self._check_live(ids, existing)
+        packed = self._index.coded_blobs(ids)
+        if packed:  # compressed blobs: read, verified and decoded into fresh buffers first
+            got = coded.read_coded(f, sorted(packed), verify)
+            plain = self._read([self._index.name(i) for i in ids if i not in packed], False, existing, verify,
+                               stats) if len(packed) < len(ids) else {}
+            slow, nbytes = decode(f, got, existing)
+            if stats is not None:
+                stats.nbytes += nbytes
+                stats.blobs += len(got)
+            return {self._index.name(i): slow[i] if i in packed else plain[self._index.name(i)] for i in ids}
         small: dict[str, np.ndarray] = {}
         total = 0
         # checksum groups read whole whose stored checksum is not what their segments' combine
@@ -285,7 +300,18 @@ class NativeFile:
         :func:`.mapped.verified_views`; None where that path does not apply). Close it after."""
         if self._src is None:
             raise ValueError(f"{self.path}: native db is closed")
-        return mapped.verified_views(self._f, self._resolve(names, False))
+        ids = self._resolve(names, False)
+        if self._index.coded_blobs(ids):
+            return None  # compressed bytes are no views of the blob
+        return mapped.verified_views(self._f, ids)
+
+    def read_range(self, name: str, start: int, stop: int, *, verify: bool = True) -> bytes:
+        """Bytes ``start .. stop`` of the one-segment blob ``name`` (an array's buffer),
+        checked: of a compressed blob only the frames holding them are read and decoded
+        (:func:`.coded.read_range`)."""
+        if self._src is None:
+            raise ValueError(f"{self.path}: native db is closed")
+        return coded.read_range(self._f, self._lookup(name), start, stop, verify)
 
     def verify(self, names: Sequence[str] | None = None) -> None:
         """Re-check the data checksums of ``names`` (all when None) without decoding or
@@ -303,10 +329,13 @@ class NativeFile:
         segs = idx.segs
         chunk = tuning.CHUNK
         scratch = memoryview(bytearray(chunk))
-        groups = _GroupSums(idx, None if names is None else {k for i in ids for k in idx.seg_range(i)})
+        groups = GroupSums(idx, None if names is None else {k for i in ids for k in idx.seg_range(i)})
         for i in ids:
             check_meta(self.path, idx, i)
             for k in idx.seg_range(i):
+                if idx.coded is not None and idx.coded.row(k) is not None:  # (never in a group)
+                    coded.verify_coded(self._f, k, idx.name(i), idx.fn)
+                    continue
                 off = int(segs["offset"][k])
                 left = int(segs["length"][k])
                 pad = int(segs["pad"][k])
@@ -335,63 +364,6 @@ class NativeFile:
                         DAMAGED_GROUP,
                         idx.name(idx.blob_of_segment(int(groups.first[g]))),
                     )
-
-
-class _GroupSums:
-    """Running checksums of the checksum groups a verify reads whole (in any order of blobs:
-    a group is compared once its last segment is read, if every one of its segments was)."""
-
-    def __init__(self, idx: Index, wanted: set[int] | None) -> None:
-        self.fn = idx.fn
-        g = idx.groups
-        self.first = g["seg_first"].astype(np.int64)
-        self.last = self.first + g["seg_count"].astype(np.int64) - 1
-        self.want = g["crc"].tolist()
-        if wanted is not None and len(g):  # only groups all of whose segments are verified
-            ks = np.fromiter(sorted(wanted), dtype=np.int64, count=len(wanted))
-            held = np.searchsorted(ks, self.last, side="right") - np.searchsorted(ks, self.first)
-            self.keep = set(np.flatnonzero(held == self.last - self.first + 1).tolist())
-        else:
-            self.keep = set(range(len(g)))
-        self.value: dict[int, int] = {}
-        self.next: dict[int, int] = {}  # the segment each group expects next (in order)
-
-    def slot(self, k: int) -> int | None:
-        """The group segment ``k`` belongs to, if it is verified whole."""
-        if not self.keep:
-            return None
-        w = int(np.searchsorted(self.first, k, side="right")) - 1
-        if w < 0 or k > self.last[w] or w not in self.keep:
-            return None
-        if self.next.get(w, int(self.first[w])) != k:  # blobs asked out of file order
-            self.keep.discard(w)
-            return None
-        self.next[w] = k + 1
-        return w
-
-    def add(self, w: int, data: Any) -> None:
-        self.value[w] = self.fn(data, self.value.get(w, 0))
-
-    def end(self, w: int, k: int) -> bool:
-        """False when segment ``k`` ends group ``w`` and its checksum does not match."""
-        return k != self.last[w] or self.value.get(w, 0) == self.want[w]
-
-
-def check_meta(path: str, idx: Index, i: int) -> None:
-    """CheckpointCorruptError naming the blob when its meta cannot load (without allocating):
-    an unknown kind, or an array meta whose dtype and shape do not fit the stored length."""
-    kind, meta = idx.entry(i)
-    name = idx.name(i)
-    try:
-        codec = _codecs.codec_for_kind(kind)
-        if kind == "ndarray" and isinstance(codec, _codecs.NdarrayCodec):
-            sizes = idx.segs["length"][idx.seg_range(i).start : idx.seg_range(i).stop].tolist()
-            want = _codecs.expected_nbytes(_codecs.dtype_from_json(meta.get("dtype")),
-                                           _codecs.check_shape(meta.get("shape")))
-            if sizes != [want]:
-                raise ValueError(f"{sizes} bytes do not fit its dtype and shape")
-    except (*DECODE_ERRORS, MemoryError) as e:
-        raise corrupt(path, f"bad {kind} meta: {e}", name) from None
 
 
 def allocate(f: Opened, ids: list[int], mapped: bool = False) -> list[LoadItem]:

@@ -22,6 +22,13 @@ from .... import knobs
 from ....errors import UnsupportedBlobError
 from ...encoding import codecs as _codecs
 from ...encoding.codecs import flat_segment
+from ...encoding.compress import (
+    WRITE_OPTIONS,
+    WriteOptions,
+    compress_segment,
+    numpy_width,
+    plane_widths,
+)
 from ...io import tuning
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ...io.seam import ByteSink, PinnedSink, committed, store_for
@@ -29,6 +36,8 @@ from ..stream import stream_segments
 from . import image
 from .layout import (
     ALIGN,
+    CODEC_HEAD,
+    CODED_DTYPE,
     FORMAT_MAJOR,
     FORMAT_MINOR,
     GROUP_DTYPE,
@@ -38,8 +47,10 @@ from .layout import (
     MOFF_DTYPE,
     REC_DTYPE,
     SEG_DTYPE,
+    STREAM_DTYPE,
     SUPERBLOCK_SIZE,
     V1,
+    V2,
     pack_superblock,
 )
 
@@ -76,15 +87,27 @@ class Plan:
     data_bytes: int
     #: checksum groups (GROUP_DTYPE, checksums filled in after the data is written)
     groups: np.ndarray
+    #: the compressed segments (CODED_DTYPE) and their streams (STREAM_DTYPE), version 3
+    coded: np.ndarray
+    streams: np.ndarray
 
     @property
     def version(self) -> tuple[int, int]:
-        """The oldest format version that describes the file: 1.0 without groups."""
-        return (FORMAT_MAJOR, FORMAT_MINOR) if len(self.groups) else V1
+        """The oldest format version that describes the file: 1.0 without groups, 2.0 with
+        them, 3.0 with a compressed segment."""
+        if len(self.coded):
+            return (FORMAT_MAJOR, FORMAT_MINOR)
+        return V2 if len(self.groups) else V1
 
 
-def plan_file(blobs: Mapping[str, Any]) -> Plan:
-    """Encode every blob and lay the file out; UnsupportedBlobError before anything is written."""
+def plan_file(blobs: Mapping[str, Any], options: WriteOptions | None = None, fn: Any = None) -> Plan:
+    """Encode every blob and lay the file out; UnsupportedBlobError before anything is written.
+    With ``options.compression`` (default: the context's :data:`WRITE_OPTIONS`), segments
+    are compressed here (:mod:`epochal.storage.encoding.compress`), each stream checksummed
+    with ``fn``, so the layout has their stored lengths."""
+    options = options or WRITE_OPTIONS.get()
+    compress = options.compression is not None
+    widths: list[int] = []
     names_b: list[bytes] = []
     meta_ids: dict[tuple[str, str], int] = {}
     meta_texts: list[str] = []
@@ -138,6 +161,8 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
                         value = np.ascontiguousarray(value)
                     mv = memoryview(value.reshape(-1).view(np.uint8)) if value.size else _EMPTY  # type: ignore[arg-type]
                 views.append(mv)
+                if compress:
+                    widths.append(numpy_width(dt))
                 continue
         enc = encode(value, name)
         # dedupe metas by repr (cheap) and JSON-encode only the distinct ones
@@ -154,6 +179,8 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
         rec_meta.append(mid)
         segments = enc.segments
         rec_nseg.append(len(segments))
+        if compress:
+            widths.extend(plane_widths(enc.kind, enc.meta, len(segments)))
         for seg in segments:
             if type(seg) is memoryview and seg.ndim == 1 and seg.format == "B":
                 views.append(seg)
@@ -161,6 +188,7 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
                 views.append(flat_segment(seg))
 
     n, nseg = len(names_b), len(views)
+    coded, streams = _compress(views, widths, options, fn) if compress else (_NO_CODED, _NO_STREAMS)
     lengths = np.fromiter((v.nbytes for v in views), dtype=np.uint64, count=nseg)
     # every segment starts at a multiple of ALIGN and owns the zero padding up to the next
     padded = (lengths + np.uint64(ALIGN - 1)) // np.uint64(ALIGN) * np.uint64(ALIGN)
@@ -198,7 +226,7 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
         raise UnsupportedBlobError("too many blobs or names for one native db file")
 
     order = np.asarray(sorted(range(n), key=names_b.__getitem__), dtype="<u4")
-    groups = plan_groups(lengths, padded)
+    groups = plan_groups(lengths, padded, coded["seg"])
     index_length = (
         INDEX_HEAD.size
         + recs.nbytes
@@ -208,22 +236,52 @@ def plan_file(blobs: Mapping[str, Any]) -> Plan:
         + order.nbytes
         + len(names_heap)
         + len(metas_text)
+        + (CODEC_HEAD.size + coded.nbytes + streams.nbytes if len(coded) else 0)
     )
     return Plan(
         views, recs, segs, moffs, order, names_heap, metas_text, index_offset, index_length,
-        int(lengths.sum()), groups,
+        int(lengths.sum()), groups, coded, streams,
     )
 
 
-def plan_groups(lengths: np.ndarray, padded: np.ndarray) -> np.ndarray:
+_NO_CODED = np.zeros(0, dtype=CODED_DTYPE)
+_NO_STREAMS = np.zeros(0, dtype=STREAM_DTYPE)
+
+
+def _compress(views: list[memoryview], widths: list[int], options: WriteOptions, fn: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Compress the segments ``views`` in place (each replaced by its streams, joined, when
+    that is smaller); their codec records and streams."""
+    fn = fn or checksum_function(default_algorithm())
+    rows: list[tuple[int, int, int, int, int, int]] = []
+    lens: list[int] = []
+    crcs: list[int] = []
+    for k, v in enumerate(views):
+        c = compress_segment(v, widths[k], options, fn)
+        if c is None:
+            continue
+        rows.append((k, c.codec, c.planes, c.frame_bytes, len(lens), c.logical))
+        lens.extend(map(len, c.streams))
+        crcs.extend(c.crcs)
+        views[k] = memoryview(b"".join(c.streams))
+    coded = np.array(rows, dtype=CODED_DTYPE) if rows else _NO_CODED
+    streams = np.zeros(len(lens), dtype=STREAM_DTYPE)
+    streams["length"] = lens
+    streams["crc"] = crcs
+    return coded, streams
+
+
+def plan_groups(lengths: np.ndarray, padded: np.ndarray, coded: Any = ()) -> np.ndarray:
     """The checksum groups of a file whose segments have these lengths and padded lengths:
     each run of adjacent segments under GROUP_SEGMENT bytes, cut where its bytes cross a
     multiple of GROUP_TARGET; groups of fewer than GROUP_MIN segments are dropped (their
-    segments' own checksums are cheap enough)."""
+    segments' own checksums are cheap enough). The ``coded`` (compressed) segments are never
+    grouped: they are always read through their streams."""
     none = np.zeros(0, dtype=GROUP_DTYPE)
     if GROUP_TARGET <= 0:
         return none
-    k = np.flatnonzero(lengths < np.uint64(GROUP_SEGMENT))
+    small = lengths < np.uint64(GROUP_SEGMENT)
+    small[np.asarray(coded, dtype=np.int64)] = False
+    k = np.flatnonzero(small)
     if len(k) < max(GROUP_FILE_MIN, GROUP_MIN, 2):
         return none
     pad64 = padded.astype(np.int64)
@@ -284,22 +342,28 @@ def index_bytes(plan: Plan) -> bytes:
             plan.order.tobytes(),
             plan.names_heap,
             plan.metas_text,
+            *(
+                [CODEC_HEAD.pack(len(plan.coded), len(plan.streams), 0), plan.coded.tobytes(), plan.streams.tobytes()]
+                if len(plan.coded) else []
+            ),
         ]
     )
 
 
-def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algorithm: str | None = None) -> int:
+def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algorithm: str | None = None,
+                 options: WriteOptions | None = None) -> int:
     """Write ``blobs`` to a native db file at ``path`` atomically and durably; return its size.
 
     Every value is encoded first (UnsupportedBlobError naming the blob before anything touches
     the disk); then the data is streamed from the values' own memory in large sequential
     writes, checksummed on a background thread, followed by the index; the file is fsynced,
     renamed into place and the directory fsynced. A missing directory raises
-    FileNotFoundError; too little free space raises OSError(ENOSPC) naming the file."""
+    FileNotFoundError; too little free space raises OSError(ENOSPC) naming the file.
+    ``options`` (default: the context's :data:`WRITE_OPTIONS`): compression (format 3.0)."""
     path = os.fspath(path)
     algorithm = algorithm or default_algorithm()
     fn = checksum_function(algorithm)
-    plan = plan_file(blobs)
+    plan = plan_file(blobs, options, fn)
     file_size = plan.index_offset + plan.index_length
     store = store_for(path)
     create = store.create

@@ -1,0 +1,102 @@
+"""Incremental saves: bytes written per save against bytes changed, save time, and the restore
+time of a step whose bytes span many older steps against a full step's.
+
+Two runs through ``Checkpointer(incremental=True)`` on this disk: a LoRA-style state (a
+frozen base of >= 95% of the bytes, adapters that change every step) and an embedding table
+of which 2% of the rows (at random) change every step. Each is compared with the same saves
+written whole, in paired rounds (the order flipped each round). Usage:
+``python bench/bench_incremental.py [--mb 256] [--steps 8] [--rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+import epochal as ep
+
+
+def lora(mb: int, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(mb * (1 << 20) // 4).astype(np.float32)
+    adapter = np.random.default_rng(step).standard_normal(base.size // 50).astype(np.float32)  # 2%
+    return {"base": base, "adapter": adapter}
+
+
+def embedding(mb: int, step: int, dim: int = 256) -> dict[str, np.ndarray]:
+    rows = mb * (1 << 20) // (4 * dim)
+    emb = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    for s in range(1, step + 1):
+        emb[np.random.default_rng(s).choice(rows, rows // 50, replace=False)] += np.float32(s)
+    return {"emb": emb}
+
+
+def changed_bytes(make, mb: int, step: int) -> int:
+    a, b = make(mb, step - 1), make(mb, step)
+    return sum(int(np.count_nonzero((a[k] != b[k]).reshape(len(a[k]), -1).any(axis=1)))
+               * (a[k].nbytes // len(a[k])) if a[k].ndim > 1 else int((a[k] != b[k]).sum()) * a[k].itemsize
+               for k in a)
+
+
+def run(make, mb: int, steps: int, incremental: bool) -> tuple[list[int], list[float], float, str]:
+    d = tempfile.mkdtemp(prefix="bench_incr_")
+    sizes, times = [], []
+    states = [make(mb, s) for s in range(1, steps + 1)]
+    with ep.Checkpointer(d, incremental=incremental, progress=False) as ck:
+        for s, st in enumerate(states, 1):
+            t = time.perf_counter()
+            ck.save(s, st)
+            times.append(time.perf_counter() - t)
+            sizes.append(os.path.getsize(os.path.join(d, f"local.{s}")))
+    target = {k: np.zeros_like(v) for k, v in states[-1].items()}
+    best = float("inf")
+    for _ in range(3):  # warm cache: the cost of following references, not of the disk
+        with ep.Checkpointer(d, progress=False) as ck:
+            t = time.perf_counter()
+            ck.restore(target)
+            best = min(best, time.perf_counter() - t)
+    assert all(np.array_equal(target[k], states[-1][k]) for k in target)
+    return sizes, times, best, d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    for label, make in (("lora", lora), ("embedding 2% rows", embedding)):
+        ch = [changed_bytes(make, a.mb, s) for s in range(2, a.steps + 1)]
+        save_x, rest_x, ratios, fulls, incs = [], [], [], [], []
+        for r in range(a.rounds):  # paired rounds, the order flipped from round to round
+            order = (False, True) if r % 2 == 0 else (True, False)
+            got = {}
+            for incremental in order:
+                got[incremental] = run(make, a.mb, a.steps, incremental)
+                shutil.rmtree(got[incremental][3])
+            full, inc = got[False], got[True]
+            fulls.append(full)
+            incs.append(inc)
+            save_x.append(np.median(inc[1][1:]) / np.median(full[1][1:]))
+            rest_x.append(inc[2] / full[2])
+            ratios += [w / c for w, c in zip(inc[0][1:], ch)]
+            print(f"  round {r}: save full {np.median(full[1][1:]) * 1e3:.1f} ms, incremental "
+                  f"{np.median(inc[1][1:]) * 1e3:.1f} ms; restore full {full[2] * 1e3:.1f} ms, "
+                  f"incremental {inc[2] * 1e3:.1f} ms", flush=True)
+        print(f"{label} ({a.mb} MiB, {a.steps} steps, {a.rounds} rounds)")
+        print(f"  full save: {fulls[0][0][-1] / 2**20:8.2f} MiB  "
+              f"{np.median([np.median(f[1][1:]) for f in fulls]) * 1e3:7.1f} ms median")
+        print(f"  incremental: {np.mean(incs[0][0][1:]) / 2**20:8.2f} MiB/save, changed {np.mean(ch) / 2**20:.2f} MiB/save,"
+              f" written/changed {min(ratios):.2f}-{max(ratios):.2f}x,"
+              f" {np.median([np.median(i[1][1:]) for i in incs]) * 1e3:7.1f} ms median")
+        print(f"  paired incremental/full: save {np.median(save_x):.2f}x ({min(save_x):.2f}-{max(save_x):.2f}),"
+              f" restore of the last step {np.median(rest_x):.2f}x ({min(rest_x):.2f}-{max(rest_x):.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The local tier under torch.distributed: blocked time per save, and how fast a restarted job resumes.
+
+``--ranks`` (2) gloo processes on 127.0.0.1, started as torchrun starts them, each holding
+``--mib`` MiB of float32 DTensor shards (its part of the model and optimizer state), each rank
+with its own local directory (``<dir>/node<r>``, standing for its own machine's /dev/shm):
+
+1. a run saves every step with ``async_save``, ``local=``, ``replicas=1``,
+   ``persist_every=--persist``: the time ``save`` blocks training at a step that goes to the
+   local tier only, against a copy of the same shards into allocated memory (medians, paired
+   per step);
+2. the job is restarted (fresh processes) and the time from a process's first line to its first
+   training step is measured, per rank, for a resume from the local tiers, from the store on disk
+   with its files evicted from the page cache (the local tiers wiped), and from the peer (rank
+   1's machine replaced: its local directory wiped); each resume's state is checked bit-identical
+   to the state saved at that step;
+3. peak RSS of each rank and the bytes in the local directories, against what docs/tiers.md
+   states.
+
+    python bench/bench_tiers.py --mib 64
+"""
+
+from __future__ import annotations
+
+T_START = __import__("time").perf_counter()  # the process's first line
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N_TENSORS = 8
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One rank: ``--phase train`` (save every step) or ``--phase resume`` (restore, one step)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import epochal
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    rows = max(world, int(a.mib * world * (1 << 20) / 4 / N_TENSORS / 1024) // world * world)
+    g = torch.Generator().manual_seed(rank)
+    # each rank's own shard, made in place (a resume's shards are overwritten by the restore)
+    shard = (lambda: torch.empty(rows // world, 1024)) if a.phase == "resume" else (
+        lambda: torch.rand(rows // world, 1024, generator=g))
+    state: dict[str, object] = {f"t{i}": DTensor.from_local(shard(), mesh, [Shard(0)], run_check=False)
+                                for i in range(N_TENSORS)}
+    locals_ = [t.to_local() for t in state.values()]  # type: ignore[attr-defined]
+    out: dict[str, object] = {"rank": rank}
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for t in state.values():
+            h.update(t.to_local().contiguous().view(torch.uint8).numpy().tobytes())  # type: ignore[attr-defined]
+        return h.hexdigest()
+
+    def step_() -> None:
+        for t in locals_:
+            t.add_(1.0)
+
+    with epochal.Checkpointer(os.path.join(a.dir, "store"), local=os.path.join(a.dir, f"node{rank}"),
+                              persist_every=a.persist, local_keep=2, replicas=1, replica_stride=1,
+                              async_save=True) as ck:
+        if a.phase == "train":
+            into = [torch.empty_like(t) for t in locals_]
+            blocked, copies = [], []
+            for step in range(1, a.steps + 1):
+                time.sleep(a.step_s)  # the step's compute (on an accelerator: no CPU)
+                step_()
+                t0 = time.perf_counter()
+                ck.save(step, state)
+                dt = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for src, dst in zip(locals_, into):
+                    dst.copy_(src)
+                if step > 2 and step % a.persist:  # a save to the local tier only, in warm memory
+                    blocked.append(dt)
+                    copies.append(time.perf_counter() - t0)
+            ck.wait()
+            out.update(blocked=statistics.median(blocked), memcpy=statistics.median(copies),
+                       ratio=statistics.median(b / c for b, c in zip(blocked, copies)), digest=digest(),
+                       step=a.steps)
+        else:
+            step = ck.restore(state)
+            t0 = time.perf_counter()
+            out["digest"] = digest()  # (its time is not counted)
+            checked = time.perf_counter() - t0
+            step_()  # the first training step
+            out.update(resume_s=time.perf_counter() - T_START - checked, step=step,
+                       source=ck.last_restore.source if ck.last_restore else None)
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open(os.path.join(a.dir, f"{a.phase}.{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def ranks(a: argparse.Namespace, phase: str) -> list[dict[str, object]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(a.ranks):
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(a.ranks),
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--phase", phase, "--dir", a.dir,
+                                       "--mib", str(a.mib), "--steps", str(a.steps), "--persist", str(a.persist),
+                                       "--step-s", str(a.step_s)],
+                                      env=env))
+    for p in procs:
+        if p.wait(timeout=1800):
+            raise SystemExit(f"rank failed in phase {phase}: exit {p.returncode}")
+    return [json.loads(open(os.path.join(a.dir, f"{phase}.{r}.json")).read()) for r in range(a.ranks)]
+
+
+def evict_tree(path: str) -> None:
+    sys.path.insert(0, HERE)
+    from _measure import evict
+
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            evict(os.path.join(d, f))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--mib", type=float, default=512)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--persist", type=int, default=4)
+    ap.add_argument("--step-s", type=float, default=1.0, help="seconds of compute per step (a sleep)")
+    ap.add_argument("--dir", default="/dev/shm/bench_tiers")
+    ap.add_argument("--store", default="", help="the store's directory (default: <dir>/store, on /dev/shm "
+                                                "only when --dir is; give a disk path for disk figures)")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--phase", default="train")
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+        return
+    shutil.rmtree(a.dir, ignore_errors=True)
+    os.makedirs(a.dir)
+    store = a.store or os.path.join(a.dir, "store")
+    if a.store:
+        shutil.rmtree(store, ignore_errors=True)
+        os.symlink(os.path.abspath(store), os.path.join(a.dir, "store"), target_is_directory=True)
+        os.makedirs(store)
+    try:
+        train = ranks(a, "train")
+        saved = {r["rank"]: r["digest"] for r in train}
+        local_bytes = [dir_bytes(os.path.join(a.dir, f"node{r}")) for r in range(a.ranks)]
+        keep = os.path.join(a.dir, "keep")
+        for r in range(a.ranks):
+            shutil.copytree(os.path.join(a.dir, f"node{r}"), os.path.join(keep, f"node{r}"))
+
+        def reset(wipe: list[int]) -> None:
+            for r in range(a.ranks):
+                shutil.rmtree(os.path.join(a.dir, f"node{r}"), ignore_errors=True)
+                if r not in wipe:
+                    shutil.copytree(os.path.join(keep, f"node{r}"), os.path.join(a.dir, f"node{r}"))
+            evict_tree(store)
+
+        results = {}
+        for name, wipe in (("local", []), ("durable", list(range(a.ranks))), ("peer", [1])):
+            reset(wipe)
+            got = ranks(a, "resume")
+            assert all(g["step"] == a.steps for g in got), got
+            assert all(g["digest"] == saved[g["rank"]] for g in got), f"{name}: not bit-identical"
+            results[name] = got
+        print(f"bench_tiers.py: {a.ranks} ranks (gloo), {a.mib:g} MiB of state per rank, a save every step "
+              f"of {a.step_s:g} s (async, replicas=1), every {a.persist}th to the store ({store}); load {os.getloadavg()[0]:.1f}")
+        for g in train:
+            print(f"  rank {g['rank']}: blocked per local save {g['blocked'] * 1e3:.1f} ms, memcpy of the state "
+                  f"{g['memcpy'] * 1e3:.1f} ms: ratio {g['ratio']:.2f}x (median of paired steps)")
+        for name, got in results.items():
+            per = ", ".join(f"rank {g['rank']} {g['resume_s']:.2f} s from {g['source']}" for g in got)
+            print(f"  resume ({name}): {per}; bit-identical")
+        worst = {n: max(g["resume_s"] for g in got) for n, got in results.items()}
+        print(f"  resume ratios (slowest rank): local/durable {worst['local'] / worst['durable']:.2f}x, "
+              f"peer/durable {worst['peer'] / worst['durable']:.2f}x")
+        state = a.mib * (1 << 20)
+        for r, g in enumerate(train):
+            print(f"  rank {r}: peak RSS {g['peak_rss'] / (1 << 20):.0f} MiB; local dir {local_bytes[r] / (1 << 20):.0f}"
+                  f" MiB = {local_bytes[r] / state:.2f}x the state (docs: (local_keep + replicas*local_keep) = 4x)")
+    finally:
+        shutil.rmtree(a.dir, ignore_errors=True)
+        if a.store:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

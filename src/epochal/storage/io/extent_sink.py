@@ -1,0 +1,194 @@
+"""Writing an incremental db: a ByteSink of the logical file that stores an extent file.
+
+The format's writer streams the logical file (a native db) into an :class:`ExtentSink` as it
+would into a plain sink. Bytes outside content chunks go straight through to the file; each
+content chunk (a range the caller names: a piece of a big segment) is gathered, given its
+handed to ``decide``, which says which parts of it are references to older files' bytes and
+which are stored, and gives its digest when it has one. On commit the tables and the head are written
+(:mod:`.extents`), and the inner sink commits: the whole file appears at once or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .checksum import ALGORITHM_IDS, checksum_function
+from .extents import (
+    CHUNK_DTYPE,
+    EXT_DTYPE,
+    EXTENT_MAGIC,
+    EXTENT_VERSION,
+    HEAD,
+    HEAD_SIZE,
+    RefFile,
+    pack_extents,
+)
+from .seam import ByteSink
+
+__all__ = ["ExtentSink", "Piece", "digest"]
+
+#: (offset in the chunk, length, source: 0 stored here / k the k-th ref, offset in the source)
+Piece = tuple[int, int, int, int]
+#: (chunk's logical offset, its bytes) -> its pieces, and its digest (None: not computed, the
+#: chunk is then absent from the chunk table: a later save compares its bytes instead)
+Decide = Callable[[int, memoryview], tuple[list[Piece], bytes | None]]
+
+
+def digest(data: Any) -> bytes:
+    """A chunk's content identity: BLAKE2b-128 (hashlib; releases the GIL on big buffers)."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class ExtentSink:
+    """A ByteSink for a logical file of ``logical_size`` bytes that writes an extent file to
+    ``inner``. ``chunks``: sorted, disjoint ``(logical offset, length)`` content chunks;
+    ``breaks``: logical offsets where a stored extent must end (so a later :meth:`patch` of
+    the range before one replaces a whole extent); ``refs``: the referenced files, filled in
+    by ``decide`` as it references them."""
+
+    def __init__(self, inner: ByteSink, algorithm: str, logical_size: int, chunks: Sequence[tuple[int, int]],
+                 decide: Decide, refs: list[RefFile], *, step: int = -1, breaks: Sequence[int] = ()) -> None:
+        self.inner, self.name = inner, inner.name
+        self.algorithm, self.fn = algorithm, checksum_function(algorithm)
+        self.logical_size, self.step = logical_size, step
+        self.chunks, self.decide, self.refs = list(chunks), decide, refs
+        self.breaks = sorted(set(breaks))
+        self.pos = 0  # logical bytes received
+        self.phys = HEAD_SIZE  # physical bytes written (after the head placeholder)
+        self.ext: list[tuple[int, int, int, int, int]] = []  # loff, len, source, crc, soff
+        self.chunk_rows: list[tuple[int, int, bytes]] = []
+        self._open: list[int] | None = None  # the stored extent being written: loff, len, crc, soff
+        self._ci = 0
+        self._buf: bytearray | None = None
+        self._filled = 0
+        self.stored_bytes = 0
+        self._patches: list[tuple[int, bytes]] = []
+        inner.write(bytes(HEAD_SIZE))
+
+    # ---- the stream
+    def write(self, buffer: Any) -> int:
+        bufs = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+        total = 0
+        for b in bufs:
+            mv = memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" or b.ndim != 1 else b
+            total += mv.nbytes
+            while mv.nbytes:
+                mv = self._take(mv)
+        return total
+
+    def _take(self, mv: memoryview) -> memoryview:
+        """Consume a prefix of ``mv``; return the rest."""
+        if self._ci < len(self.chunks):
+            start, ln = self.chunks[self._ci]
+            if self.pos >= start:  # inside a chunk: gather it
+                if self._filled == 0 and mv.nbytes >= ln:  # whole in this buffer: no copy
+                    self.pos += ln
+                    self._chunk_done(start, mv[:ln])
+                    self._ci += 1
+                    return mv[ln:]
+                if self._buf is None:
+                    self._buf = bytearray(ln)
+                n = min(mv.nbytes, ln - self._filled)
+                self._buf[self._filled:self._filled + n] = mv[:n]
+                self._filled += n
+                self.pos += n
+                if self._filled == ln:
+                    self._chunk_done(start, memoryview(self._buf))
+                    self._buf, self._filled, self._ci = None, 0, self._ci + 1
+                return mv[n:]
+            limit = start
+        else:
+            limit = self.logical_size
+        for b in self.breaks:
+            if b > self.pos:
+                limit = min(limit, b)
+                break
+        n = min(mv.nbytes, limit - self.pos) if limit > self.pos else mv.nbytes
+        self._store(mv[:n])
+        if self.pos in self.breaks:
+            self._close()
+        return mv[n:]
+
+    def _store(self, mv: memoryview) -> None:
+        if self._open is None:
+            self._open = [self.pos, 0, 0, self.phys]
+        self._open[1] += mv.nbytes
+        self._open[2] = self.fn(mv, self._open[2])
+        self.inner.write(mv)
+        self.pos += mv.nbytes
+        self.phys += mv.nbytes
+        self.stored_bytes += mv.nbytes
+
+    def _close(self) -> None:
+        if self._open is not None and self._open[1]:
+            loff, ln, crc, soff = self._open
+            self.ext.append((loff, ln, 0, crc, soff))
+        self._open = None
+
+    def _chunk_done(self, start: int, data: memoryview) -> None:
+        pieces, dig = self.decide(start, data)
+        if dig is not None:
+            self.chunk_rows.append((start, data.nbytes, dig))
+        self.pos = start
+        for rel, ln, source, soff in pieces:
+            if source == 0:
+                self._store(data[rel:rel + ln])
+            else:
+                self._close()
+                last = self.ext[-1] if self.ext else None
+                if last is not None and last[2] == source and last[0] + last[1] == start + rel and last[4] + last[1] == soff:
+                    self.ext[-1] = (last[0], last[1] + ln, source, 0, last[4])  # (one reference, not two)
+                else:
+                    self.ext.append((start + rel, ln, source, 0, soff))
+                self.pos += ln
+        assert self.pos == start + data.nbytes, "decide must cover its chunk"
+
+    # ---- the end
+    def patch(self, offset: int, data: Any) -> None:
+        """Overwrite a whole stored extent (a header filled in last; see ``breaks``)."""
+        self._close()
+        mv = memoryview(data).cast("B")
+        for i, (loff, ln, source, _, soff) in enumerate(self.ext):
+            if loff == offset and ln == mv.nbytes and source == 0:
+                self._patches.append((soff, bytes(mv)))  # (written after the tables)
+                self.ext[i] = (loff, ln, 0, self.fn(mv, 0), soff)
+                return
+        raise ValueError(f"{self.name}: a patch must replace one whole stored extent (at {offset})")
+
+    def tables(self) -> tuple[bytes, bytes]:
+        """The head and the tables (extents, chunks, refs text), for the bytes written."""
+        self._close()
+        ext = np.array(self.ext, dtype=[("loff", "<u8"), ("length", "<u8"), ("source", "<u4"),
+                                        ("crc", "<u4"), ("soff", "<u8")]).astype(EXT_DTYPE)
+        ch = np.zeros(len(self.chunk_rows), dtype=CHUNK_DTYPE)
+        if self.chunk_rows:
+            ch["loff"] = [r[0] for r in self.chunk_rows]
+            ch["length"] = [r[1] for r in self.chunk_rows]
+            ch["digest"] = [np.void(r[2]) for r in self.chunk_rows]
+        refs = json.dumps([{"file": r.file, "size": r.size, "step": r.step} for r in self.refs],
+                          separators=(",", ":")).encode("utf-8")
+        packed = pack_extents(ext)
+        tables = packed + ch.tobytes() + refs
+        body = HEAD.pack(EXTENT_MAGIC, EXTENT_VERSION, ALGORITHM_IDS[self.algorithm], 0, self.logical_size,
+                         self.phys, len(ext), len(ch), len(refs), self.step, len(packed), self.fn(tables, 0), 0)
+        head = body[:HEAD_SIZE - 4] + self.fn(body[:HEAD_SIZE - 4], 0).to_bytes(4, "little")
+        return head, tables
+
+    def commit(self) -> None:
+        if self.pos != self.logical_size:
+            raise ValueError(f"{self.name}: {self.pos} of {self.logical_size} logical bytes written")
+        head, tables = self.tables()
+        self.inner.write(tables)
+        self.phys += len(tables)
+        for off, data in self._patches:
+            self.inner.patch(off, data)
+        self.inner.patch(0, head)
+        self.inner.commit()
+
+    def abort(self) -> None:
+        self.inner.abort()

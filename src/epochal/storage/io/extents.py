@@ -1,0 +1,489 @@
+"""Incremental db files: a file's bytes stored partly in the files of older steps.
+
+An *extent file* holds the bytes of one logical file (a native db, byte for byte what a full
+save would have written), of which only some ranges are stored in it; every other range is a
+reference to a range of an older step's file in the same folder. :func:`open_db` opens any
+db: a plain file as it is, an extent file as an :class:`ExtentSource`, a
+:class:`~epochal.storage.io.seam.ByteSource` of the logical bytes, so every format's read path
+(restore, partial load, verify, inspect, export) reads it without knowing. References are
+one level deep (they name stored bytes, never another reference) and are checked as they are
+read (each whole referenced range by its checksum), and the format's own checksums cover the
+logical bytes: a damaged older file is found before any live byte is written.
+
+Layout (little-endian; docs/format.md, "Incremental db files")::
+
+    head (64 bytes)   magic, version, checksum algorithm, logical size, table position,
+                      counts, step, packed extent table length, checksums of the tables
+                      and of the head
+    stored bytes      the ranges kept in this file, in logical order
+    extent table      per extent (logical order, tiling the logical file): length, source
+                      (0: this file; k: the k-th reference), checksum of its bytes (stored
+                      extents; 0 for a reference), offset in its source less its logical
+                      offset; as columns split into byte planes, zlib-compressed (version
+                      2; version 1: raw rows of u64 logical offset, u64 length, u32 source,
+                      u32 checksum, u64 offset in its source, every extent checked)
+    chunk table       per content chunk: u64 logical offset, u64 length, 16-byte digest
+                      (BLAKE2b-128): what a later save matches its own chunks against
+    refs text         JSON array of the files referenced: {"file", "size", "step"}
+
+A reference (version 2) carries no checksum of its own: the bytes it names are a stored
+extent of the referenced file, checked by that file's table (:meth:`ExtentSource.check_refs`,
+run when the format's checksums of the logical bytes fail, names the older file at fault).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import posixpath
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...errors import CheckpointCorruptError
+from . import seam
+from .checksum import ALGORITHM_NAMES, checksum_function
+
+__all__ = [
+    "CHUNK_DTYPE", "EXT_DTYPE", "EXTENT_MAGIC", "ExtentSource", "Extents", "RefFile", "blame_refs",
+    "is_extent_file", "open_db", "pack_extents", "parse_extents", "read_extents", "referenced_files",
+]
+
+EXTENT_MAGIC = b"\x89EPXT\r\n\x1a"
+EXTENT_VERSION = 2
+# magic, version, checksum algorithm id, reserved, logical size, table offset, extent count,
+# chunk count, refs text length, step (-1: unknown), packed extent table length (version 2),
+# tables checksum, head checksum
+HEAD = struct.Struct("<8sHHIQQIIIqIII")
+HEAD_SIZE = HEAD.size  # 64
+EXT_DTYPE = np.dtype([("loff", "<u8"), ("length", "<u8"), ("source", "<u4"), ("crc", "<u4"), ("soff", "<u8")])
+CHUNK_DTYPE = np.dtype([("loff", "<u8"), ("length", "<u8"), ("digest", "V16")])
+#: the largest refs text read (a few hundred file names)
+MAX_REFS_TEXT = 1 << 24
+#: version 2's extent columns: length, source, checksum, offset in the source less the logical one
+PACKED_COLUMNS = (("length", "<u8"), ("source", "<u4"), ("crc", "<u4"), ("rel", "<i8"))
+PACKED_ROW = sum(np.dtype(t).itemsize for _, t in PACKED_COLUMNS)
+#: a read takes the extents of one source in one span when they lie at most this far apart
+MERGE_GAP = 256 << 10
+#: ... and the span is at most this long
+MERGE_SPAN = 16 << 20
+
+
+def pack_extents(ext: np.ndarray) -> bytes:
+    """Version 2's extent table: the columns of ``ext`` (EXT_DTYPE) split into byte planes and
+    zlib-compressed (delta-like columns compress well; a step's table is a few bytes per extent)."""
+    cols = {"length": ext["length"], "source": ext["source"], "crc": ext["crc"],
+            "rel": ext["soff"].astype(np.int64) - ext["loff"].astype(np.int64)}
+    planes = b"".join(np.ascontiguousarray(cols[c].astype(t)).view(np.uint8).reshape(len(ext), -1).T.tobytes()
+                      for c, t in PACKED_COLUMNS)
+    return zlib.compress(planes, 6)
+
+
+def _unpack_extents(path: str, packed: bytes, count: int) -> np.ndarray:
+    want = count * PACKED_ROW
+    d = zlib.decompressobj()
+    try:
+        raw = d.decompress(packed, want + 1)
+    except zlib.error as e:
+        raise _corrupt(path, f"incremental db extent table cannot be decoded: {e}") from None
+    if len(raw) != want or d.unconsumed_tail or not d.eof:
+        raise _corrupt(path, "incremental db extent table does not hold its extents")
+    ext = np.zeros(count, dtype=EXT_DTYPE)
+    pos, cols = 0, {}
+    for c, t in PACKED_COLUMNS:
+        size = np.dtype(t).itemsize
+        cols[c] = np.frombuffer(raw, np.uint8, count * size, pos).reshape(size, count).T.copy().view(t).ravel()
+        pos += count * size
+    ext["length"], ext["source"], ext["crc"] = cols["length"], cols["source"], cols["crc"]
+    loff = np.zeros(count, dtype=np.int64)
+    if count:
+        np.cumsum(cols["length"][:-1].astype(np.int64), out=loff[1:])
+    if count and (loff[-1] < 0 or np.any(cols["length"] > np.uint64(1 << 62))):
+        raise _corrupt(path, "incremental db extents do not tile the logical file")
+    soff = loff + cols["rel"]
+    if count and soff.min() < 0:
+        raise _corrupt(path, "incremental db extent points before the start of its source")
+    ext["loff"], ext["soff"] = loff, soff
+    return ext
+
+
+def is_extent_file(head: bytes) -> bool:
+    """True when ``head`` (a file's first bytes) starts with the extent file's magic."""
+    return head[:8] == EXTENT_MAGIC
+
+
+@dataclass(frozen=True)
+class RefFile:
+    """An older step's file that an extent file takes bytes from (same folder)."""
+
+    file: str
+    size: int
+    step: int
+
+
+@dataclass
+class Extents:
+    """The parsed tables of an extent file."""
+
+    path: str
+    algorithm: str
+    logical_size: int
+    step: int
+    ext: np.ndarray
+    chunks: np.ndarray
+    refs: list[RefFile]
+    #: physical size of the extent file itself
+    size: int
+    #: the format version (1: every extent carries its checksum; 2: stored extents only)
+    version: int = EXTENT_VERSION
+
+    def where(self) -> str:
+        return f"step {self.step} ({os.path.basename(self.path)})" if self.step >= 0 else self.path
+
+
+def _corrupt(path: str, message: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(path, message)
+
+
+def parse_extents(path: str, head: bytes, tables: bytes, size: int) -> Extents:
+    """Check and decode an extent file's head and tables (``tables``: its bytes from the
+    table offset to its end); CheckpointCorruptError naming the file on any inconsistency."""
+    if len(head) < HEAD_SIZE or head[:8] != EXTENT_MAGIC:
+        raise _corrupt(path, "not an incremental db file (bad magic number)")
+    (_, version, algo_id, _, lsize, toff, next_, nchunk, nrefs, step, packed, tcrc, hcrc) = HEAD.unpack(head[:HEAD_SIZE])
+    algorithm = ALGORITHM_NAMES.get(algo_id)
+    if algorithm is None:
+        raise _corrupt(path, f"unknown checksum algorithm id {algo_id}")
+    fn = checksum_function(algorithm)
+    if fn(head[: HEAD_SIZE - 4], 0) != hcrc:
+        raise _corrupt(path, "incremental db head checksum mismatch (header damaged)")
+    if version not in (1, EXTENT_VERSION):
+        raise _corrupt(path, f"unknown incremental db version {version}")
+    ext_bytes = next_ * EXT_DTYPE.itemsize if version == 1 else packed
+    want = ext_bytes + nchunk * CHUNK_DTYPE.itemsize + nrefs
+    if toff < HEAD_SIZE or toff + want != size or len(tables) != want or nrefs > MAX_REFS_TEXT:
+        raise _corrupt(path, f"incremental db tables do not fit the file ({size} bytes)")
+    if fn(tables, 0) != tcrc:
+        raise _corrupt(path, "incremental db table checksum mismatch (tables damaged)")
+    if version == 1:
+        ext = np.frombuffer(tables, EXT_DTYPE, next_, 0)
+    else:
+        ext = _unpack_extents(path, tables[:ext_bytes], next_)
+    chunks = np.frombuffer(tables, CHUNK_DTYPE, nchunk, ext_bytes)
+    try:
+        raw = json.loads(bytes(tables[ext_bytes + chunks.nbytes:]).decode("utf-8"))
+        refs = [RefFile(str(r["file"]), int(r["size"]), int(r["step"])) for r in raw]
+    except (ValueError, TypeError, KeyError) as e:
+        raise _corrupt(path, f"incremental db refs are not valid: {e}") from None
+    for r in refs:
+        if not r.file or "/" in r.file or "\\" in r.file or r.file in (".", ".."):
+            raise _corrupt(path, f"incremental db refers to {r.file!r}, not a file name in its folder")
+    loff, ln = ext["loff"].astype(np.int64), ext["length"].astype(np.int64)
+    src, soff = ext["source"].astype(np.int64), ext["soff"].astype(np.int64)
+    if next_ and (
+        ext["loff"].max() > lsize or ext["length"].max() > lsize or np.any(ln <= 0) or loff[0] != 0
+        or np.any(loff[1:] != (loff + ln)[:-1]) or loff[-1] + ln[-1] != lsize or np.any(src > len(refs))
+    ):
+        raise _corrupt(path, "incremental db extents do not tile the logical file")
+    if not next_ and lsize:
+        raise _corrupt(path, "incremental db without extents")
+    own = src == 0
+    if np.any(own):
+        o_off, o_len = soff[own], ln[own]
+        if o_off[0] != HEAD_SIZE or np.any(o_off[1:] != (o_off + o_len)[:-1]) or o_off[-1] + o_len[-1] != toff:
+            raise _corrupt(path, "incremental db stored extents do not tile its data area")
+    elif toff != HEAD_SIZE:
+        raise _corrupt(path, "incremental db data area without extents")
+    for k, r in enumerate(refs, 1):
+        sel = src == k
+        if np.any(sel) and np.any(soff[sel] + ln[sel] > r.size):
+            raise _corrupt(path, f"incremental db extent points past the end of {r.file}")
+    return Extents(path, algorithm, int(lsize), int(step), ext, chunks, refs, size, version)
+
+
+def read_extents(src: seam.ByteSource, path: str) -> Extents:
+    """The tables of the extent file open as ``src``."""
+    size = src.size()
+    head = src.read(HEAD_SIZE, 0)
+    if len(head) < HEAD_SIZE:
+        raise _corrupt(path, "file is truncated inside the incremental db head")
+    toff = HEAD.unpack(head)[5]
+    if toff < HEAD_SIZE or toff > size:
+        raise _corrupt(path, f"absurd incremental db table position {toff}")
+    tables = bytearray(size - toff)
+    got = 0
+    while got < len(tables):
+        n = src.read_into([memoryview(tables)[got:]], toff + got)
+        if n <= 0:
+            raise _corrupt(path, "file is truncated inside the incremental db tables")
+        got += n
+    return parse_extents(path, head, bytes(tables), size)
+
+
+def _options_of(path: str) -> dict[str, Any] | None:
+    """The storage options this file was reached with (a URL), for its siblings: the CLI
+    records ``-o`` options for the one file it was given, not for its folder."""
+    if not seam.is_url(path):
+        return None
+    from .remote.fsspec_store import storage_options_for
+
+    return storage_options_for(path) or None
+
+
+def _sibling(path: str, name: str) -> str:
+    if seam.is_url(path):
+        return posixpath.join(posixpath.dirname(path), name)
+    return os.path.join(os.path.dirname(path), name)
+
+
+class ExtentSource:
+    """The logical bytes of an extent file, as a ByteSource (read-only; no map)."""
+
+    nowait = False
+
+    def __init__(self, path: str, own: seam.ByteSource, ex: Extents) -> None:
+        self.name = path
+        self.ex = ex
+        self.remote = bool(getattr(own, "remote", False))
+        self._srcs: list[seam.ByteSource] = [own]
+        self._starts = ex.ext["loff"].tolist()
+        self._lens = ex.ext["length"].tolist()
+        self._sources = ex.ext["source"].tolist()
+        self._soffs = ex.ext["soff"].tolist()
+        self._crcs = ex.ext["crc"].tolist()
+        self._loff = ex.ext["loff"].astype(np.int64)
+        self._lend = self._loff + ex.ext["length"].astype(np.int64)
+        self._src_np = ex.ext["source"].astype(np.int64)
+        self._soff_np = ex.ext["soff"].astype(np.int64)
+        self._fn = checksum_function(ex.algorithm)
+        try:
+            for r in ex.refs:  # every referenced file, there and of its recorded size, now
+                self._srcs.append(self._open_ref(r))
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_ref(self, r: RefFile) -> seam.ByteSource:
+        ref_path = _sibling(self.name, r.file)
+        what = f"step {r.step}'s db {r.file}, which {self.ex.where()} takes bytes from,"
+        try:
+            src = seam.store_for(ref_path, _options_of(self.name)).open_read(ref_path, what="db")
+        except FileNotFoundError:
+            raise _corrupt(self.name, f"{what} is missing ({ref_path})") from None
+        except OSError as e:
+            raise _corrupt(self.name, f"{what} cannot be opened ({ref_path}): {e}") from None
+        size = src.size()
+        if size != r.size:
+            src.close()
+            raise _corrupt(self.name, f"{what} is damaged or replaced: {size} bytes, expected {r.size} ({ref_path})")
+        return src
+
+    def size(self) -> int:
+        return self.ex.logical_size
+
+    def read(self, nbytes: int, offset: int) -> bytes:
+        buf = bytearray(max(0, min(nbytes, self.ex.logical_size - offset)))
+        n = self.read_into([memoryview(buf)], offset) if buf else 0
+        return bytes(buf[:n])
+
+    def read_into(self, views: Sequence[memoryview], offset: int, *, nowait: bool = False) -> int:
+        """Fill ``views`` from logical ``offset``, each source file read in few calls: the
+        source with the most bytes in the range straight into place in one span when its
+        extents keep their relative positions, every other source's extents read in merged
+        spans and copied. Unchecked here: the format's checksums cover the logical bytes, and
+        on a mismatch :meth:`check_refs` names the older file at fault."""
+        want = sum(v.nbytes for v in views)
+        end = min(offset + want, self.ex.logical_size)
+        if end <= offset:
+            return 0
+        flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+        if len(flat) == 1:
+            self._gather(flat[0][: end - offset], offset)
+        else:  # (several views: rare; through one buffer)
+            tmp = bytearray(end - offset)
+            self._gather(memoryview(tmp), offset)
+            pos = 0
+            for v in flat:
+                n = min(v.nbytes, len(tmp) - pos)
+                v[:n] = tmp[pos:pos + n]
+                pos += n
+        return end - offset
+
+    def _gather(self, dest: memoryview, offset: int) -> None:
+        end = offset + dest.nbytes
+        k0 = bisect.bisect_right(self._starts, offset) - 1
+        k1 = bisect.bisect_left(self._starts, end)
+        if k1 - k0 == 1:  # one extent: one read
+            self._fill(self._sources[k0], [dest], self._soffs[k0] + offset - self._starts[k0])
+            return
+        lo = np.maximum(self._loff[k0:k1], offset)
+        hi = np.minimum(self._lend[k0:k1], end)
+        src = self._src_np[k0:k1]
+        soff = self._soff_np[k0:k1] + (lo - self._loff[k0:k1])
+        dst = lo - offset
+        ln = hi - lo
+        counts = np.bincount(src, weights=ln, minlength=len(self._srcs))
+        bulk = int(np.argmax(counts))
+        sel = src == bulk
+        delta = soff[sel] - dst[sel]
+        if delta.min() == delta.max():  # in place: one span, the others then overwrite its gaps
+            a, b = int(dst[sel][0]), int(dst[sel][-1] + ln[sel][-1])
+            self._fill(bulk, [dest[a:b]], a + int(delta[0]))
+            rest = ~sel
+        else:
+            rest = np.ones(len(src), dtype=bool)
+        order = np.lexsort((soff[rest], src[rest]))
+        r_src, r_soff, r_dst, r_len = (x[rest][order] for x in (src, soff, dst, ln))
+        if not len(r_src):
+            return
+        # runs: the same source, gaps of at most MERGE_GAP, cut every MERGE_SPAN bytes
+        cut = np.ones(len(r_src), dtype=bool)
+        cut[1:] = (r_src[1:] != r_src[:-1]) | (r_soff[1:] - (r_soff + r_len)[:-1] > MERGE_GAP)
+        first = np.flatnonzero(cut)
+        base = np.repeat(r_soff[first], np.diff(np.append(first, len(r_src))))
+        part = (r_soff - base) // MERGE_SPAN
+        cut[1:] |= part[1:] != part[:-1]
+        bounds = np.append(np.flatnonzero(cut), len(r_src)).tolist()
+        srcs, soffs, dsts, lens = r_src.tolist(), r_soff.tolist(), r_dst.tolist(), r_len.tolist()
+        for i, j in zip(bounds, bounds[1:]):
+            s, start = srcs[i], soffs[i]
+            if j == i + 1:
+                self._fill(s, [dest[dsts[i]:dsts[i] + lens[i]]], start)
+                continue
+            stop = soffs[j - 1] + lens[j - 1]
+            tmp = memoryview(bytearray(stop - start))
+            self._fill(s, [tmp], start)
+            _scatter(dest, dsts[i:j], tmp, [o - start for o in soffs[i:j]], lens[i:j])
+
+    def _fill(self, source: int, parts: list[memoryview], off: int) -> None:
+        src = self._srcs[source]
+        while parts:
+            n = src.read_into(parts, off)
+            if n <= 0:
+                name = self.name if not source else self.ex.refs[source - 1].file
+                raise _corrupt(self.name, f"{name} is truncated at byte {off}")
+            off += n
+            while parts and n >= parts[0].nbytes:
+                n -= parts[0].nbytes
+                parts = parts[1:]
+            if n and parts:
+                parts[0] = parts[0][n:]
+
+    def check_refs(self) -> None:
+        """Check every byte this file takes from older files against the checksum that covers
+        it (version 1: the reference's own; version 2: the referenced file's stored extent):
+        CheckpointCorruptError naming the older file whose bytes are damaged (the format's own
+        checksums name only this one)."""
+        for k, r in enumerate(self.ex.refs, 1):
+            sel = np.flatnonzero(self._src_np == k)
+            if not len(sel):
+                continue
+            if self.ex.version == 1:
+                spans = [(self._soffs[i], self._lens[i], self._crcs[i]) for i in sel.tolist()]
+            else:
+                spans = self._covering(k, self._soff_np[sel], self._soff_np[sel] + self._lend[sel] - self._loff[sel])
+            for soff, ln, crc in spans:
+                buf = bytearray(ln)
+                self._fill(k, [memoryview(buf)], soff)
+                if self._fn(buf, 0) != crc:
+                    raise _corrupt(self.name, f"bytes {soff}..{soff + ln} of step {r.step}'s db {r.file}, which "
+                                   f"{self.ex.where()} takes bytes from, are damaged (checksum mismatch)")
+
+    def _covering(self, k: int, lo: np.ndarray, hi: np.ndarray) -> list[tuple[int, int, int]]:
+        """The stored extents (offset, length, checksum) of referenced file ``k`` that hold
+        its bytes ``lo[i] .. hi[i]``."""
+        r = self.ex.refs[k - 1]
+        try:
+            theirs = read_extents(self._srcs[k], _sibling(self.name, r.file))
+        except CheckpointCorruptError as e:
+            raise _corrupt(self.name, f"step {r.step}'s db {r.file}, which {self.ex.where()} takes bytes from, "
+                           f"is damaged: {e}") from None
+        own = theirs.ext[theirs.ext["source"] == 0]
+        start = own["soff"].astype(np.int64)
+        end = start + own["length"].astype(np.int64)
+        first = np.searchsorted(end, lo, side="right")
+        last = np.searchsorted(start, hi, side="left")
+        if np.any(first >= len(own)) or np.any(start[np.minimum(first, len(own) - 1)] > lo):
+            raise _corrupt(self.name, f"{self.ex.where()} takes bytes of step {r.step}'s db {r.file} "
+                           "that it does not store")
+        hit = sorted({j for a, b in zip(first.tolist(), last.tolist()) for j in range(a, b)})
+        return [(int(start[j]), int(own["length"][j]), int(own["crc"][j])) for j in hit]
+
+    def map(self, *, sequential: bool = False) -> Any | None:
+        return None
+
+    def hint(self, offset: int, nbytes: int) -> bool:
+        return False
+
+    def close(self) -> None:
+        for s in self._srcs:
+            s.close()
+        self._srcs = []
+
+
+#: pieces copied by rows of a common unit (numpy) when it is at least this many bytes
+MIN_ROW = 64
+
+
+def _scatter(dest: memoryview, dst: list[int], tmp: memoryview, src: list[int], lens: list[int]) -> None:
+    """Copy ``tmp[src[i]:src[i] + lens[i]]`` to ``dest[dst[i]:...]`` for every i: in one numpy
+    pass by rows of the pieces' common unit where they share one (a table's changed rows),
+    else piece by piece."""
+    d, o, n = np.asarray(dst, np.int64), np.asarray(src, np.int64), np.asarray(lens, np.int64)
+    g = int(np.gcd.reduce(np.concatenate([n, d - d[0], o - o[0]])))
+    if len(dst) < 8 or g < MIN_ROW:
+        for a, b, ln in zip(dst, src, lens):
+            dest[a:a + ln] = tmp[b:b + ln]
+        return
+    d0, o0 = dst[0] % g, src[0] % g
+    dv = np.frombuffer(dest, np.uint8)[d0:d0 + (dest.nbytes - d0) // g * g].reshape(-1, g)
+    sv = np.frombuffer(tmp, np.uint8)[o0:o0 + (tmp.nbytes - o0) // g * g].reshape(-1, g)
+    rows = n // g
+    ends = np.cumsum(rows)
+    step = np.arange(int(ends[-1])) - np.repeat(ends - rows, rows)
+    dv[np.repeat((d - d0) // g, rows) + step] = sv[np.repeat((o - o0) // g, rows) + step]
+
+
+def open_db(path: str, *, what: str = "db") -> seam.ByteSource:
+    """Open the db at ``path`` for reading: its bytes as they are, or, for an incremental db,
+    the logical bytes it stands for (:class:`ExtentSource`)."""
+    src = seam.store_for(path).open_read(path, what=what)
+    try:
+        if src.size() >= HEAD_SIZE and is_extent_file(src.read(8, 0)):
+            return ExtentSource(path, src, read_extents(src, path))
+    except BaseException:
+        src.close()
+        raise
+    return src
+
+
+def blame_refs(src: seam.ByteSource | None, exc: BaseException | None) -> None:
+    """On a reader's way out with ``exc``: when the logical bytes of the incremental db open as
+    ``src`` failed their checksums, raise the error that names the older file at fault, if
+    the damage is there (:meth:`ExtentSource.check_refs`); else nothing (``exc`` goes on)."""
+    if isinstance(exc, CheckpointCorruptError) and isinstance(src, ExtentSource) and src._srcs:
+        src.check_refs()
+
+
+def referenced_files(path: str) -> list[str] | None:
+    """The names of the files the db at ``path`` takes bytes from ([] for a plain db or none
+    there); None when it cannot be read (then nothing it might reference may be deleted)."""
+    try:
+        src = seam.store_for(path).open_read(path, what="db")
+    except FileNotFoundError:
+        return []
+    except OSError:
+        return None
+    try:
+        if src.size() < HEAD_SIZE or not is_extent_file(src.read(8, 0)):
+            return []
+        return [r.file for r in read_extents(src, path).refs]
+    except (OSError, CheckpointCorruptError):
+        return None
+    finally:
+        src.close()

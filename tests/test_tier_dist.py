@@ -1,0 +1,111 @@
+"""The local tier under torch.distributed (2 gloo ranks, each with its own local directory
+standing for its own machine): killed ranks resume from their local copies; a machine whose
+local directory is gone resumes its part from its peer's copy; a damaged local copy is named
+and the peer's used; without a copy of the newest step on every rank, the ranks agree on an
+older one. Every resume bit-identical to a run never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from _dist_workers import free_port  # noqa: E402
+
+from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+JOB = str(Path(__file__).parent / "_tier_dist_job.py")
+
+
+def ranks(tmp: Path, out: str, *args: str, rc: int = 0) -> dict[int, tuple[int, str]]:
+    """Run both ranks; their exit status checked; each rank's (step, source) it resumed from."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
+        procs.append(subprocess.Popen([sys.executable, JOB, str(tmp / "store"), str(tmp / "base"), str(tmp / out),
+                                       *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = [p.communicate(timeout=180) for p in procs]
+    got: dict[int, tuple[int, str]] = {}
+    for rank, (p, (stdout, stderr)) in enumerate(zip(procs, done)):
+        assert p.returncode == rc, (rank, p.returncode, stdout, stderr[-3000:], done[1 - rank][1][-3000:])
+        line = next(x for x in stdout.splitlines() if x.startswith("RESUMED"))
+        _, r, step, source = line.split()
+        got[int(r)] = (int(step), source)
+        (tmp / f"{out}.{rank}.stderr").write_text(stderr)
+    return got
+
+
+def final(tmp: Path, out: str) -> list[dict[str, str]]:
+    return [json.loads((tmp / f"{out}.{r}.json").read_text()) for r in (0, 1)]
+
+
+def listed(d: Path) -> list[int]:
+    return CheckpointDirectory(str(d)).committed_epochs()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    tmp = tmp_path_factory.mktemp("ref")
+    ranks(tmp, "ref", "--steps", "6")
+    want = final(tmp, "ref")
+    assert want[0]["rng/torch/cpu"] != want[1]["rng/torch/cpu"]  # each rank its own stream
+    return want
+
+
+def killed(tmp: Path, *mode: str) -> None:
+    ranks(tmp, "a", "--steps", "6", "--persist", "3", "--kill-after", "4", *mode, rc=-9)
+    assert listed(tmp / "store") == [3]
+    for r, peer in ((0, 1), (1, 0)):
+        assert listed(tmp / "base" / f"node{r}" / f"rank{r}") == [3, 4]
+        assert listed(tmp / "base" / f"node{r}" / "peer" / f"rank{peer}") == [3, 4]
+
+
+@pytest.mark.parametrize("mode", [[], ["--async"]], ids=["sync", "async"])
+def test_killed_ranks_resume_from_their_local_tiers(tmp_path: Path, reference: list[dict[str, str]],
+                                                   mode: list[str]) -> None:
+    killed(tmp_path, *mode)
+    assert ranks(tmp_path, "b", "--steps", "6", *mode) == {0: (4, "local"), 1: (4, "local")}
+    assert final(tmp_path, "b") == reference
+    # a peer's copy is an ordinary location: epochal verify accepts it
+    v = subprocess.run([sys.executable, "-m", "epochal", "verify", str(tmp_path / "base/node0/peer/rank1")],
+                       capture_output=True, text=True)
+    assert v.returncode == 0 and "all" in v.stdout, v.stdout + v.stderr
+
+
+def test_replaced_machine_resumes_from_its_peer(tmp_path: Path, reference: list[dict[str, str]]) -> None:
+    killed(tmp_path)
+    shutil.rmtree(tmp_path / "base" / "node1")  # rank 1's machine replaced: an empty local dir
+    assert ranks(tmp_path, "b", "--steps", "6") == {0: (4, "local"), 1: (4, "peer")}
+    assert final(tmp_path, "b") == reference
+
+
+def test_damaged_local_copy_is_named_and_the_peers_used(tmp_path: Path, reference: list[dict[str, str]]) -> None:
+    killed(tmp_path)
+    bad = tmp_path / "base" / "node1" / "rank1" / "rank0.4"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    bad.write_bytes(bytes(data))
+    assert ranks(tmp_path, "b", "--steps", "6") == {0: (4, "local"), 1: (4, "peer")}
+    err = (tmp_path / "b.1.stderr").read_text()
+    assert "damaged" in err and str(tmp_path / "base" / "node1" / "rank1") in err, err[-2000:]
+    assert final(tmp_path, "b") == reference
+
+
+def test_a_step_only_some_ranks_hold_is_never_used(tmp_path: Path, reference: list[dict[str, str]]) -> None:
+    ranks(tmp_path, "a", "--steps", "6", "--persist", "3", "--replicas", "0", "--kill-after", "4", rc=-9)
+    shutil.rmtree(tmp_path / "base" / "node1")  # no peer copy: rank 1 can get step 3 only (the store's)
+    got = ranks(tmp_path, "b", "--steps", "6", "--replicas", "0")
+    assert got == {0: (3, "local"), 1: (3, "durable")}
+    assert final(tmp_path, "b") == reference
