@@ -125,6 +125,10 @@ def main() -> None:
     os.makedirs(d)
     total = sum(s[0] * s[1] * (2 if dt == "bfloat16" else 4) for _, s, dt in tree_spec(a.mib)) / 2**20
     print(f"pytree: {len(tree_spec(a.mib))} leaves, {total:.0f} MiB; dir {d}")
+    import epochal.jax as ej
+
+    bound = total + ej.api.READ_THREADS * ej.DEFAULT_CHUNK / 2**20
+    print(f"epochal's restore bound: the arrays + {ej.api.READ_THREADS} x chunk_bytes = {bound:.0f} MiB")
     rows = []
     try:
         for phase, k in (("save", 8), ("restore", 8), ("restore", 2)):
@@ -136,7 +140,9 @@ def main() -> None:
             o = next(r for r in rows if (r["phase"], r["devices"], r["lib"]) == (phase, k, "orbax"))
             e = next(r for r in rows if (r["phase"], r["devices"], r["lib"]) == (phase, k, "epochal"))
             print(f"{phase} {k} dev: epochal/orbax time {e['seconds'] / o['seconds']:.2f}x, "
-                  f"peak RSS {e['peak_mib'] / max(o['peak_mib'], 0.1):.2f}x")
+                  f"peak RSS {e['peak_mib'] / max(o['peak_mib'], 0.1):.2f}x"
+                  + (f"; epochal's peak / the arrays {e['peak_mib'] / total:.2f}x, Orbax's "
+                     f"{o['peak_mib'] / total:.2f}x" if phase == "restore" else ""))
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

@@ -5,7 +5,14 @@
 devices and compare every value bit for bit, then save what it holds as step OUT (``-``: no
 save); prints one JSON line (``leaves`` compared, ``emb_read``: bytes read of one leaf).
 ``torch_save DIR``, ``torch_restore DIR`` (no jax), ``jax_save_cross DIR``,
-``jax_restore_cross DIR K``: the cross-framework state, saved or restored by either side.
+``jax_restore_cross DIR K``: the cross-framework state, saved or restored by either side;
+``torch_save_named``, ``jax_restore_named DIR K``, ``jax_save_named``, ``torch_restore_named``:
+a torch ``{"model": {"fc.weight", ...}}`` against a flax-style pytree under a name mapping;
+``dcp_save DIR WORLD`` (``dcp.save`` with EpochalStorageWriter, 1 process without a process
+group or WORLD ranks), ``jax_restore_dcp DIR K``: that step restored onto K devices;
+``big_save DIR``, ``big_restore_rss DIR K CHUNK``: 96 MiB restored, its peak host RSS;
+``v1_save DIR HOW``, ``v1_load DIR HOW K``: through Orbax's v1 API (HOW: local or global
+registry). Those last are in tests/_jax_bits_more.py.
 """
 
 from __future__ import annotations
@@ -197,6 +204,123 @@ def jax_restore_cross(directory: str, k: int) -> None:
     print(json.dumps({"restored": 7, "step": tree["step"]}))
 
 
+def named_values() -> dict[str, np.ndarray]:
+    """The torch side of the name-mapping case, as bit patterns: a Linear's weight (out, in)
+    in bf16, its bias in fp32, an embedding in float8_e4m3fn (uint8 bits)."""
+    return {"fc.weight": bf16_bits((48, 64), 3), "fc.bias": np.arange(48, dtype=np.float32) / 7,
+            "emb.weight": np.random.default_rng(4).integers(0, 256, (32, 16), dtype=np.uint8)}
+
+
+#: flax-style leaf -> torch name; the kernel is the weight's transpose
+NAMES = {"params/Dense_0/kernel": ("model/fc.weight", True), "params/Dense_0/bias": ("model/fc.bias", False),
+         "params/Embed_0/embedding": ("model/emb.weight", False)}
+
+
+def jax_names() -> dict[str, Any]:
+    from epochal.jax import transposed
+
+    return {k: transposed(v) if t else v for k, (v, t) in NAMES.items()}
+
+
+def named_abstract(k: int) -> Any:
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m = mesh(k)
+
+    def sds(shape: tuple[int, ...], dt: Any, spec: Any) -> Any:
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(m, spec))
+
+    return {"params": {"Dense_0": {"kernel": sds((64, 48), ml_dtypes.bfloat16, P("x", "y")),
+                                   "bias": sds((48,), np.float32, P("y"))},
+                       "Embed_0": {"embedding": sds((32, 16), ml_dtypes.float8_e4m3fn, P(None, "y"))}},
+            "step": 0}
+
+
+def named_expected() -> dict[str, np.ndarray]:
+    """The flax-side values, as raw bits: the kernel is the weight transposed."""
+    import ml_dtypes
+
+    v = named_values()
+    return {"kernel": np.ascontiguousarray(v["fc.weight"].T).view(ml_dtypes.bfloat16),
+            "bias": v["fc.bias"], "embedding": v["emb.weight"].view(ml_dtypes.float8_e4m3fn)}
+
+
+def torch_save_named(directory: str) -> None:
+    import torch
+
+    import epochal
+
+    v = named_values()
+    model = {"fc.weight": torch.from_numpy(v["fc.weight"].view(np.int16)).view(torch.bfloat16),
+             "fc.bias": torch.from_numpy(v["fc.bias"]),
+             "emb.weight": torch.from_numpy(v["emb.weight"]).view(torch.float8_e4m3fn)}
+    with epochal.Checkpointer(directory) as ckpt:
+        ckpt.save(7, {"model": model, "step": 7})
+    assert "jax" not in sys.modules
+    print(json.dumps({"saved": 7}))
+
+
+def jax_restore_named(directory: str, k: int) -> None:
+    import jax
+
+    import epochal.jax as ej
+
+    tree = ej.restore(directory, named_abstract(k), names=jax_names())
+    want = named_expected()
+    got = {"kernel": tree["params"]["Dense_0"]["kernel"], "bias": tree["params"]["Dense_0"]["bias"],
+           "embedding": tree["params"]["Embed_0"]["embedding"]}
+    a = named_abstract(k)["params"]
+    shardings = {"kernel": a["Dense_0"]["kernel"].sharding, "bias": a["Dense_0"]["bias"].sharding,
+                 "embedding": a["Embed_0"]["embedding"].sharding}
+    for name, w in want.items():
+        t = got[name]
+        assert isinstance(t, jax.Array) and t.sharding == shardings[name], name
+        assert same_bits(w, t), name
+        for sh in t.addressable_shards:
+            assert same_bits(w[sh.index], sh.data), name
+    assert "torch" not in sys.modules
+    print(json.dumps({"restored": sorted(got), "step": tree["step"]}))
+
+
+def jax_save_named(directory: str) -> None:
+    import jax
+
+    import epochal.jax as ej
+
+    a = named_abstract(8)
+    w = named_expected()
+    tree = {"params": {"Dense_0": {"kernel": jax.device_put(w["kernel"], a["params"]["Dense_0"]["kernel"].sharding),
+                                   "bias": jax.device_put(w["bias"], a["params"]["Dense_0"]["bias"].sharding)},
+                       "Embed_0": {"embedding": jax.device_put(w["embedding"],
+                                                               a["params"]["Embed_0"]["embedding"].sharding)}},
+            "step": 7}
+    ej.save(directory, 7, tree, names=jax_names())
+    assert "torch" not in sys.modules
+    print(json.dumps({"saved": 7}))
+
+
+def torch_restore_named(directory: str) -> None:
+    import torch
+
+    import epochal
+
+    model = {"fc.weight": torch.zeros(48, 64, dtype=torch.bfloat16), "fc.bias": torch.zeros(48),
+             "emb.weight": torch.zeros(32, 16, dtype=torch.float8_e4m3fn)}
+    state = {"model": model, "step": 0}
+    with epochal.Checkpointer(directory) as ckpt:
+        step = ckpt.restore(state)
+    v = named_values()
+    assert model["fc.weight"].dtype == torch.bfloat16 and model["emb.weight"].dtype == torch.float8_e4m3fn
+    assert model["fc.weight"].view(torch.int16).numpy().view(np.uint16).tobytes() == v["fc.weight"].tobytes()
+    assert model["fc.bias"].numpy().tobytes() == v["fc.bias"].tobytes()
+    assert model["emb.weight"].view(torch.uint8).numpy().tobytes() == v["emb.weight"].tobytes()
+    assert "jax" not in sys.modules
+    print(json.dumps({"restored": step, "step": state["step"]}))
+
+
 def orbax_save(directory: str) -> None:
     import jax
     import orbax.checkpoint as ocp
@@ -228,6 +352,8 @@ def orbax_restore(directory: str, k: int) -> None:
 
 
 if __name__ == "__main__":
+    import _jax_bits_more as more
+
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "chain":
         chain(args[0], int(args[1]), args[2], args[3])
@@ -239,6 +365,22 @@ if __name__ == "__main__":
         jax_save_cross(args[0])
     elif cmd == "jax_restore_cross":
         jax_restore_cross(args[0], int(args[1]))
+    elif cmd in ("torch_save_named", "jax_save_named", "torch_restore_named"):
+        globals()[cmd](args[0])
+    elif cmd == "jax_restore_named":
+        jax_restore_named(args[0], int(args[1]))
+    elif cmd == "dcp_save":
+        more.dcp_save(args[0], int(args[1]))
+    elif cmd == "jax_restore_dcp":
+        more.jax_restore_dcp(args[0], int(args[1]))
+    elif cmd == "big_save":
+        more.big_save(args[0])
+    elif cmd == "big_restore_rss":
+        more.big_restore_rss(args[0], int(args[1]), int(args[2]))
+    elif cmd == "v1_save":
+        more.v1_save(args[0], args[1])
+    elif cmd == "v1_load":
+        more.v1_load(args[0], args[1], int(args[2]))
     elif cmd == "orbax_save":
         orbax_save(args[0])
     elif cmd == "orbax_restore":

@@ -14,5 +14,6 @@ from __future__ import annotations
 
 from .api import DEFAULT_CHUNK, restore, save
 from .host import BLOCK_BYTES
+from .mapping import NameMap, Transposed, transposed
 
-__all__ = ["BLOCK_BYTES", "DEFAULT_CHUNK", "restore", "save"]
+__all__ = ["BLOCK_BYTES", "DEFAULT_CHUNK", "NameMap", "Transposed", "restore", "save", "transposed"]

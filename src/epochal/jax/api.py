@@ -2,8 +2,9 @@
 
 A save is a Checkpointer save of the pytree as nested dicts (:mod:`.names`) of host tensors
 (:mod:`.host`), so retention, async saves, URLs and the commit protocol are the
-Checkpointer's. A restore opens the step's one db (committed, size and digest checked
-against its manifest) and builds each array leaf with ``jax.make_array_from_callback`` for
+Checkpointer's. A restore opens the step's one db, or for a step ``dcp.save`` wrote its
+rank dbs and DCP's metadata (:mod:`.sources`; committed, size and digest checked against its
+manifest), and builds each array leaf with ``jax.make_array_from_callback`` for
 the abstract leaf's sharding, each shard's region read and checked by :mod:`.reads`; the
 distinct regions of one leaf are read by a few threads at once. Nothing is returned unless
 every leaf was found, fit and checked.
@@ -12,7 +13,7 @@ every leaf was found, fit and checked.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,12 +23,13 @@ import numpy as np
 from ..checkpoint.location.view import CheckpointDirectory
 from ..checkpointer import Checkpointer
 from ..checkpointer.parts import NODE
-from ..errors import BlobMismatchError, CheckpointError, CheckpointNotFoundError, MissingBlobError
-from ..storage.formats.native.layout import corrupt
-from ..storage.formats.native.ranges import RangedFile
-from .host import to_host
-from .names import flat_leaves, leaf_label, nest
-from .reads import DEFAULT_CHUNK, Stored, array_layout, read_plain, read_region, stored_leaves
+from ..errors import BlobMismatchError, CheckpointNotFoundError, MissingBlobError
+from .dcp import is_dcp_step
+from .host import HostTensor, to_host
+from .mapping import NameMap, Target, map_leaves
+from .names import Leaf, flat_leaves, leaf_label, nest
+from .reads import DEFAULT_CHUNK, Task, aligned_empty
+from .sources import DcpSource, LocalSource, Source
 
 __all__ = ["DEFAULT_CHUNK", "restore", "save"]
 
@@ -35,13 +37,34 @@ __all__ = ["DEFAULT_CHUNK", "restore", "save"]
 READ_THREADS = 4
 
 
+def keystrs(tree: Any) -> list[str]:
+    """``jax.tree_util.keystr`` of each leaf's path, in jax's order."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def stored_as(leaves: list[Leaf], targets: list[Target]) -> list[Leaf]:
+    """Host leaves (:func:`~.host.to_host`) under their stored names, the transposed ones
+    transposed (a copy: the stored array is C-contiguous)."""
+    out: list[Leaf] = []
+    for (_, v), t in zip(leaves, targets):
+        if t.transpose:
+            if not isinstance(v, HostTensor) or v.array.ndim < 2:
+                raise ValueError(f"names: leaf {t.label} is not an array of 2 or more axes to transpose")
+            v = HostTensor(np.ascontiguousarray(v.array.T), leaf_label(t.names))
+        out.append((t.names, v))
+    return out
+
+
 def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int, pytree: Any, *,
-         metrics: Mapping[str, float] | None = None) -> None:
+         metrics: Mapping[str, float] | None = None, names: NameMap | None = None) -> None:
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
-    are copied to host once; see :mod:`epochal.jax`."""
-    state = nest(to_host(flat_leaves(pytree)))
+    are copied to host once; see :mod:`epochal.jax`. ``names``: the stored name of each
+    leaf (:mod:`.mapping`; default: the pytree's own)."""
+    leaves = flat_leaves(pytree)
+    targets = map_leaves(leaves, keystrs(pytree), names)
+    state = nest(stored_as(to_host(leaves), targets))
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
         return
@@ -49,7 +72,10 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
         ckpt.save(step, state, metrics=metrics)
 
 
-def _step_db(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None) -> tuple[str, int]:
+def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None
+                 ) -> tuple[Source, int]:
+    """The source of committed ``step`` (None: the newest), its dbs checked against the
+    manifest: a Checkpointer's db, or the rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.wait()  # a pending async save is committed first
         directory: str = path_or_checkpointer.directory
@@ -63,31 +89,41 @@ def _step_db(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: 
         step = found[0]
     elif not view.is_committed(step):
         raise CheckpointNotFoundError(f"{directory}: step {step} is not committed")
+    if is_dcp_step(view, step):
+        return DcpSource(directory, step), step
     view.require_intact(step, "quick", nodes=[NODE], word="step")
-    return view.db_path(NODE, step), step
+    return LocalSource(view.db_path(NODE, step)), step
 
 
-def _fit(names: tuple[str, ...], want: Any, s: Stored, step: int, path: str) -> str:
-    """What the abstract leaf ``want`` asks of stored ``s``: "array" or "plain";
+def _fit(t: Target, want: Any, src: Source, step: int) -> str:
+    """What the abstract leaf ``want`` asks of its stored leaf: "array" or "plain";
     BlobMismatchError naming the leaf and step when they do not fit."""
-    label = leaf_label(names)
-    try:
-        layout = array_layout(s)
-    except ValueError as e:
-        raise corrupt(path, f"leaf {label}: {e}", s.blob) from None
+    label = t.label
+    key = src.key(t.names)
+    layout = src.layout(key, label)
     if isinstance(want, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
         wshape, wdtype = tuple(want.shape), np.dtype(want.dtype)
         if layout is None:
-            raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds a {s.kind} value, "
+            raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds a {src.kind(key)} value, "
                                     f"the abstract pytree an array {wshape} {wdtype}")
         dt, shape = layout
+        if t.transpose:
+            if len(wshape) < 2:
+                raise ValueError(f"names: leaf {label} is not an array of 2 or more axes to transpose")
+            wshape = wshape[::-1]
         if (shape, dt) != (wshape, wdtype):
+            hint = ""
+            if dt == wdtype and shape == wshape[::-1] and len(shape) > 1:
+                hint = (" (its transpose: nothing is transposed unless names= says so, "
+                        "with epochal.jax.transposed(name))")
             raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds shape {shape} "
-                                    f"dtype {dt}, the abstract pytree shape {wshape} dtype {wdtype}")
+                                    f"dtype {dt}, the abstract pytree shape {wshape} dtype {wdtype}{hint}")
         return "array"
     if layout is not None:
         raise BlobMismatchError(f"step {step}, leaf {label}: the checkpoint holds an array "
                                 f"{layout[1]} {layout[0]}, the abstract pytree a plain {type(want).__name__}")
+    if t.transpose:
+        raise ValueError(f"names: leaf {label} is a plain value, it cannot be transposed")
     return "plain"
 
 
@@ -96,69 +132,101 @@ def _sharding(want: Any) -> jax.sharding.Sharding:
     return sh if isinstance(sh, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _array(f: RangedFile, s: Stored, label: str, want: Any, chunk: int, pool: ThreadPoolExecutor) -> Any:
+def _regions(src: Source, t: Target, ndim: int, indices: list[tuple[Any, ...]], chunk: int,
+             run: Callable[[list[Task]], None]) -> list[np.ndarray]:
+    """The regions ``indices`` of the leaf (of its transpose when stored transposed), checked,
+    in aligned buffers (:func:`~.reads.aligned_empty`)."""
+    key = src.key(t.names)
+    if not t.transpose:
+        return src.regions(key, t.label, indices, chunk, run)
+    flipped = [(tuple(idx) + (slice(None),) * (ndim - len(idx)))[::-1] for idx in indices]
+    out = []
+    for stored in src.regions(key, t.label, flipped, chunk, run):
+        mine = aligned_empty(stored.shape[::-1], stored.dtype)
+        np.copyto(mine, stored.T)
+        out.append(mine)
+    return out
+
+
+def _index_key(idx: Any) -> Any:
+    return tuple((sl.start, sl.stop, sl.step) for sl in idx) if idx is not None else None
+
+
+def _array(src: Source, t: Target, want: Any, chunk: int, pool: ThreadPoolExecutor) -> Any:
+    """One array leaf for ``want``'s sharding: each distinct shard region read (every byte
+    once, by the pool's threads, all checked before any becomes an array), then put on its
+    devices. On a CPU device JAX adopts the aligned region buffer as it is (no copy), so the
+    host memory of a restore is the arrays it returns plus each reading thread's scratch;
+    a region that several devices hold (replicas) is copied for all but the first (each
+    device owns its buffer)."""
     shape = tuple(want.shape)
+
+    def run(tasks: list[Task]) -> None:
+        for fut in [pool.submit(task) for task in tasks]:
+            fut.result()
+
     if isinstance(want, np.ndarray):
-        return read_region(f, s, label, (), chunk)
+        return _regions(src, t, len(shape), [()], chunk, run)[0]
     sharding = _sharding(want)
     wanted = sharding.addressable_devices_indices_map(shape)
-    regions: dict[Any, Any] = {}
-    for idx in wanted.values():
-        key = tuple((sl.start, sl.stop, sl.step) for sl in idx) if idx is not None else None
-        if key not in regions:
-            regions[key] = pool.submit(read_region, f, s, label, idx or (), chunk)
-    got = {k: fut.result() for k, fut in regions.items()}  # every region checked first
-
-    def cb(idx: Any) -> np.ndarray:
-        return got[tuple((sl.start, sl.stop, sl.step) for sl in idx) if idx is not None else None]
-
-    try:
-        return jax.make_array_from_callback(shape, sharding, cb)
-    finally:
-        got.clear()
+    distinct = {_index_key(idx): idx or () for idx in wanted.values()}
+    got = dict(zip(distinct, _regions(src, t, len(shape), list(distinct.values()), chunk, run)))
+    placed: list[jax.Array] = []
+    used: set[Any] = set()
+    for dev, idx in wanted.items():
+        key = _index_key(idx)
+        buf = got[key]
+        if key in used:
+            buf = aligned_empty(buf.shape, buf.dtype)
+            np.copyto(buf, got[key])
+        used.add(key)
+        placed.append(jax.device_put(buf, dev))
+    got.clear()
+    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
 
 
 def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstract_pytree: Any,
-            step: int | None = None, *, chunk_bytes: int = DEFAULT_CHUNK, partial: bool = False) -> Any:
+            step: int | None = None, *, chunk_bytes: int = DEFAULT_CHUNK, partial: bool = False,
+            names: NameMap | None = None) -> Any:
     """The pytree of ``abstract_pytree``'s structure restored from ``step`` (None: the newest
     committed one) of a Checkpointer's directory: each ``jax.ShapeDtypeStruct`` or
     ``jax.Array`` leaf as a ``jax.Array`` of its shape, dtype and sharding (a struct without
     one: on the first device), each numpy array leaf as a numpy array, each other leaf as the
     stored plain value. Only the byte ranges of each shard are read, every range checked
-    before use, with at most ``chunk_bytes`` (or one 4 MiB block, or one row) of scratch
-    memory per reading thread beyond the arrays returned.
+    before use, with at most ``chunk_bytes`` (or one row) of scratch memory per reading
+    thread (:data:`READ_THREADS`) beyond the arrays returned: on CPU devices the arrays
+    are the buffers read into (no copy), so a restore's host memory is bounded by the
+    arrays plus ``READ_THREADS * chunk_bytes``. ``names``: where each leaf is
+    stored (:mod:`.mapping`; default: under its own names).
 
     Raises, naming the leaf (``params/w``) and the step: MissingBlobError for a leaf the
     checkpoint lacks; BlobMismatchError for another shape or dtype, or for leaves the
     checkpoint holds that the abstract pytree lacks (``partial=True`` ignores those);
     CheckpointCorruptError for damaged bytes; CheckpointNotFoundError when there is no
-    such committed step."""
+    such committed step; ValueError or TypeError for a bad ``names``."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
     leaves = flat_leaves(abstract_pytree)
-    path, step = _step_db(path_or_checkpointer, step)
-    with RangedFile(path) as f:
-        stored = stored_leaves(f)
-        wanted = {names for names, _ in leaves}
-        missing = [leaf_label(n) for n, _ in leaves if n not in stored]
+    targets = map_leaves(leaves, keystrs(abstract_pytree), names)
+    src, step = _step_source(path_or_checkpointer, step)
+    try:
+        keys = [src.key(t.names) for t in targets]
+        have = set(src.keys())
+        missing = [t.label for t, k in zip(targets, keys) if k not in have]
         if missing:
-            raise MissingBlobError(f"step {step} ({path}) lacks the leaves " + ", ".join(missing))
-        extra = sorted(leaf_label(n) for n in stored if n not in wanted)
+            raise MissingBlobError(f"step {step} ({src.path}) lacks the leaves " + ", ".join(missing))
+        extra = sorted(leaf_label(k) for k in have - set(keys))
         if extra and not partial:
-            raise BlobMismatchError(f"step {step} ({path}) holds leaves the abstract pytree lacks: "
+            raise BlobMismatchError(f"step {step} ({src.path}) holds leaves the abstract pytree lacks: "
                                     + ", ".join(extra) + " (restore(..., partial=True) leaves them out)")
-        plans = [_fit(names, want, stored[names], step, path) for names, want in leaves]
+        plans = [_fit(t, want, src, step) for t, (_, want) in zip(targets, leaves)]
         values: list[Any] = []
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            for (names, want), plan in zip(leaves, plans):
-                s = stored[names]
+            for t, k, (_, want), plan in zip(targets, keys, leaves, plans):
                 if plan == "array":
-                    values.append(_array(f, s, leaf_label(names), want, chunk_bytes, pool))
-                    continue
-                try:
-                    values.append(read_plain(f, s))
-                except (ValueError, TypeError) as e:
-                    if isinstance(e, CheckpointError):
-                        raise
-                    raise corrupt(path, f"leaf {leaf_label(names)}: {e}", s.blob) from None
+                    values.append(_array(src, t, want, chunk_bytes, pool))
+                else:
+                    values.append(src.plain(k, t.label))
+    finally:
+        src.close()
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_pytree), values)

@@ -2,24 +2,30 @@
 
 :func:`stored_leaves` walks the db's blobs (a tree blob's skeleton, dict and list levels)
 and gives every stored leaf by its names (:mod:`.names`): a tensor record's kind, meta and
-segment, or an inline plain value. :func:`read_region` fills one shard's region of an
-array leaf (``index``: one slice per axis, as ``jax.make_array_from_callback`` gives it):
+segment, or an inline plain value. :func:`read_regions` fills the shard regions of an
+array leaf (each ``index``: one slice per axis, as a sharding's
+``addressable_devices_indices_map`` gives it), reading each byte once for all of them:
 
-* a record with ``row_crc`` (written by the JAX door: :mod:`.host`) is read block by block,
-  only the blocks holding rows of the region, each block's checksum checked before its bytes
-  are used; a region of whole rows is read straight into the result, a column slice through
-  a scratch buffer of at most ``chunk_bytes`` (at least one block), keeping its columns;
+* a record with ``row_crc`` (written by the JAX door: :mod:`.host`) is read in runs of
+  blocks, only the blocks holding rows of some region; a run that one region of whole rows
+  holds is read straight into it, any other in pieces of at most ``chunk_bytes`` (at least
+  one row) through a scratch buffer, each piece's rows and columns copied into every region
+  they overlap (column slices of one row range share one read); every block's checksum is
+  checked before the regions are returned; the runs are independent, for threads;
 * any other record (written by PyTorch, or numpy) has one checksum for the whole tensor,
-  so its whole segment is read in pieces of ``chunk_bytes`` (at least one row), the piece's
-  rows of the region kept, and the checksum checked before the region is returned.
+  so its whole segment is read once in pieces of ``chunk_bytes`` (at least one row), each
+  piece's rows copied into the regions, and the checksum checked before they are returned.
 
-So the host memory a read needs beyond the region it returns is one scratch buffer of at
-most ``max(chunk_bytes, one block, one row)``.
+So the host memory a read needs beyond the regions it returns is one scratch buffer of at
+most ``max(chunk_bytes, one row)`` per reading thread. The regions are returned
+in buffers aligned for JAX to adopt as CPU device buffers without a copy
+(:func:`aligned_empty`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +38,29 @@ from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.ranges import RangedFile, Segment
 from .names import dtype_by_name
 
-__all__ = ["DEFAULT_CHUNK", "Stored", "array_layout", "read_plain", "read_region", "stored_leaves"]
+__all__ = ["ALIGN", "DEFAULT_CHUNK", "Stored", "aligned_empty", "array_layout", "read_plain", "read_region",
+           "read_regions", "stored_leaves"]
 
-#: default bound of a read's scratch buffer (bytes)
-DEFAULT_CHUNK = 64 << 20
+#: default bound of a reading thread's scratch buffer (bytes)
+DEFAULT_CHUNK = 1 << 20
+#: the reads of one leaf are cut in at least this many runs (when it has the blocks), so
+#: that that many threads can share them
+READERS = 4
 
 _ARRAY_KINDS = ("torch.tensor", "ndarray")
+
+#: the alignment of a region's buffer: JAX's CPU client adopts a numpy array this aligned as
+#: a device buffer without a copy (``jax.device_put`` onto a CPU device)
+ALIGN = 64
+
+
+def aligned_empty(shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an :data:`ALIGN` boundary."""
+    dt = np.dtype(dtype)
+    n = math.prod(shape) * dt.itemsize
+    raw = np.empty(n + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + n].view(dt).reshape(shape)
 
 
 @dataclass
@@ -139,72 +162,123 @@ def _bounds(index: tuple[Any, ...], shape: tuple[int, ...]) -> list[tuple[int, i
     return out
 
 
+#: one independent read of :func:`read_regions` (a run of blocks), for a thread to run
+Task = Callable[[], None]
+
+
+def _serially(tasks: list[Task]) -> None:
+    for task in tasks:
+        task()
+
+
 def read_region(f: RangedFile, s: Stored, label: str, index: tuple[Any, ...],
-                chunk: int = DEFAULT_CHUNK) -> np.ndarray:
-    """The region ``index`` of the array leaf ``s`` (see the module doc), checked."""
+                chunk: int = DEFAULT_CHUNK, out: np.ndarray | None = None) -> np.ndarray:
+    """The region ``index`` of the array leaf ``s`` (see the module doc), checked: in
+    ``out`` if given (C-contiguous, the region's shape and dtype), else in a new
+    :func:`aligned_empty` array."""
+    return read_regions(f, s, label, [index], chunk, None if out is None else [out])[0]
+
+
+def read_regions(f: RangedFile, s: Stored, label: str, indices: Sequence[tuple[Any, ...]],
+                 chunk: int = DEFAULT_CHUNK, outs: Sequence[np.ndarray] | None = None,
+                 run: Callable[[list[Task]], None] | None = None) -> list[np.ndarray]:
+    """The regions ``indices`` of the array leaf ``s``, each in a new :func:`aligned_empty`
+    array (or in ``outs``), every byte read once for all of them and checked before use:
+    regions sharing rows (column slices of one row range) share the reads of those rows.
+    ``run`` runs the independent reads (a thread pool's map; default: one after another),
+    each with at most one scratch buffer of ``max(chunk, one row)``."""
     layout = array_layout(s)
     assert layout is not None
     dt, shape = layout
-    bounds = _bounds(index, shape)
-    out = np.empty([b - a for a, b in bounds], dtype=dt)
-    if out.size == 0:
-        return out
+    bounds = [_bounds(ix, shape) for ix in indices]
+    if outs is None:
+        outs = [aligned_empty([b - a for a, b in bd], dt) for bd in bounds]
+    for o, bd in zip(outs, bounds):
+        if o.shape != tuple(b - a for a, b in bd) or o.dtype != dt or not o.flags.c_contiguous:
+            raise ValueError(f"leaf {label}: a {o.dtype} {o.shape} buffer for a {dt} region {bd}")
+    live = [(bd, o) for bd, o in zip(bounds, outs) if o.size]
+    if not live:
+        return list(outs)
+    run = run or _serially
     if not shape:  # 0-d: one element
-        _read_whole_checked(f, s, out.reshape(-1).view(np.uint8), chunk, label)
-        return out
-    r0, r1 = bounds[0]
-    cols = tuple(slice(a, b) for a, b in bounds[1:])
-    full_rows = all(a == 0 and b == n for (a, b), n in zip(bounds[1:], shape[1:]))
+        _read_whole_checked(f, s, live[0][1].reshape(-1).view(np.uint8), chunk, label)
+        for _, o in live[1:]:
+            o[...] = live[0][1]
+        return list(outs)
     row_bytes = math.prod(shape[1:]) * dt.itemsize
+
+    def full_rows(bd: list[tuple[int, int]]) -> bool:
+        return all(a == 0 and b == n for (a, b), n in zip(bd[1:], shape[1:]))
+
+    def scatter(r0: int, r1: int, got: np.ndarray, skip: np.ndarray | None = None) -> None:
+        """Rows r0..r1 of the leaf (``got``) into every region they overlap."""
+        for bd, o in live:
+            a, z = max(r0, bd[0][0]), min(r1, bd[0][1])
+            if a < z and o is not skip:
+                o[a - bd[0][0] : z - bd[0][0]] = got[(slice(a - r0, z - r0),) + tuple(slice(x, y) for x, y in bd[1:])]
+
     blocks = _row_blocks(s, shape)
-    if blocks is None:
-        if full_rows and r0 == 0 and r1 == shape[0]:
-            _read_whole_checked(f, s, out.reshape(-1).view(np.uint8), chunk, label)
-            return out
+    if blocks is None:  # one checksum for the whole tensor: one pass for every region
+        whole = next((o for bd, o in live if full_rows(bd) and bd[0] == (0, shape[0])), None)
+        if whole is not None:
+            _read_whole_checked(f, s, whole.reshape(-1).view(np.uint8), chunk, label)
+            scatter(0, shape[0], whole, skip=whole)
+            return list(outs)
         piece_rows = max(1, chunk // max(1, row_bytes))
-        scratch = np.empty(piece_rows * row_bytes, dtype=np.uint8)
+        scratch = np.empty(min(piece_rows, shape[0]) * row_bytes, dtype=np.uint8)
 
         def use(pos: int, piece: memoryview) -> None:
             p0 = pos // row_bytes
             p1 = p0 + piece.nbytes // row_bytes
-            a, b = max(p0, r0), min(p1, r1)
-            if a < b:
-                got = np.frombuffer(piece, dtype=dt).reshape(p1 - p0, *shape[1:])
-                out[a - r0 : b - r0] = got[(slice(a - p0, b - p0),) + cols]
+            scatter(p0, p1, np.frombuffer(piece, dtype=dt).reshape(p1 - p0, *shape[1:]))
 
         f.stream(s.segs[0], flat_writable(scratch), s.blob, use, f"leaf {label}")
-        return out
+        return list(outs)
     rows, crcs = blocks
-    fn = f.fn
-    offset = s.segs[0][0]
-    run_blocks = max(1, chunk // max(1, rows * row_bytes))
-    scratch_arr: np.ndarray | None = None
-    flat_out = out.reshape(-1).view(np.uint8)
-    b = r0 // rows
-    last = (r1 - 1) // rows
-    while b <= last:
-        e = min(last + 1, b + run_blocks)
-        br0, br1 = b * rows, min(e * rows, shape[0])
-        nbytes = (br1 - br0) * row_bytes
-        direct = full_rows and br0 >= r0 and br1 <= r1
-        if direct:
-            view = flat_out[(br0 - r0) * row_bytes : (br1 - r0) * row_bytes]
+    needed = sorted({k for bd, _ in live for k in range(bd[0][0] // rows, (bd[0][1] - 1) // rows + 1)})
+    per_run = max(1, -(-len(needed) // READERS))
+    runs: list[tuple[int, int]] = []
+    for k in needed:  # consecutive needed blocks, at most per_run in a run
+        if runs and runs[-1][1] == k and runs[-1][1] - runs[-1][0] < per_run:
+            runs[-1] = (runs[-1][0], k + 1)
         else:
-            if scratch_arr is None:
-                scratch_arr = np.empty(min(run_blocks * rows, shape[0]) * row_bytes, dtype=np.uint8)
-            view = scratch_arr[:nbytes]
-        f.read_into(flat_writable(view), offset + br0 * row_bytes, s.blob)
+            runs.append((k, k + 1))
+    offset, piece_rows = s.segs[0][0], max(1, chunk // max(1, row_bytes))
+
+    def check(k: int, crc: int) -> None:
+        if crc != crcs[k]:
+            raise corrupt(f.path, f"leaf {label}: checksum mismatch in rows "
+                                  f"{k * rows}..{min((k + 1) * rows, shape[0])}", s.blob)
+
+    def read_run(b: int, e: int) -> None:
+        br0, br1 = b * rows, min(e * rows, shape[0])
+        # rows that one region of whole rows holds all of are read straight into it
+        into = next(((bd, o) for bd, o in live if full_rows(bd) and bd[0][0] <= br0 and br1 <= bd[0][1]), None)
+        if into is not None:
+            r0 = into[0][0][0]
+            view = into[1].reshape(-1).view(np.uint8)[(br0 - r0) * row_bytes : (br1 - r0) * row_bytes]
+            f.read_into(flat_writable(view), offset + br0 * row_bytes, s.blob)
+            for k in range(b, e):
+                k0, k1 = (k * rows - br0) * row_bytes, (min((k + 1) * rows, shape[0]) - br0) * row_bytes
+                check(k, f.fn(view[k0:k1], 0))
+            scatter(br0, br1, view.view(dt).reshape(br1 - br0, *shape[1:]), skip=into[1])
+            return
+        # else in pieces of at most chunk bytes (whole rows), each piece's rows copied into
+        # the regions; each block's checksum checked once its last piece is in (nothing is
+        # returned before every block checked)
+        scratch = np.empty(min(piece_rows, br1 - br0) * row_bytes, dtype=np.uint8)
         for k in range(b, e):
-            k0, k1 = (k * rows - br0) * row_bytes, (min((k + 1) * rows, shape[0]) - br0) * row_bytes
-            if fn(view[k0:k1], 0) != crcs[k]:
-                raise corrupt(f.path, f"leaf {label}: checksum mismatch in rows "
-                                      f"{k * rows}..{min((k + 1) * rows, shape[0])}", s.blob)
-        if not direct:
-            a, z = max(br0, r0), min(br1, r1)
-            got = view.view(dt).reshape(br1 - br0, *shape[1:])
-            out[a - r0 : z - r0] = got[(slice(a - br0, z - br0),) + cols]
-        b = e
-    return out
+            k0, k1, crc = k * rows, min((k + 1) * rows, shape[0]), 0
+            for p0 in range(k0, k1, piece_rows):
+                p1 = min(k1, p0 + piece_rows)
+                view = scratch[: (p1 - p0) * row_bytes]
+                f.read_into(flat_writable(view), offset + p0 * row_bytes, s.blob)
+                crc = f.fn(view, crc)
+                scatter(p0, p1, view.view(dt).reshape(p1 - p0, *shape[1:]))
+            check(k, crc)
+
+    run([lambda b=b, e=e: read_run(b, e) for b, e in runs])  # type: ignore[misc]
+    return list(outs)
 
 
 def _read_whole_checked(f: RangedFile, s: Stored, dest: np.ndarray, chunk: int, label: str) -> None:
