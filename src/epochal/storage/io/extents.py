@@ -449,17 +449,41 @@ def _scatter(dest: memoryview, dst: list[int], tmp: memoryview, src: list[int], 
     dv[np.repeat((d - d0) // g, rows) + step] = sv[np.repeat((o - o0) // g, rows) + step]
 
 
-def open_db(path: str, *, what: str = "db") -> seam.ByteSource:
+def open_db(path: str, *, what: str = "db", whole: bool = False) -> seam.ByteSource:
     """Open the db at ``path`` for reading: its bytes as they are, or, for an incremental db,
-    the logical bytes it stands for (:class:`ExtentSource`)."""
+    the logical bytes it stands for (:class:`ExtentSource`). ``whole``: (nearly) every byte
+    will be read: a remote source is told so before the first read (which tells an extent
+    file), and may then fetch the whole object in one wave of requests."""
     src = seam.store_for(path).open_read(path, what=what)
     try:
-        if src.size() >= HEAD_SIZE and is_extent_file(src.read(8, 0)):
+        if whole and getattr(src, "remote", False):
+            src.hint(0, src.size())
+        if src.size() < HEAD_SIZE:
+            return src
+        head = src.read(HEAD_SIZE, 0)  # (a native db's superblock is as long: see _HeadKept)
+        if is_extent_file(head):
             return ExtentSource(path, src, read_extents(src, path))
     except BaseException:
         src.close()
         raise
-    return src
+    return _HeadKept(src, head) if getattr(src, "remote", False) else src
+
+
+class _HeadKept:
+    """A remote source whose first ``HEAD_SIZE`` bytes were read to tell an extent file: the
+    reader's own read of them (the native superblock, 64 bytes) is served from memory, so
+    opening a db at a URL stays one round trip (head and tail in one batch)."""
+
+    def __init__(self, src: seam.ByteSource, head: bytes) -> None:
+        self._src, self._head = src, head
+
+    def read(self, nbytes: int, offset: int) -> bytes:
+        if offset + nbytes <= len(self._head):
+            return self._head[offset:offset + nbytes]
+        return self._src.read(nbytes, offset)
+
+    def __getattr__(self, name: str) -> Any:  # everything else as the source does it
+        return getattr(self._src, name)
 
 
 def blame_refs(src: seam.ByteSource | None, exc: BaseException | None) -> None:

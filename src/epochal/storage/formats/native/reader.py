@@ -51,8 +51,8 @@ from .layout import (
 __all__ = ["NativeFile", "allocate", "decode", "open_native", "stat_native"]
 
 
-def _open(path: str) -> ByteSource:
-    return open_db(path, what="native db")
+def _open(path: str, whole: bool = False) -> ByteSource:
+    return open_db(path, what="native db", whole=whole)
 
 
 def _read_header(path: str, src: ByteSource) -> Header:
@@ -76,11 +76,9 @@ class NativeFile:
 
     def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False, whole: bool = False) -> None:
         self.path = os.fspath(path)
-        self._src: ByteSource | None = _open(self.path)
+        self._src: ByteSource | None = _open(self.path, whole)  # (told before its first read)
         self._mm: Any = None
         try:
-            if whole and getattr(self._src, "remote", False):
-                self._src.hint(0, self._src.size())
             self.header = _read_header(self.path, self._src)
             h = self.header
             raw = read_bytes(self._src, h.index_length, h.index_offset, "the index")
