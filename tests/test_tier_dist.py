@@ -2,7 +2,8 @@
 standing for its own machine): killed ranks resume from their local copies; a machine whose
 local directory is gone resumes its part from its peer's copy; a damaged local copy is named
 and the peer's used; without a copy of the newest step on every rank, the ranks agree on an
-older one. Every resume bit-identical to a run never stopped."""
+older one; a kill in the middle of the copies between ranks leaves the copy of that step
+uncommitted and loses no committed step. Every resume bit-identical to a run never stopped."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 JOB = str(Path(__file__).parent / "_tier_dist_job.py")
 
 
-def ranks(tmp: Path, out: str, *args: str, rc: int = 0) -> dict[int, tuple[int, str]]:
-    """Run both ranks; their exit status checked; each rank's (step, source) it resumed from."""
+def ranks(tmp: Path, out: str, *args: str, rc: int | tuple[int, int] = 0) -> dict[int, tuple[int, str]]:
+    """Run both ranks; their exit status checked (``rc``: both's, or each's); each rank's
+    (step, source) it resumed from."""
+    want = rc if isinstance(rc, tuple) else (rc, rc)
     port = free_port()
     procs = []
     for rank in (0, 1):
@@ -39,7 +42,7 @@ def ranks(tmp: Path, out: str, *args: str, rc: int = 0) -> dict[int, tuple[int, 
     done = [p.communicate(timeout=180) for p in procs]
     got: dict[int, tuple[int, str]] = {}
     for rank, (p, (stdout, stderr)) in enumerate(zip(procs, done)):
-        assert p.returncode == rc, (rank, p.returncode, stdout, stderr[-3000:], done[1 - rank][1][-3000:])
+        assert p.returncode == want[rank], (rank, p.returncode, stdout, stderr[-3000:], done[1 - rank][1][-3000:])
         line = next(x for x in stdout.splitlines() if x.startswith("RESUMED"))
         _, r, step, source = line.split()
         got[int(r)] = (int(step), source)
@@ -109,3 +112,36 @@ def test_a_step_only_some_ranks_hold_is_never_used(tmp_path: Path, reference: li
     got = ranks(tmp_path, "b", "--steps", "6", "--replicas", "0")
     assert got == {0: (3, "local"), 1: (3, "durable")}
     assert final(tmp_path, "b") == reference
+
+
+@pytest.mark.parametrize(("mode", "dying", "wiped", "want"), [
+    ([], "1", None, {0: (5, "local"), 1: (5, "local")}),
+    ([], "0,1", "node1", {0: (4, "local"), 1: (4, "peer")}),
+    (["--async"], "1", "node0", {0: (4, "peer"), 1: (4, "local")}),
+], ids=["rank1-killed", "both-killed-rank1-replaced", "async-rank1-killed-rank0-replaced"])
+def test_a_kill_during_the_copy_between_ranks_loses_no_committed_step(
+        tmp_path: Path, reference: list[dict[str, str]], mode: list[str], dying: str, wiped: str | None,
+        want: dict[int, tuple[int, str]]) -> None:
+    """SIGKILL in the middle of step 5's copies (after one received file, in 512-byte chunks):
+    each rank's local step 5 is committed, its peer's copy of step 5 is not; restored from the
+    newest step every rank can get, bit-identical."""
+    rc = (-9, -9) if dying == "0,1" else (1, -9)  # (a survivor fails on its broken connection)
+    ranks(tmp_path, "a", "--steps", "6", "--persist", "3", "--die-in-copy", f"5:{dying}:1", *mode, rc=rc)
+    assert listed(tmp_path / "store") == [3]
+    for r, peer in ((0, 1), (1, 0)):
+        assert listed(tmp_path / "base" / f"node{r}" / f"rank{r}") == [4, 5]
+        assert listed(tmp_path / "base" / f"node{r}" / "peer" / f"rank{peer}") == [3, 4]
+    # the receiving end of the cut copy holds a part of step 5, never committed
+    assert list((tmp_path / "base" / "node1" / "peer" / "rank0").glob("*.5*"))
+    if wiped:
+        shutil.rmtree(tmp_path / "base" / wiped)
+    assert ranks(tmp_path, "b", "--steps", "6", *mode) == want
+    assert final(tmp_path, "b") == reference
+    kept = [4, 6] if want[0][0] == 5 else [5, 6]  # (resumed at 5: step 5 is not saved again)
+    for r, peer in ((0, 1), (1, 0)):
+        copy = tmp_path / "base" / f"node{r}" / "peer" / f"rank{peer}"
+        assert listed(copy) == kept
+        # nothing of the cut copy is left to hold host memory: only the kept steps' files
+        assert sorted(p.name for p in copy.iterdir() if p.is_file()) == [f"{k}.{s}" for k in ("dcp", "rank0")
+                                                                          for s in kept]
+        assert sorted(p.name for p in (copy / ".epochal").iterdir()) == [f"manifest.{s}.json" for s in kept]
