@@ -22,6 +22,7 @@ import os
 import random
 import signal
 import sys
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -57,6 +58,20 @@ def die_in_copy(spec: str, rank: int) -> None:
     rank_tier.committed = counted
 
 
+def init_group() -> None:
+    """The gloo group; under a torchrun restart on a store prefixed by the attempt: with this
+    torch, the restarted workers otherwise read the dead workers' addresses, which the agent's
+    store still holds under the same keys, and fail to connect."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group("gloo")
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("store")
@@ -71,7 +86,7 @@ def main() -> int:
     ap.add_argument("--die-in-copy", default="")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_group()
     rank = dist.get_rank()
     if a.die_in_copy:
         die_in_copy(a.die_in_copy, rank)

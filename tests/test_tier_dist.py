@@ -145,3 +145,23 @@ def test_a_kill_during_the_copy_between_ranks_loses_no_committed_step(
         assert sorted(p.name for p in copy.iterdir() if p.is_file()) == [f"{k}.{s}" for k in ("dcp", "rank0")
                                                                           for s in kept]
         assert sorted(p.name for p in (copy / ".epochal").iterdir()) == [f"manifest.{s}.json" for s in kept]
+
+
+def test_torchrun_restarts_a_killed_ranks_group_from_the_local_tiers(
+        tmp_path: Path, reference: list[dict[str, str]]) -> None:
+    """Under ``torchrun --max-restarts=1``, rank 1 dies by SIGKILL after step 4: torchrun stops
+    rank 0 and starts both again; the restarted ranks resume from their local tiers (no step
+    of the store is newer than 3), with nothing asked of the user, and end bit-identical."""
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", JOB, str(tmp_path / "store"),
+         str(tmp_path / "base"), str(tmp_path / "a"), "--steps", "6", "--persist", "3", "--kill-after", "4",
+         "--kill-ranks", "1"],
+        env={**os.environ, "EPOCHAL_QUIET": "1"}, capture_output=True, text=True, timeout=240)
+    text = run.stdout + run.stderr
+    assert run.returncode == 0, text[-4000:]
+    resumed = [ln.split()[1:] for ln in run.stdout.splitlines() if ln.startswith("RESUMED")]
+    assert sorted(resumed) == [["0", "0", "None"], ["0", "4", "local"], ["1", "0", "None"], ["1", "4", "local"]]
+    assert "failed (exitcode: -9) local_rank: 1" in text, text[-4000:]  # the kill torchrun saw
+    assert listed(tmp_path / "store") == [3]  # (the restarted processes count their saves anew)
+    assert final(tmp_path, "a") == reference
