@@ -92,6 +92,7 @@ def test_replaced_machine_resumes_from_its_peer(tmp_path: Path, reference: list[
     shutil.rmtree(tmp_path / "base" / "node1")  # rank 1's machine replaced: an empty local dir
     assert ranks(tmp_path, "b", "--steps", "6") == {0: (4, "local"), 1: (4, "peer")}
     assert final(tmp_path, "b") == reference
+    assert not (tmp_path / "base" / "node1" / "fetched" / "rank1").exists()  # loaded, then gone
 
 
 def test_damaged_local_copy_is_named_and_the_peers_used(tmp_path: Path, reference: list[dict[str, str]]) -> None:

@@ -278,8 +278,13 @@ class RankTier:
         fetched = self._fetch(step, want)  # (every rank takes part)
         if own_ok:
             return "local"
-        if fetched is not None and self._try_load(fetched, step, state, "peer"):
-            return "peer"
+        if fetched is not None:
+            try:
+                took = self._try_load(fetched, step, state, "peer")
+            finally:  # (the fetched copy holds host memory: it goes once loaded)
+                shutil.rmtree(fetched, ignore_errors=True)
+            if took:
+                return "peer"
         if step not in durable_steps:
             raise CheckpointCorruptError(self.directory, f"rank {self.rank} holds no intact copy of step {step}")
         self._load(durable, step, state, options)
