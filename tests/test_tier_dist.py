@@ -54,6 +54,10 @@ def final(tmp: Path, out: str) -> list[dict[str, str]]:
     return [json.loads((tmp / f"{out}.{r}.json").read_text()) for r in (0, 1)]
 
 
+def du(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
 def listed(d: Path) -> list[int]:
     return CheckpointDirectory(str(d)).committed_epochs()
 
@@ -93,6 +97,15 @@ def test_replaced_machine_resumes_from_its_peer(tmp_path: Path, reference: list[
     assert ranks(tmp_path, "b", "--steps", "6") == {0: (4, "local"), 1: (4, "peer")}
     assert final(tmp_path, "b") == reference
     assert not (tmp_path / "base" / "node1" / "fetched" / "rank1").exists()  # loaded, then gone
+    # epochal ls on a machine's local directory: the bytes its own steps and its peer's copies hold
+    node0 = tmp_path / "base" / "node0"
+    ls = [sys.executable, "-m", "epochal", "ls", str(node0)]
+    held = json.loads(subprocess.run([*ls, "--json"], capture_output=True, text=True, check=True).stdout)["held"]
+    assert held["ranks"] == ["peer/rank1", "rank0"]
+    assert (held["own"], held["peers"], held["fetched"]) == (du(node0 / "rank0"), du(node0 / "peer"), 0)
+    assert held["total"] == du(node0) and held["own"] > 0 and held["peers"] > 0
+    text = subprocess.run(ls, capture_output=True, text=True, check=True).stdout
+    assert f"{node0} holds " in text and "locations: peer/rank1, rank0" in text, text
 
 
 def test_damaged_local_copy_is_named_and_the_peers_used(tmp_path: Path, reference: list[dict[str, str]]) -> None:
