@@ -4,7 +4,14 @@ torchrun would. Resumes, trains to ``--steps`` saving every step, may die by SIG
 ranks, after a step's save); prints ``RESUMED <rank> <step> <source>`` and writes the
 fingerprint of its final state to ``<out>.<rank>.json``.
 
+``--kill-ranks 1`` kills only rank 1 after ``--kill-after`` (its peer then fails or is stopped
+by torchrun), and only in a first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): a torchrun
+restart runs to the end. ``--die-in-copy STEP:RANKS:FILES``: each rank of RANKS dies by SIGKILL
+in the middle of the copies between ranks of STEP, after committing FILES of the files of its
+peer's copy it receives (a small chunk size, so that a file takes several messages).
+
     python _tier_dist_job.py STORE BASE OUT --steps 6 --persist 3 --replicas 1 [--async] [--kill-after 4]
+        [--kill-ranks 0,1] [--die-in-copy 5:0,1:1]
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import random
 import signal
 import sys
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -26,6 +34,42 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _tier_job import fingerprint  # noqa: E402
 
 from epochal import Checkpointer, RNGState  # noqa: E402
+from epochal.integrations import rank_tier  # noqa: E402
+
+#: the step being saved (read by the kill point inside the copies between ranks)
+SAVING = [0]
+
+
+def die_in_copy(spec: str, rank: int) -> None:
+    """Arm the kill point of ``--die-in-copy``: wrap the commit of each received file."""
+    step, who, files = spec.split(":")
+    rank_tier.CHUNK = 512  # (every rank) several messages a file: the copy is cut between chunks too
+    if str(rank) not in who.split(","):
+        return
+    commit, seen = rank_tier.committed, [0]
+
+    def counted(sink):  # type: ignore[no-untyped-def]
+        if SAVING[0] == int(step):
+            seen[0] += 1
+            if seen[0] > int(files):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return commit(sink)
+
+    rank_tier.committed = counted
+
+
+def init_group() -> None:
+    """The gloo group; under a torchrun restart on a store prefixed by the attempt: with this
+    torch, the restarted workers otherwise read the dead workers' addresses, which the agent's
+    store still holds under the same keys, and fail to connect."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group("gloo")
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def main() -> int:
@@ -38,10 +82,15 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--async", dest="async_save", action="store_true")
     ap.add_argument("--kill-after", type=int, default=-1)
+    ap.add_argument("--kill-ranks", default="0,1")
+    ap.add_argument("--die-in-copy", default="")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_group()
     rank = dist.get_rank()
+    if a.die_in_copy:
+        die_in_copy(a.die_in_copy, rank)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     torch.manual_seed(0)
     random.seed(rank)
     np.random.seed(rank)
@@ -61,11 +110,14 @@ def main() -> int:
             loss.backward()
             opt.step()
             state["position"] += 8
+            ck.wait()  # (the copies of the step before are done: the kill point sees this step)
+            SAVING[0] = step
             ck.save(step, state)
-            if step == a.kill_after:
+            if step == a.kill_after and first_attempt:
                 ck.wait()
                 dist.barrier()
-                os.kill(os.getpid(), signal.SIGKILL)
+                if str(rank) in a.kill_ranks.split(","):
+                    os.kill(os.getpid(), signal.SIGKILL)
     with open(f"{a.out}.{rank}.json", "w") as f:
         json.dump(fingerprint(state), f, sort_keys=True)
     dist.destroy_process_group()

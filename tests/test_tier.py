@@ -148,3 +148,33 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         Checkpointer(tmp_path / "b", local=tmp_path / "l", persist_every=0)
     with pytest.raises(ValueError, match="not a URL"):
         Checkpointer(tmp_path / "c", local="s3://bucket/x")
+
+
+def du(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (tmpfs) here")
+def test_ls_states_the_host_memory_a_local_tier_holds(tmp_path: Path) -> None:
+    """``epochal ls`` on a RAM-backed local directory: the bytes it holds (every file), within
+    the docs' ``local_keep x S``; on an ordinary directory no such line."""
+    import torch
+
+    local = Path("/dev/shm") / f"epochal-ls-{os.getpid()}-{tmp_path.name}"
+    try:
+        state = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # S: 1 MiB of tensor bytes
+        with Checkpointer(tmp_path / "store", local=local, persist_every=None, local_keep=2) as ck:
+            for step in (1, 2, 3):
+                ck.save(step, state)
+        assert listed(local) == [2, 3]
+        run = [sys.executable, "-m", "epochal", "ls"]
+        got = json.loads(subprocess.run([*run, str(local), "--json"], capture_output=True, text=True,
+                                        check=True).stdout)["held"]
+        assert got["ram"] is True and got["total"] == got["own"] == du(local) and got["peers"] == 0
+        assert 2 << 20 <= got["total"] <= (2 << 20) + (256 << 10)  # local_keep x S, and little else
+        text = subprocess.run([*run, str(local)], capture_output=True, text=True, check=True).stdout
+        assert f"{local} holds " in text and "of host memory" in text, text
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    plain = subprocess.run([*run, str(tmp_path / "store")], capture_output=True, text=True, check=True).stdout
+    assert " holds " not in plain, plain

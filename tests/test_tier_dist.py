@@ -2,7 +2,8 @@
 standing for its own machine): killed ranks resume from their local copies; a machine whose
 local directory is gone resumes its part from its peer's copy; a damaged local copy is named
 and the peer's used; without a copy of the newest step on every rank, the ranks agree on an
-older one. Every resume bit-identical to a run never stopped."""
+older one; a kill in the middle of the copies between ranks leaves the copy of that step
+uncommitted and loses no committed step. Every resume bit-identical to a run never stopped."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 JOB = str(Path(__file__).parent / "_tier_dist_job.py")
 
 
-def ranks(tmp: Path, out: str, *args: str, rc: int = 0) -> dict[int, tuple[int, str]]:
-    """Run both ranks; their exit status checked; each rank's (step, source) it resumed from."""
+def ranks(tmp: Path, out: str, *args: str, rc: int | tuple[int, int] = 0) -> dict[int, tuple[int, str]]:
+    """Run both ranks; their exit status checked (``rc``: both's, or each's); each rank's
+    (step, source) it resumed from."""
+    want = rc if isinstance(rc, tuple) else (rc, rc)
     port = free_port()
     procs = []
     for rank in (0, 1):
@@ -39,7 +42,7 @@ def ranks(tmp: Path, out: str, *args: str, rc: int = 0) -> dict[int, tuple[int, 
     done = [p.communicate(timeout=180) for p in procs]
     got: dict[int, tuple[int, str]] = {}
     for rank, (p, (stdout, stderr)) in enumerate(zip(procs, done)):
-        assert p.returncode == rc, (rank, p.returncode, stdout, stderr[-3000:], done[1 - rank][1][-3000:])
+        assert p.returncode == want[rank], (rank, p.returncode, stdout, stderr[-3000:], done[1 - rank][1][-3000:])
         line = next(x for x in stdout.splitlines() if x.startswith("RESUMED"))
         _, r, step, source = line.split()
         got[int(r)] = (int(step), source)
@@ -49,6 +52,10 @@ def ranks(tmp: Path, out: str, *args: str, rc: int = 0) -> dict[int, tuple[int, 
 
 def final(tmp: Path, out: str) -> list[dict[str, str]]:
     return [json.loads((tmp / f"{out}.{r}.json").read_text()) for r in (0, 1)]
+
+
+def du(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
 
 
 def listed(d: Path) -> list[int]:
@@ -89,6 +96,16 @@ def test_replaced_machine_resumes_from_its_peer(tmp_path: Path, reference: list[
     shutil.rmtree(tmp_path / "base" / "node1")  # rank 1's machine replaced: an empty local dir
     assert ranks(tmp_path, "b", "--steps", "6") == {0: (4, "local"), 1: (4, "peer")}
     assert final(tmp_path, "b") == reference
+    assert not (tmp_path / "base" / "node1" / "fetched" / "rank1").exists()  # loaded, then gone
+    # epochal ls on a machine's local directory: the bytes its own steps and its peer's copies hold
+    node0 = tmp_path / "base" / "node0"
+    ls = [sys.executable, "-m", "epochal", "ls", str(node0)]
+    held = json.loads(subprocess.run([*ls, "--json"], capture_output=True, text=True, check=True).stdout)["held"]
+    assert held["ranks"] == ["peer/rank1", "rank0"]
+    assert (held["own"], held["peers"], held["fetched"]) == (du(node0 / "rank0"), du(node0 / "peer"), 0)
+    assert held["total"] == du(node0) and held["own"] > 0 and held["peers"] > 0
+    text = subprocess.run(ls, capture_output=True, text=True, check=True).stdout
+    assert f"{node0} holds " in text and "locations: peer/rank1, rank0" in text, text
 
 
 def test_damaged_local_copy_is_named_and_the_peers_used(tmp_path: Path, reference: list[dict[str, str]]) -> None:
@@ -109,3 +126,56 @@ def test_a_step_only_some_ranks_hold_is_never_used(tmp_path: Path, reference: li
     got = ranks(tmp_path, "b", "--steps", "6", "--replicas", "0")
     assert got == {0: (3, "local"), 1: (3, "durable")}
     assert final(tmp_path, "b") == reference
+
+
+@pytest.mark.parametrize(("mode", "dying", "wiped", "want"), [
+    ([], "1", None, {0: (5, "local"), 1: (5, "local")}),
+    ([], "0,1", "node1", {0: (4, "local"), 1: (4, "peer")}),
+    (["--async"], "1", "node0", {0: (4, "peer"), 1: (4, "local")}),
+], ids=["rank1-killed", "both-killed-rank1-replaced", "async-rank1-killed-rank0-replaced"])
+def test_a_kill_during_the_copy_between_ranks_loses_no_committed_step(
+        tmp_path: Path, reference: list[dict[str, str]], mode: list[str], dying: str, wiped: str | None,
+        want: dict[int, tuple[int, str]]) -> None:
+    """SIGKILL in the middle of step 5's copies (after one received file, in 512-byte chunks):
+    each rank's local step 5 is committed, its peer's copy of step 5 is not; restored from the
+    newest step every rank can get, bit-identical."""
+    rc = (-9, -9) if dying == "0,1" else (1, -9)  # (a survivor fails on its broken connection)
+    ranks(tmp_path, "a", "--steps", "6", "--persist", "3", "--die-in-copy", f"5:{dying}:1", *mode, rc=rc)
+    assert listed(tmp_path / "store") == [3]
+    for r, peer in ((0, 1), (1, 0)):
+        assert listed(tmp_path / "base" / f"node{r}" / f"rank{r}") == [4, 5]
+        assert listed(tmp_path / "base" / f"node{r}" / "peer" / f"rank{peer}") == [3, 4]
+    # the receiving end of the cut copy holds a part of step 5, never committed
+    assert list((tmp_path / "base" / "node1" / "peer" / "rank0").glob("*.5*"))
+    if wiped:
+        shutil.rmtree(tmp_path / "base" / wiped)
+    assert ranks(tmp_path, "b", "--steps", "6", *mode) == want
+    assert final(tmp_path, "b") == reference
+    kept = [4, 6] if want[0][0] == 5 else [5, 6]  # (resumed at 5: step 5 is not saved again)
+    for r, peer in ((0, 1), (1, 0)):
+        copy = tmp_path / "base" / f"node{r}" / "peer" / f"rank{peer}"
+        assert listed(copy) == kept
+        # nothing of the cut copy is left to hold host memory: only the kept steps' files
+        assert sorted(p.name for p in copy.iterdir() if p.is_file()) == [f"{k}.{s}" for k in ("dcp", "rank0")
+                                                                          for s in kept]
+        assert sorted(p.name for p in (copy / ".epochal").iterdir()) == [f"manifest.{s}.json" for s in kept]
+
+
+def test_torchrun_restarts_a_killed_ranks_group_from_the_local_tiers(
+        tmp_path: Path, reference: list[dict[str, str]]) -> None:
+    """Under ``torchrun --max-restarts=1``, rank 1 dies by SIGKILL after step 4: torchrun stops
+    rank 0 and starts both again; the restarted ranks resume from their local tiers (no step
+    of the store is newer than 3), with nothing asked of the user, and end bit-identical."""
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", JOB, str(tmp_path / "store"),
+         str(tmp_path / "base"), str(tmp_path / "a"), "--steps", "6", "--persist", "3", "--kill-after", "4",
+         "--kill-ranks", "1"],
+        env={**os.environ, "EPOCHAL_QUIET": "1"}, capture_output=True, text=True, timeout=240)
+    text = run.stdout + run.stderr
+    assert run.returncode == 0, text[-4000:]
+    resumed = [ln.split()[1:] for ln in run.stdout.splitlines() if ln.startswith("RESUMED")]
+    assert sorted(resumed) == [["0", "0", "None"], ["0", "4", "local"], ["1", "0", "None"], ["1", "4", "local"]]
+    assert "failed (exitcode: -9) local_rank: 1" in text, text[-4000:]  # the kill torchrun saw
+    assert listed(tmp_path / "store") == [3]  # (the restarted processes count their saves anew)
+    assert final(tmp_path, "a") == reference

@@ -25,10 +25,12 @@ from .common import (
     _out,
     db_type_option,
     fmt_num,
+    held_line,
     human_bytes,
     human_seconds,
     json_option,
     parse_storage_options,
+    stats_rows,
     storage_options_option,
 )
 from .dbs import inspect_blob, inspect_db
@@ -88,8 +90,9 @@ def ls_cmd(ctx: click.Context, prefix: str, show_all: bool, as_json: bool) -> in
     if as_json:
         out.json(listing)
         return 0
+    held = held_line(prefix, listing.get("held"))  # (a local tier: the host memory it holds)
     if not listing["epochs"]:
-        out.console.print(f"no checkpoints under {prefix}")
+        out.console.print(f"no checkpoints under {prefix}" + (f"\n{held}" if held else ""), soft_wrap=True)
         return 0
     nodes: list[str] = listing["nodes"]
     table = Table(title=f"checkpoints in {prefix}", title_justify="left")
@@ -129,6 +132,8 @@ def ls_cmd(ctx: click.Context, prefix: str, show_all: bool, as_json: bool) -> in
             row.append(f"{have}/{len(nodes)}")
         table.add_row(*row)
     out.console.print(table)
+    if held:
+        out.console.print(held, soft_wrap=True)
     if listing.get("older"):
         out.note(f"{listing['older']} older epoch(s) not shown: epochal ls --all {prefix} lists every one")
     if not listing["records"]:
@@ -185,15 +190,6 @@ def inspect_cmd(ctx: click.Context, db: str, blob: str | None, db_type: str | No
     return 0
 
 
-def _stats_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = []
-    for k, v in stats.items():
-        if k in ("leaves", "key"):
-            continue
-        rows.append((k, fmt_num(v) if not isinstance(v, (list, dict)) else json.dumps(v)))
-    return rows
-
-
 def _print_blob(out: Out, info: dict[str, Any]) -> None:
     b = info["blob"]
     out.console.print(Text(f"{info['path']}  blob {b['name']!r}  ({b['kind']}, {human_bytes(b['nbytes'])})", style="bold"))
@@ -201,7 +197,7 @@ def _print_blob(out: Out, info: dict[str, Any]) -> None:
     table = Table(show_header=False)
     table.add_column("stat")
     table.add_column("value", overflow="fold")
-    for k, v in _stats_rows(stats):
+    for k, v in stats_rows(stats):
         table.add_row(k, v)
     out.console.print(table)
     leaves = stats.get("leaves")

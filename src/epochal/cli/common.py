@@ -141,3 +141,23 @@ class Location(click.ParamType):
 PathArg = Location()
 FileArg = Location()  # directories refused with a clear line
 PrefixArg = Location(file_okay=False)
+
+
+def held_line(prefix: str, held: dict[str, Any] | None) -> str | None:
+    """What ``epochal ls`` says of the bytes a local tier holds (see
+    :func:`~.records.held_bytes`): None for a directory neither RAM-backed nor a ranks' tier."""
+    if held is None or not (held["ram"] or held["ranks"]):
+        return None
+    where = "host memory (RAM-backed file system)" if held["ram"] else "a file system not RAM-backed"
+    line = (f"{prefix} holds {human_bytes(held['total'])} of {where}: own steps {human_bytes(held['own'])}, "
+            f"peers' copies {human_bytes(held['peers'])}, fetched {human_bytes(held['fetched'])} "
+            "(expected: local_keep x S own, replicas x local_keep x S peers' copies)")
+    if held["ranks"]:
+        line += f"; locations: {', '.join(held['ranks'])} (epochal ls {prefix}/{held['ranks'][0]} lists one)"
+    return line
+
+
+def stats_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
+    """(name, shown value) of a blob's stats for ``epochal inspect`` (its leaves and key aside)."""
+    return [(k, fmt_num(v) if not isinstance(v, (list, dict)) else json.dumps(v))
+            for k, v in stats.items() if k not in ("leaves", "key")]

@@ -3,6 +3,7 @@ the save/load stats log (``epochal ls``, ``verify PREFIX``, ``stats``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,10 @@ from .names import RECORDS_DIR, parse_db_name
 from .problems import Problem, one_line
 from .values import iso_time
 
-__all__ = ["LS_NEWEST", "Records", "list_prefix", "ls_prefix", "stats_prefix", "verify_target"]
+__all__ = ["LS_NEWEST", "Records", "held_bytes", "list_prefix", "ls_prefix", "stats_prefix", "verify_target"]
+
+#: file systems whose bytes are host memory
+RAM_FS = ("tmpfs", "ramfs")
 
 
 class Records:
@@ -226,7 +230,50 @@ def ls_prefix(prefix: str, limit: int | None = None) -> tuple[dict[str, Any], Be
         })
     listing = {"prefix": prefix, "records": rec.has_records, "nodes": nodes, "epochs": epochs,
                "older": older}
+    held = held_bytes(prefix)
+    if held is not None:
+        listing["held"] = held
     return listing, _best(rec, manifests, listed)
+
+
+def held_bytes(prefix: str) -> dict[str, Any] | None:
+    """The bytes a local directory holds (None for a URL or a missing directory), by part of a
+    Checkpointer's local tier: ``own`` (its own steps: the directory itself, or under ranks
+    its ``rank<r>/``), ``peers`` (``peer/``: other ranks' copies), ``fetched`` (a peer copy
+    fetched for a restore); ``ram``: whether the file system is RAM-backed (tmpfs), where these
+    bytes are host memory; ``ranks``: the per-rank locations under it (each one ``epochal ls``
+    lists). Every file is counted, committed or not: what the memory actually holds."""
+    if is_url(prefix) or not os.path.isdir(prefix):
+        return None
+    parts = {"own": 0, "peers": 0, "fetched": 0}
+    locations: list[str] = []
+    for root, _, files in os.walk(prefix):
+        rel = os.path.relpath(root, prefix)
+        top = rel.split(os.sep)[0]
+        part = "peers" if top == "peer" else "fetched" if top == "fetched" else "own"
+        if os.path.basename(root) == RECORDS_DIR and rel != RECORDS_DIR:
+            locations.append(os.path.dirname(rel))
+        for name in files:
+            with contextlib.suppress(OSError):
+                parts[part] += os.lstat(os.path.join(root, name)).st_size
+    return {**parts, "total": sum(parts.values()), "ram": _fs_type(prefix) in RAM_FS,
+            "ranks": sorted(locations)}
+
+
+def _fs_type(path: str) -> str | None:
+    """The type of the file system ``path`` lies on (from /proc/mounts; None elsewhere)."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best: tuple[int, str | None] = (-1, None)
+    for point, fs in mounts:
+        point = point.replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > best[0]:
+            best = (len(point), fs)
+    return best[1]
 
 
 def _best(rec: Records, manifests: dict[int, Manifest | None], listed: list[int]) -> BestEpochs | None:

@@ -244,12 +244,15 @@ class RankTier:
 
     def _forget_after(self, step: int) -> None:
         """Uncommit this machine's copies of steps after ``step``, the one the run resumes from:
-        the steps of the run that is abandoned, which the resumed run saves again."""
-        dirs = [self.directory] + [self.peer_dir((self.rank - j * self.stride) % self.world)
-                                   for j in range(1, self.replicas + 1)]
-        for d in dirs:
+        the steps of the run that is abandoned, which the resumed run saves again. The files of
+        a peer's copy cut short (never committed) go too: they would hold host memory for good."""
+        peers = [self.peer_dir((self.rank - j * self.stride) % self.world) for j in range(1, self.replicas + 1)]
+        for d in [self.directory, *peers]:
             if os.path.isdir(d):
                 _drop(d, [s for s in CheckpointDirectory(d).committed_epochs() if s > step])
+        for d in peers:
+            if os.path.isdir(d):
+                _sweep(d)
 
     def _held_for_me(self) -> dict[int, set[int]]:
         """For each replica j, the steps of this rank's part that rank r + j*stride holds
@@ -275,8 +278,13 @@ class RankTier:
         fetched = self._fetch(step, want)  # (every rank takes part)
         if own_ok:
             return "local"
-        if fetched is not None and self._try_load(fetched, step, state, "peer"):
-            return "peer"
+        if fetched is not None:
+            try:
+                took = self._try_load(fetched, step, state, "peer")
+            finally:  # (the fetched copy holds host memory: it goes once loaded)
+                shutil.rmtree(fetched, ignore_errors=True)
+            if took:
+                return "peer"
         if step not in durable_steps:
             raise CheckpointCorruptError(self.directory, f"rank {self.rank} holds no intact copy of step {step}")
         self._load(durable, step, state, options)
@@ -406,6 +414,18 @@ def _trim(directory: str, keep: int) -> None:
     """Drop the committed steps of a peer copy beyond the newest ``keep`` (manifest first: a
     step is uncommitted before its dbs go)."""
     _drop(directory, CheckpointDirectory(directory).committed_epochs()[:-keep])
+
+
+def _sweep(directory: str) -> None:
+    """Remove the files of a peer's copy that no committed step names (a copy cut short)."""
+    named = {path for step in CheckpointDirectory(directory).committed_epochs()
+             for path, _ in RankTier._files(directory, step)}
+    meta = os.path.join(directory, ".epochal")
+    for d in (directory, meta):
+        for entry in os.scandir(d) if os.path.isdir(d) else ():
+            if entry.is_file() and entry.path not in named:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
 
 
 def _drop(directory: str, steps: list[int]) -> None:
