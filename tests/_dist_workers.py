@@ -3,6 +3,7 @@ rank functions they run (importable by name, as spawn needs)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -25,6 +26,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        gc.collect()  # (as a job's end should: cyclic garbage of DCP freed while the group lives)
         dist.barrier()
     finally:
         dist.destroy_process_group()
