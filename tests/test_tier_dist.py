@@ -28,10 +28,11 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 JOB = str(Path(__file__).parent / "_tier_dist_job.py")
 
 
-def ranks(tmp: Path, out: str, *args: str, rc: int | tuple[int, int] = 0) -> dict[int, tuple[int, str]]:
-    """Run both ranks; their exit status checked (``rc``: both's, or each's); each rank's
-    (step, source) it resumed from."""
-    want = rc if isinstance(rc, tuple) else (rc, rc)
+def ranks(tmp: Path, out: str, *args: str, rc: int | tuple[int | set[int], int | set[int]] = 0
+          ) -> dict[int, tuple[int, str]]:
+    """Run both ranks; their exit status checked (``rc``: both's, or each's: one, or a set of
+    those allowed); each rank's (step, source) it resumed from."""
+    want = [w if isinstance(w, set) else {w} for w in (rc if isinstance(rc, tuple) else (rc, rc))]
     port = free_port()
     procs = []
     for rank in (0, 1):
@@ -42,7 +43,7 @@ def ranks(tmp: Path, out: str, *args: str, rc: int | tuple[int, int] = 0) -> dic
     done = [p.communicate(timeout=180) for p in procs]
     got: dict[int, tuple[int, str]] = {}
     for rank, (p, (stdout, stderr)) in enumerate(zip(procs, done)):
-        assert p.returncode == want[rank], (rank, p.returncode, stdout, stderr[-3000:], done[1 - rank][1][-3000:])
+        assert p.returncode in want[rank], (rank, p.returncode, stdout, stderr[-3000:], done[1 - rank][1][-3000:])
         line = next(x for x in stdout.splitlines() if x.startswith("RESUMED"))
         _, r, step, source = line.split()
         got[int(r)] = (int(step), source)
@@ -139,14 +140,16 @@ def test_a_kill_during_the_copy_between_ranks_loses_no_committed_step(
     """SIGKILL in the middle of step 5's copies (after one received file, in 512-byte chunks):
     each rank's local step 5 is committed, its peer's copy of step 5 is not; restored from the
     newest step every rank can get, bit-identical."""
-    rc = (-9, -9) if dying == "0,1" else (1, -9)  # (a survivor fails on its broken connection)
+    # (a survivor fails on its broken connection; with both dying, the second may fail on it
+    # before its own kill point, when its peer died first)
+    rc: tuple[int | set[int], int | set[int]] = ({-9, 1}, {-9, 1}) if dying == "0,1" else (1, -9)
     ranks(tmp_path, "a", "--steps", "6", "--persist", "3", "--die-in-copy", f"5:{dying}:1", *mode, rc=rc)
     assert listed(tmp_path / "store") == [3]
     for r, peer in ((0, 1), (1, 0)):
         assert listed(tmp_path / "base" / f"node{r}" / f"rank{r}") == [4, 5]
         assert listed(tmp_path / "base" / f"node{r}" / "peer" / f"rank{peer}") == [3, 4]
-    # the receiving end of the cut copy holds a part of step 5, never committed
-    assert list((tmp_path / "base" / "node1" / "peer" / "rank0").glob("*.5*"))
+    if dying != "0,1":  # the receiving end of the cut copy holds a part of step 5, never committed
+        assert list((tmp_path / "base" / "node1" / "peer" / "rank0").glob("*.5*"))
     if wiped:
         shutil.rmtree(tmp_path / "base" / wiped)
     assert ranks(tmp_path, "b", "--steps", "6", *mode) == want
