@@ -1,4 +1,4 @@
-"""Live training objects in tests: every tensor they hold, compared bit for bit, and a session
+"""Live training objects in tests: every tensor they hold, compared bit for bit, and a Session
 that gives each node a workspace of its own. It imports no epochal integration, so a fresh
 process that uses it loads as a user's does (the integrations' checks found on their own)."""
 

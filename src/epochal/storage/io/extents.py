@@ -2,13 +2,11 @@
 
 An *extent file* holds the bytes of one logical file (a native db, byte for byte what a full
 save would have written), of which only some ranges are stored in it; every other range is a
-reference to a range of an older step's file in the same folder. :func:`open_db` opens any
-db: a plain file as it is, an extent file as an :class:`ExtentSource`, a
-:class:`~epochal.storage.io.seam.ByteSource` of the logical bytes, so every format's read path
-(restore, partial load, verify, inspect, export) reads it without knowing. References are
-one level deep (they name stored bytes, never another reference) and are checked as they are
-read (each whole referenced range by its checksum), and the format's own checksums cover the
-logical bytes: a damaged older file is found before any live byte is written.
+reference to a stored range of an older step's file in the same folder (one level deep).
+:func:`open_db` opens any db: a plain file as it is, an extent file as an
+:class:`ExtentSource` of the logical bytes, so every format's read path reads it without
+knowing; the format's own checksums cover the logical bytes, so a damaged older file is
+found before any live byte is written.
 
 Layout (little-endian; docs/format.md, "Incremental db files")::
 
@@ -426,15 +424,13 @@ class ExtentSource:
         self._srcs = []
 
 
-#: pieces copied by rows of a common unit (numpy) when it is at least this many bytes
-MIN_ROW = 64
+MIN_ROW = 64  # pieces copied by rows of a common unit (numpy) when it is at least this long
 
 
 def _scatter(dest: memoryview, dst: list[int], tmp: memoryview, src: list[int], lens: list[int]) -> None:
-    """Copy ``tmp[src[i]:src[i] + lens[i]]`` to ``dest[dst[i]:...]`` for every i: in one numpy
-    pass by rows of the pieces' common unit where they share one (a table's changed rows),
-    else piece by piece."""
-    d, o, n = np.asarray(dst, np.int64), np.asarray(src, np.int64), np.asarray(lens, np.int64)
+    """``dest[dst[i]:+lens[i]] = tmp[src[i]:+lens[i]]`` for every i: one numpy pass by rows of
+    the pieces' common unit where they share one (a table's changed rows), else one by one."""
+    d, o, n = (np.asarray(x, np.int64) for x in (dst, src, lens))
     g = int(np.gcd.reduce(np.concatenate([n, d - d[0], o - o[0]])))
     if len(dst) < 8 or g < MIN_ROW:
         for a, b, ln in zip(dst, src, lens):
@@ -444,16 +440,14 @@ def _scatter(dest: memoryview, dst: list[int], tmp: memoryview, src: list[int], 
     dv = np.frombuffer(dest, np.uint8)[d0:d0 + (dest.nbytes - d0) // g * g].reshape(-1, g)
     sv = np.frombuffer(tmp, np.uint8)[o0:o0 + (tmp.nbytes - o0) // g * g].reshape(-1, g)
     rows = n // g
-    ends = np.cumsum(rows)
-    step = np.arange(int(ends[-1])) - np.repeat(ends - rows, rows)
+    step = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
     dv[np.repeat((d - d0) // g, rows) + step] = sv[np.repeat((o - o0) // g, rows) + step]
 
 
 def open_db(path: str, *, what: str = "db", whole: bool = False) -> seam.ByteSource:
-    """Open the db at ``path`` for reading: its bytes as they are, or, for an incremental db,
-    the logical bytes it stands for (:class:`ExtentSource`). ``whole``: (nearly) every byte
-    will be read: a remote source is told so before the first read (which tells an extent
-    file), and may then fetch the whole object in one wave of requests."""
+    """The db at ``path`` for reading: its bytes, or an incremental db's logical bytes
+    (:class:`ExtentSource`). ``whole``: (nearly) every byte will be read: a remote source is
+    told so before the first read, and may fetch the whole object in one wave."""
     src = seam.store_for(path).open_read(path, what=what)
     try:
         if whole and getattr(src, "remote", False):
@@ -470,9 +464,8 @@ def open_db(path: str, *, what: str = "db", whole: bool = False) -> seam.ByteSou
 
 
 class _HeadKept:
-    """A remote source whose first ``HEAD_SIZE`` bytes were read to tell an extent file: the
-    reader's own read of them (the native superblock, 64 bytes) is served from memory, so
-    opening a db at a URL stays one round trip (head and tail in one batch)."""
+    """A remote source whose head was read to tell an extent file: the reader's read of it (the
+    native superblock) served from memory, so an open at a URL stays one round trip."""
 
     def __init__(self, src: seam.ByteSource, head: bytes) -> None:
         self._src, self._head = src, head
@@ -487,27 +480,21 @@ class _HeadKept:
 
 
 def blame_refs(src: seam.ByteSource | None, exc: BaseException | None) -> None:
-    """On a reader's way out with ``exc``: when the logical bytes of the incremental db open as
-    ``src`` failed their checksums, raise the error that names the older file at fault, if
-    the damage is there (:meth:`ExtentSource.check_refs`); else nothing (``exc`` goes on)."""
+    """On a reader's way out with ``exc``: when an incremental db's logical bytes failed their
+    checksums, raise the error naming the older file at fault (:meth:`ExtentSource.check_refs`)."""
     if isinstance(exc, CheckpointCorruptError) and isinstance(src, ExtentSource) and src._srcs:
         src.check_refs()
 
 
 def referenced_files(path: str) -> list[str] | None:
-    """The names of the files the db at ``path`` takes bytes from ([] for a plain db or none
-    there); None when it cannot be read (then nothing it might reference may be deleted)."""
+    """Files the db at ``path`` takes bytes from ([]: a plain or missing db; None: unreadable)."""
     try:
-        src = seam.store_for(path).open_read(path, what="db")
+        src = open_db(path)
     except FileNotFoundError:
         return []
-    except OSError:
-        return None
-    try:
-        if src.size() < HEAD_SIZE or not is_extent_file(src.read(8, 0)):
-            return []
-        return [r.file for r in read_extents(src, path).refs]
     except (OSError, CheckpointCorruptError):
         return None
+    try:
+        return [r.file for r in src.ex.refs] if isinstance(src, ExtentSource) else []
     finally:
         src.close()
