@@ -149,9 +149,12 @@ class CheckpointDirectory:
 
     def mark_incremental(self) -> None:
         """Mark the location before its first incremental db is written (once; never removed)."""
+        if getattr(self, "_marked", False):  # (asked before every incremental save: listed once)
+            return
         if not self.has_incremental():
             self.records.makedirs(self.records_dir)
             self.records.write(os.path.join(self.records_dir, INCREMENTAL_MARK), b"")
+        self._marked = True
 
     def committed_epochs(self) -> list[int]:
         """Epochs with a valid manifest (the dbs are not read), oldest first: every manifest is
