@@ -69,8 +69,8 @@ from _measure import DirectReader, evict, fsync_path, recycle_memory, warm  # no
 
 import epochal  # noqa: E402
 from epochal.storage.formats.base import get_db_type  # noqa: E402
-from epochal.storage.formats.native import inplace  # noqa: E402
 from epochal.storage.formats.native.reader import NativeFile  # noqa: E402
+from epochal.storage.formats.native.reads import inplace  # noqa: E402
 from epochal.storage.io import direct as direct_io  # noqa: E402
 from epochal.storage.io import tuning  # noqa: E402
 

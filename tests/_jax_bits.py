@@ -86,7 +86,7 @@ def chain(directory: str, k: int, step_in: str, step_out: str) -> None:
 
     import epochal.jax as ej
     from epochal.jax import host
-    from epochal.storage.formats.native import ranges
+    from epochal.storage.formats.native.reads import ranges
 
     host.BLOCK_BYTES = 1024  # many row blocks in small arrays, edges inside shards
     reads: list[tuple[int, int]] = []

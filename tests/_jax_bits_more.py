@@ -87,7 +87,7 @@ def jax_restore_dcp(directory: str, k: int) -> None:
                        "big": sds((2048, 1024), np.float32, P(None, "y"))}, "step": 0}
     names = {"params/Dense_0/kernel": ej.transposed("model.fc.weight"), "params/Dense_0/bias": "model.fc.bias",
              "params/big": "model/big.weight"}
-    from epochal.storage.formats.native import ranges
+    from epochal.storage.formats.native.reads import ranges
 
     reads: list[tuple[str, int, int]] = []
     orig = ranges.RangedFile.read_into

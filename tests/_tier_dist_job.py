@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _tier_job import fingerprint  # noqa: E402
 
 from epochal import Checkpointer, RNGState  # noqa: E402
-from epochal.integrations import rank_tier  # noqa: E402
+from epochal.integrations.distributed import tier as rank_tier  # noqa: E402
 
 #: the step being saved (read by the kill point inside the copies between ranks)
 SAVING = [0]

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError, CheckpointVersionError
-from epochal.storage.formats.native import NativeBackend, NativeFile, batch, layout, write_native
+from epochal.storage.formats.native import NativeBackend, NativeFile, layout, write_native
 from epochal.storage.formats.native import writer as native_writer
+from epochal.storage.formats.native.reads import batch
 from epochal.storage.io import checksum, tuning
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -21,8 +21,8 @@ from epochal.errors import CheckpointCorruptError
 from epochal.storage.encoding import compress
 from epochal.storage.encoding.compress import WriteOptions
 from epochal.storage.formats.native import NativeFile, stat_native, write_native
-from epochal.storage.formats.native import coded as coded_path
 from epochal.storage.formats.native import writer as native_writer
+from epochal.storage.formats.native.reads import coded as coded_path
 
 DATA = Path(__file__).resolve().parent / "data"
 FRAME = 64 << 10  # small frames, so that a few hundred KiB hold many

@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is 
 from test_inplace_load import W, assert_same, big_segment, flip, make, seg_offset, snapshot  # noqa: E402
 
 from epochal.errors import CheckpointCorruptError  # noqa: E402
-from epochal.storage.formats.native import NativeBackend, inplace, write_native  # noqa: E402
+from epochal.storage.formats.native import NativeBackend, write_native  # noqa: E402
+from epochal.storage.formats.native.reads import inplace  # noqa: E402
 from epochal.storage.io import tuning  # noqa: E402
 from epochal.storage.io.local import RWF_NOWAIT  # noqa: E402
 

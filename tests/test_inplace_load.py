@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is not installed")
 
 from epochal.errors import BlobMismatchError, CheckpointCorruptError  # noqa: E402
-from epochal.storage.formats.native import NativeBackend, NativeFile, inplace, write_native  # noqa: E402
+from epochal.storage.formats.native import NativeBackend, NativeFile, write_native  # noqa: E402
+from epochal.storage.formats.native.reads import inplace  # noqa: E402
 from epochal.storage.io import tuning  # noqa: E402
 
 W = 600  # a 600 x 600 float32 weight is 1.4 MiB: big enough to be read in place

@@ -31,7 +31,7 @@ from epochal.errors import (  # noqa: E402
     MissingBlobError,
 )
 from epochal.jax.reads import Stored, read_region, read_regions, stored_leaves  # noqa: E402
-from epochal.storage.formats.native.ranges import RangedFile  # noqa: E402
+from epochal.storage.formats.native.reads.ranges import RangedFile  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -11,7 +11,8 @@ import pytest
 
 from epochal.errors import CheckpointCorruptError
 from epochal.storage.encoding import codecs as _codecs
-from epochal.storage.formats.native import NativeBackend, NativeFile, batch, write_native
+from epochal.storage.formats.native import NativeBackend, NativeFile, write_native
+from epochal.storage.formats.native.reads import batch
 
 
 def _blobs() -> dict[str, object]:

@@ -12,7 +12,8 @@ import pytest
 
 from epochal.errors import CheckpointCorruptError
 from epochal.storage.formats.base import IO_PROGRESS
-from epochal.storage.formats.native import NativeBackend, NativeFile, parallel, write_native
+from epochal.storage.formats.native import NativeBackend, NativeFile, write_native
+from epochal.storage.formats.native.reads import parallel
 from epochal.storage.io import tuning
 
 

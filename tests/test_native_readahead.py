@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from epochal.errors import CheckpointCorruptError
-from epochal.storage.formats.native import NativeBackend, NativeFile, inplace, write_native
+from epochal.storage.formats.native import NativeBackend, NativeFile, write_native
+from epochal.storage.formats.native.reads import inplace
 from epochal.storage.io.local import RWF_NOWAIT
 
 pytestmark = pytest.mark.skipif(not RWF_NOWAIT, reason="RWF_NOWAIT is Linux-only")

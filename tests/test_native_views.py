@@ -1,4 +1,4 @@
-"""NativeFile.views (native/mapped.verified_views): verified read-only views of whole blobs on
+"""NativeFile.views (native/reads/mapped.verified_views): verified read-only views of whole blobs on
 a map of a cached file, for a reader that copies parts of them out (a DCP reshard).
 Every checksum and padding is checked before a view is returned; the path declines (None,
 nothing read) where it does not apply."""

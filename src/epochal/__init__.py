@@ -10,7 +10,8 @@ from typing import Any
 
 from .checkpoint.handler.metadata import BaseMetadataHandler, MetadataHandler
 from .checkpoint.location.naming import db_name, get_ckpt_filename
-from .checkpoint.tasks.manager import CheckpointManager, MultiNodeCheckpointManager
+from .checkpoint.tasks.manager import CheckpointManager
+from .checkpoint.tasks.multi_node import MultiNodeCheckpointManager
 from .checkpoint.tasks.upload import CopyUploadBuilder, UploadTaskGroupBuilder
 from .errors import (
     BlobMismatchError,

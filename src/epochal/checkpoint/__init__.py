@@ -2,12 +2,8 @@
 
 from .handler.metadata import MetadataHandler
 from .location.naming import db_name, get_ckpt_filename
-from .tasks.manager import (
-    CheckpointManager,
-    InitRequiredError,
-    MultiNodeCheckpointManager,
-    NodeListMismatchError,
-)
+from .tasks.manager import CheckpointManager, InitRequiredError, NodeListMismatchError
+from .tasks.multi_node import MultiNodeCheckpointManager
 from .tasks.upload import CopyUploadBuilder, UploadTaskGroupBuilder
 
 __all__ = [

@@ -150,7 +150,7 @@ class Checkpointer:
     ) -> None:
         #: how the step's db is written (compression), set around each save
         self._write_options = WriteOptions(compression=compression)  # (ValueError: unknown)
-        from ..integrations.world import use_distributed  # (torch-free without a process group)
+        from ..integrations.distributed.world import use_distributed  # (torch-free, no group)
 
         #: the part that saves across ranks (docs/distributed.md): set in a torch.distributed
         #: process group (a world of one included) or on a directory written by ranks; every

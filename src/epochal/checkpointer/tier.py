@@ -88,7 +88,7 @@ def check_args(directory: str | os.PathLike[str], keep: int, persist_every: int 
 def rank_tier(dc: Any, local: str | os.PathLike[str], *, keep: int, persist_every: int | None, replicas: int,
               stride: int | None) -> Any:
     """The local tier of this rank of ``dc`` (a DistributedCheckpointer; collective)."""
-    from ..integrations.rank_tier import RankTier
+    from ..integrations.distributed.tier import RankTier
 
     return RankTier(local, ranks=dc.ranks, keep=keep, persist_every=persist_every, replicas=replicas,
                     stride=stride, per_rank=dc.per_rank, async_save=dc.async_save)

@@ -111,7 +111,7 @@ def export_safetensors(
         raise ImportError("export_safetensors needs safetensors and torch: pip install 'epochal[safetensors,torch]'") from None
     from ..storage.formats.base import get_db_type
     from ..storage.io import atomic
-    from .world import written_by_ranks
+    from .distributed.world import written_by_ranks
 
     atomic.check_regular_output(os.fspath(out))  # a FIFO would block the writer for ever
     if os.path.isdir(os.fspath(ckpt)) and written_by_ranks(ckpt):

@@ -28,7 +28,7 @@ import numpy as np
 from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointCorruptError
 from ..storage.formats.native.layout import corrupt
-from ..storage.formats.native.ranges import RangedFile
+from ..storage.formats.native.reads.ranges import RangedFile
 from .names import DTYPES
 from .reads import Stored, Task, aligned_empty, array_layout, read_regions
 

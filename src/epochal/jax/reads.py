@@ -35,7 +35,7 @@ from ..checkpoint.tasks.steps import INTERNAL_PREFIX
 from ..storage.encoding.codecs import check_shape, codec_for_kind, dtype_from_json, flat_writable
 from ..storage.encoding.skeleton import TREE_KIND, Decoder, check_leaves
 from ..storage.formats.native.layout import corrupt
-from ..storage.formats.native.ranges import RangedFile, Segment
+from ..storage.formats.native.reads.ranges import RangedFile, Segment
 from .names import dtype_by_name
 
 __all__ = ["ALIGN", "DEFAULT_CHUNK", "Stored", "aligned_empty", "array_layout", "read_plain", "read_region",

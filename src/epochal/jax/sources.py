@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..storage.formats.native.layout import corrupt
-from ..storage.formats.native.ranges import RangedFile
+from ..storage.formats.native.reads.ranges import RangedFile
 from .dcp import DcpLeaf, open_dcp, read_dcp_regions
 from .names import leaf_label
 from .reads import Stored, Task, array_layout, read_plain, read_regions, stored_leaves

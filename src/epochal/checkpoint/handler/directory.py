@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -34,9 +33,7 @@ from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoun
 from ...storage.formats.base import get_db_type
 from ..location.best import collect_metrics, keep_best_record, recorded_metrics
 from ..location.lease import DEFAULT_LEASE_SECONDS
-from ..location.lock import LOCK_FILE
 from ..location.manifest import Manifest
-from ..location.record_cache import CachedRecords
 from ..location.records import RecordLock
 from ..location.retention import RetentionPolicy
 from ..location.stats import stats_lines
@@ -51,6 +48,7 @@ from ..mirroring.sync import MirrorSync
 from . import cleanup, room
 from .commit import commit_manifest, durable_entries
 from .metadata import BaseMetadataHandler, DbReport, PushTarget
+from .writer_lock import WriterLockHolder
 
 logger = logging.getLogger("epochal")
 
@@ -64,7 +62,7 @@ def _lines(problems: list[EpochProblem]) -> str:
     return "; ".join(p.text for p in problems)
 
 
-class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
+class DirectoryMetadataHandler(WriterLockHolder, MirrorSync, BaseMetadataHandler):
     """The seed's metadata handler protocol, with its records in the checkpoint directory.
 
     ``keep_last``/``keep_every``/``keep_best``: retention (see
@@ -344,38 +342,6 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         return room.writable(d) and room.fits(d, *self._space_needed())
 
     # -- epochal's optional extensions
-    def acquire_lock(self) -> None:
-        """Take the directory's writer lock (``.epochal/lock``) for a run: JobRunner.train
-        calls this right after ``set_params`` and :meth:`release_lock` when it ends. A second
-        writer gets CheckpointLockedError naming the holder; see :mod:`.lock`. At a URL it is
-        the lease ``.epochal/lease.json`` (see :mod:`.lease`), renewed in the background."""
-        d = self._dir()
-        path = os.path.join(d.records_dir, LOCK_FILE)
-        if self._lock is not None and self._lock_path != path:
-            self._lock.release()
-            self._lock = None
-        if self._lock is None:
-            self._lock, self._lock_path = d.records.writer_lock(path, self.lease_seconds), path
-            if hasattr(self._lock, "owner"):  # named in the refusal of a second lock in this process
-                self._lock.owner = repr(self)
-        d.records.makedirs(d.records_dir)
-        self._lock.acquire()
-        self._index = None  # read afresh under the lock: another writer may have held it
-        if d.records.remote and not isinstance(d.records, CachedRecords):
-            d.records = CachedRecords(d.records)  # the lease holder's: commits cost O(1) requests
-        if d.records.remote and self.clean_temp:  # the holder alone may remove dead uploads
-            try:
-                cleanup.clean_temp_keys(d)
-            except OSError as ex:
-                logger.warning("Cannot remove leftover uploads at %s: %s", d.db_dir, ex)
-
-    def release_lock(self) -> None:
-        """Let the writer lock go (no-op when not held)."""
-        if self._lock is not None:
-            self._lock.release()
-        if self.directory is not None and isinstance(self.directory.records, CachedRecords):
-            self.directory.records = self.directory.records.inner  # trusted only while held
-
     def location(self) -> str | None:
         """The checkpoint directory (None before ``set_params``)."""
         return self.directory.db_dir if self.directory is not None else None
@@ -512,12 +478,6 @@ class DirectoryMetadataHandler(MirrorSync, BaseMetadataHandler):
         """What each node said of its db of ``epoch`` (size, digest), just before ``write``:
         the commit then records these and never opens a node's file."""
         self._reported[int(epoch)] = dict(dbs)
-
-    def _fence(self) -> None:
-        """Prove this job still holds the writer lock before it writes (renews a lease;
-        CheckpointLockedError naming the new holder when another job took it over)."""
-        if self._lock is not None:
-            self._lock.fence()
 
 
 __all__ = ["CheckpointDirectory", "DirectoryMetadataHandler", "RetentionPolicy", "best_of_directory"]

@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...storage.encoding.codecs import LoadOptions, load_options
 from ...storage.formats.base import BlobInfo
-from ...storage.formats.native.mapped import MappedViews
 from ...storage.formats.native.reader import NativeFile
+from ...storage.formats.native.reads.mapped import MappedViews
 from ...storage.io import tuning
 from ...storage.io.seam import is_url, store_for
 from ..torch import dtype_name

@@ -66,7 +66,7 @@ from ...storage.formats.native.reader import NativeFile, stat_native
 from ...storage.formats.native.writer import write_native
 from ...storage.io.location import location_for
 from ...storage.io.seam import is_url, local_path
-from .. import world as _world
+from ..distributed import world as _world
 from .blocks import block_rows, split_rows
 from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
 from .planners import item_value

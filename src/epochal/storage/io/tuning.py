@@ -73,7 +73,7 @@ DIRECT_MIN_PINNED: int | None = 16 << 20
 DIRECT_READ = True
 #: a cold load into live objects may stage the segments read in place through O_DIRECT
 #: copies of at most this many bytes (and half the memory available), checked whole before
-#: the first live byte is written, then copied (storage/formats/native/inplace.py
+#: the first live byte is written, then copied (storage/formats/native/reads/inplace.py
 #: :func:`stage_direct`). Off (0) by default: the copies are fresh memory, whose first-touch
 #: faults cost about 1 ms per MiB on the VM measured, more than the disk's read (874 MiB LM
 #: + AdamW, paired: 1.28x the page-cache path's time quiet, N=5; 1.40x busy, N=6)

@@ -18,9 +18,11 @@ One file per (node, epoch)::
 
 Modules: :mod:`.layout` (the spec in code: constants, tables, superblock), :mod:`.index`
 (parsing and validation from bytes alone), :mod:`.writer` (planning and streamed writes),
-:mod:`.reader` (open, resolve, allocate, choose a read path, decode), one module per read
-path (:mod:`.batch`, :mod:`.inplace`, :mod:`.parallel`, :mod:`.fill`, :mod:`.mapped`),
-:mod:`.items` (the typed items the phases pass) and :mod:`.backend`. Tuning thresholds are in
+:mod:`.reader` (open, resolve, allocate, choose a read path, decode), the read paths in
+:mod:`.reads` (one module each: :mod:`.reads.batch`, :mod:`.reads.inplace`,
+:mod:`.reads.parallel`, :mod:`.reads.fill`, :mod:`.reads.mapped`, :mod:`.reads.coded`, and
+:mod:`.reads.ranges` for byte ranges of one blob), :mod:`.items` (the typed items the phases
+pass) and :mod:`.backend`. Tuning thresholds are in
 :mod:`epochal.storage.io.tuning`, the I/O machinery in :mod:`epochal.storage.io`.
 
 Public entry points: :class:`NativeBackend` (registered as ``db_type="native"``),

@@ -41,7 +41,7 @@ from ...io.extent_sink import ExtentSink, Piece, digest
 from ...io.extents import ExtentSource, RefFile
 from ...io.seam import committed, is_url, store_for
 from .layout import SUPERBLOCK_SIZE, pack_superblock
-from .ranges import RangedFile
+from .reads.ranges import RangedFile
 from .writer import index_bytes, plan_file, write_data
 
 logger = logging.getLogger("epochal")

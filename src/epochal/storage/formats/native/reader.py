@@ -33,7 +33,6 @@ from ...io.extents import blame_refs, open_db
 from ...io.reads import read_bytes, read_exact
 from ...io.seam import ByteSource
 from ..base import BlobInfo, ReadStats
-from . import batch, coded, fill, inplace, mapped
 from .checks import GroupSums, check_meta
 from .index import Index
 from .items import DECODE_ERRORS, LoadItem, Opened, raise_codec_error
@@ -47,6 +46,7 @@ from .layout import (
     corrupt,
     parse_superblock,
 )
+from .reads import batch, coded, fill, inplace, mapped
 
 __all__ = ["NativeFile", "allocate", "decode", "open_native", "stat_native"]
 

@@ -15,14 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ....errors import CheckpointError
-from ...encoding import codecs as _codecs
-from ...encoding.codecs import flat_writable
-from ...encoding.compress import decode_frames
-from ...io.reads import read_bytes, read_exact
-from .frames import CodedTable
-from .items import DECODE_ERRORS, LoadItem, Opened
-from .layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
+from .....errors import CheckpointError
+from ....encoding import codecs as _codecs
+from ....encoding.codecs import flat_writable
+from ....encoding.compress import decode_frames
+from ....io.reads import read_bytes, read_exact
+from ..frames import CodedTable
+from ..items import DECODE_ERRORS, LoadItem, Opened
+from ..layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
 
 __all__ = ["read_coded", "read_range", "stats", "verify_coded"]
 

@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ...io import direct, tuning
-from ...io.checksum import combined
-from ...io.reads import read_bytes, read_exact
-from ...io.threads import contiguous, run_parallel
-from ..base import report_progress
-from .items import BigRead, Opened
-from .layout import DAMAGED_PAD, corrupt
+from ....io import direct, tuning
+from ....io.checksum import combined
+from ....io.reads import read_bytes, read_exact
+from ....io.threads import contiguous, run_parallel
+from ...base import report_progress
+from ..items import BigRead, Opened
+from ..layout import DAMAGED_PAD, corrupt
 
 __all__ = ["read_parallel"]
 

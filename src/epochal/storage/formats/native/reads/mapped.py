@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...io import direct as _direct
-from ...io import tuning
-from ...io.checksum import checksum_spans
-from ...io.threads import cpu_threads
-from ..base import report_progress
-from .items import LoadItem, Opened
-from .layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
+from ....io import direct as _direct
+from ....io import tuning
+from ....io.checksum import checksum_spans
+from ....io.threads import cpu_threads
+from ...base import report_progress
+from ..items import LoadItem, Opened
+from ..layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
 
 __all__ = ["MappedViews", "map_views", "verified_views"]
 

@@ -53,22 +53,22 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoint.handler.directory import DirectoryMetadataHandler
-from ..checkpoint.location.best import metric_number
-from ..checkpoint.location.view import CheckpointDirectory, best_of_directory
-from ..errors import CheckpointCorruptError, CheckpointError
-from ..jobs.cadence import Cadence, parse_interval
-from ..jobs.preemption import SignalGuard
-from ..storage.encoding.compress import WriteOptions, write_options
-from ..storage.io.location import location_for
-from ..storage.io.seam import local_path
-from .dcp import META_NODE, EpochalStorageReader, EpochalStorageWriter, Whole
-from .dcp.background import Pending, Worker
-from .dcp.plan_cache import RecordingSavePlanner, SavePlanCache
-from .dcp.staging import HostStaging
-from .rank_state import dcp_state
-from .rank_tier import RankTier
-from .ranks import RankGroup, process_world, unwrap_failure
+from ...checkpoint.handler.directory import DirectoryMetadataHandler
+from ...checkpoint.location.best import metric_number
+from ...checkpoint.location.view import CheckpointDirectory, best_of_directory
+from ...errors import CheckpointCorruptError, CheckpointError
+from ...jobs.cadence import Cadence, parse_interval
+from ...jobs.preemption import SignalGuard
+from ...storage.encoding.compress import WriteOptions, write_options
+from ...storage.io.location import location_for
+from ...storage.io.seam import local_path
+from ..dcp import META_NODE, EpochalStorageReader, EpochalStorageWriter, Whole
+from ..dcp.background import Pending, Worker
+from ..dcp.plan_cache import RecordingSavePlanner, SavePlanCache
+from ..dcp.staging import HostStaging
+from ..ranks import RankGroup, process_world, unwrap_failure
+from .state import dcp_state
+from .tier import RankTier
 from .world import SINGLE_NODE, load_one_process_step
 
 __all__ = ["DistributedCheckpointer", "process_world"]

@@ -21,14 +21,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ...io.checksum import checksum_function
-from ...io.extents import blame_refs, open_db
-from ...io.reads import read_bytes, read_exact
-from ...io.seam import ByteSource
+from ....io.checksum import checksum_function
+from ....io.extents import blame_refs, open_db
+from ....io.reads import read_bytes, read_exact
+from ....io.seam import ByteSource
+from ..index import Index
+from ..items import Opened
+from ..layout import SUPERBLOCK_SIZE, corrupt, parse_superblock
 from . import coded
-from .index import Index
-from .items import Opened
-from .layout import SUPERBLOCK_SIZE, corrupt, parse_superblock
 
 __all__ = ["RangedFile", "Segment"]
 

@@ -26,16 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from ...encoding import codecs as _codecs
-from ...encoding.codecs import flat_writable
-from ...io import direct as _direct
-from ...io import tuning
-from ...io.checksum import checksum_spans
-from ...io.reads import Prefetcher, merged_ranges, read_bytes, read_exact
-from ...io.threads import Worker, contiguous, cpu_threads, run_parallel
-from ..base import report_progress
-from .items import Direct, LoadItem, Opened, raise_codec_error
-from .layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
+from ....encoding import codecs as _codecs
+from ....encoding.codecs import flat_writable
+from ....io import direct as _direct
+from ....io import tuning
+from ....io.checksum import checksum_spans
+from ....io.reads import Prefetcher, merged_ranges, read_bytes, read_exact
+from ....io.threads import Worker, contiguous, cpu_threads, run_parallel
+from ...base import report_progress
+from ..items import Direct, LoadItem, Opened, raise_codec_error
+from ..layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
 
 __all__ = ["cached", "direct_targets", "read_direct", "stage_direct", "verify_direct", "verify_direct_read", "verify_direct_streamed"]
 

@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from ...encoding import codecs as _codecs
-from ...encoding.dtypes import MAX_DIM
-from ...io import tuning
-from ...io.checksum import checksum_function
-from ...io.reads import Prefetcher, merged_ranges
-from ...io.threads import Worker
-from .index import Index
-from .items import Opened
-from .layout import ALIGN, DAMAGED_DATA, DAMAGED_GROUP, DAMAGED_PAD, corrupt
+from ....encoding import codecs as _codecs
+from ....encoding.dtypes import MAX_DIM
+from ....io import tuning
+from ....io.checksum import checksum_function
+from ....io.reads import Prefetcher, merged_ranges
+from ....io.threads import Worker
+from ..index import Index
+from ..items import Opened
+from ..layout import ALIGN, DAMAGED_DATA, DAMAGED_GROUP, DAMAGED_PAD, corrupt
 
 __all__ = ["read_small_arrays"]
 

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..checkpoint.tasks.steps import INTERNAL_PREFIX
-from ..errors import CheckpointError
-from .dcp import Whole
+from ...checkpoint.tasks.steps import INTERNAL_PREFIX
+from ...errors import CheckpointError
+from ..dcp import Whole
 
 __all__ = ["PER_RANK_TYPES", "dcp_state", "rank_key"]
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Set
 
-from ...io import atomic, tuning
-from ...io.checksum import Checksummer, checksum_function
-from ...io.reads import Prefetcher, merged_ranges, read_bytes
+from ....io import atomic, tuning
+from ....io.checksum import Checksummer, checksum_function
+from ....io.reads import Prefetcher, merged_ranges, read_bytes
+from ..index import Columns
+from ..items import BigRead, LoadItem, Opened
+from ..layout import ALIGN, DAMAGED_DATA, DAMAGED_PAD, corrupt
 from . import parallel
-from .index import Columns
-from .items import BigRead, LoadItem, Opened
-from .layout import ALIGN, DAMAGED_DATA, DAMAGED_PAD, corrupt
 
 __all__ = ["fill"]
 

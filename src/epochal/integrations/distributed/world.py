@@ -16,13 +16,13 @@ import sys
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint.location.view import CheckpointDirectory
-from ..checkpoint.tasks.steps import LoadBlobs
-from ..errors import CheckpointError
-from ..storage.io.seam import is_url
+from ...checkpoint.location.view import CheckpointDirectory
+from ...checkpoint.tasks.steps import LoadBlobs
+from ...errors import CheckpointError
+from ...storage.io.seam import is_url
 
 if TYPE_CHECKING:  # (ranks imports torch; this module must not)
-    from .ranks import RankGroup
+    from ..ranks import RankGroup
 
 __all__ = ["SINGLE_NODE", "distributed_world", "load_one_process_step", "process_group_initialized",
            "use_distributed", "written_by_ranks"]

@@ -1,7 +1,7 @@
 """The local tier of a Checkpointer under ``torch.distributed``: each rank's part of every step in
 its node-local directory, a copy on a peer, and a restore from the nearest intact place.
 
-Each rank saves its own part of a step — the state dict :func:`~.rank_state.dcp_state` gives it
+Each rank saves its own part of a step — the state dict :func:`~.state.dcp_state` gives it
 (its shards, its per-rank values, the replicated values) — with the same DCP save the store gets,
 but process-group-free (``no_dist``) into ``<local>/rank<r>``: a complete, ordinary epochal
 location of one writer (a ``rank0.<step>`` db, a metadata db, a committed manifest, retention
@@ -36,15 +36,15 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoint.handler.directory import DirectoryMetadataHandler
-from ..checkpoint.location.view import CheckpointDirectory
-from ..errors import CheckpointCorruptError, CheckpointError
-from ..storage.io.checksum import checksum
-from ..storage.io.seam import committed, disk_store, local_path
-from .dcp import EpochalStorageReader, EpochalStorageWriter
-from .dcp.staging import HostStaging
-from .rank_state import dcp_state
-from .ranks import RankGroup, unwrap_failure
+from ...checkpoint.handler.directory import DirectoryMetadataHandler
+from ...checkpoint.location.view import CheckpointDirectory
+from ...errors import CheckpointCorruptError, CheckpointError
+from ...storage.io.checksum import checksum
+from ...storage.io.seam import committed, disk_store, local_path
+from ..dcp import EpochalStorageReader, EpochalStorageWriter
+from ..dcp.staging import HostStaging
+from ..ranks import RankGroup, unwrap_failure
+from .state import dcp_state
 
 __all__ = ["RankTier"]
 
