@@ -337,11 +337,16 @@ def test_export(ckpt: dict[str, Any], tmp_path: Path) -> None:
 # ------------------------------------------------------------------ demo
 def test_demo_then_ls(tmp_path: Path) -> None:
     d = tmp_path / "demo"
-    proc = run("demo", "--dir", str(d), "--epochs", "2", "--quiet")
+    proc = run("demo", "--dir", str(d), "--epochs", "2", "--points", "3000", "--quiet")
     assert proc.returncode == 0, proc.stderr
     listing = jout(run("ls", str(d), "--json"))
     assert [e["epoch"] for e in listing["epochs"] if e["committed"]][-1] == 2
     assert run("verify", str(d)).returncode == 0
+    from epochal import CheckpointDirectory, get_db_type
+
+    db = CheckpointDirectory(str(d)).db_path("trainer", 2)
+    shapes = {b.name: b.shape for b in get_db_type("native").describe(db)}
+    assert shapes["data/x"] == (3000, 2)  # --points chose the training set's size
 
 
 def test_blob_record_names_python_scalar_types(tmp_path: Path) -> None:

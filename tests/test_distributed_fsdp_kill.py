@@ -96,9 +96,10 @@ def test_fsdp2_killed_inside_a_save_and_at_random_resumes_bit_identical(tmp_path
     procs = _launch(run / "ckpt", run / "out")
     first = _read_until(procs[0], "resumed")
     assert f"resumed {stall_step - 3} " in first, first
-    committed = len(d.committed_epochs())
+    newest = d.committed_epochs()[-1]  # (keep_last=2: the count of steps stays the same)
     deadline = time.monotonic() + 60
-    while len(d.committed_epochs()) == committed and time.monotonic() < deadline:
+    while (d.committed_epochs()[-1] == newest and any(p.poll() is None for p in procs)
+           and time.monotonic() < deadline):
         time.sleep(0.01)
     time.sleep(rnd.uniform(0.0, 0.3))
     if all(p.poll() is None for p in procs):

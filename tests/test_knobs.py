@@ -86,10 +86,10 @@ def test_cli_quiet_is_passed_on_not_written_to_the_environment(tmp_path, monkeyp
 
     monkeypatch.delenv("EPOCHAL_QUIET", raising=False)
     env_before = dict(os.environ)
-    loud = CliRunner().invoke(cli, ["demo", "--dir", str(tmp_path / "a"), "--epochs", "1"])
+    loud = CliRunner().invoke(cli, ["demo", "--dir", str(tmp_path / "a"), "--epochs", "1", "--points", "3000"])
     assert loud.exit_code == 0, loud.output
     assert "done: epoch" in loud.output
-    quiet = CliRunner().invoke(cli, ["-q", "demo", "--dir", str(tmp_path / "b"), "--epochs", "1"])
+    quiet = CliRunner().invoke(cli, ["-q", "demo", "--dir", str(tmp_path / "b"), "--epochs", "1", "--points", "3000"])
     assert quiet.exit_code == 0, quiet.output
     assert "done: epoch" not in quiet.output and "epoch" not in quiet.output
     assert (tmp_path / "b" / ".epochal").is_dir()  # it did train and checkpoint

@@ -473,9 +473,11 @@ def pull_cmd(ctx: click.Context, url: str, directory: str, epoch: int | None,
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Epochs to train (default: the demo's own).")
 @click.option("--more", type=click.IntRange(min=1), default=None,
               help="Train this many epochs past the newest committed one (each run continues the job).")
+@click.option("--points", type=click.IntRange(min=300), default=None,
+              help="Training points per epoch, chosen when the job starts (default 500,000; fewer: faster epochs).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.pass_context
-def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, more: int | None, quiet: bool) -> int:
+def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, more: int | None, points: int | None, quiet: bool) -> int:
     """Train a small numpy MLP as an epochal Job, checkpointing every epoch into --dir.
 
     Run it again (or interrupt it with Ctrl-C and rerun) and it resumes from the last
@@ -485,11 +487,9 @@ def demo_cmd(ctx: click.Context, directory: str, epochs: int | None, more: int |
         from ..demo import run_demo
     except ImportError as e:
         raise Problem(f"the demo is not available in this installation: {e}") from None
-    kwargs: dict[str, Any] = {"quiet": quiet or _out(ctx).quiet or knobs.is_quiet()}
-    if epochs is not None:
-        kwargs["epochs"] = epochs
-    if more is not None:
-        kwargs["more"] = more
+    given = {"epochs": epochs, "more": more, "points": points}
+    kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    kwargs["quiet"] = quiet or _out(ctx).quiet or knobs.is_quiet()
     from ..errors import Preempted
 
     try:
