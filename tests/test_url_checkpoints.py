@@ -20,6 +20,7 @@ pytest.importorskip("fsspec", reason="the s3 extra is not installed")
 from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
 
 import epochal as ep  # noqa: E402
+from epochal.checkpoint.location.naming import db_token, split_db_file  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 from epochal.errors import CheckpointError, CheckpointLockedError  # noqa: E402
 from epochal.storage.io.remote.fsspec_store import filesystem_for  # noqa: E402
@@ -56,12 +57,19 @@ def _cat(url: str) -> bytes:
     return bytes(fs.cat_file(path))
 
 
+def _db(url: str, node: str, epoch: int) -> str:
+    """The URL of ``node``'s committed db of ``epoch``, as its manifest names it (with its
+    writer's token)."""
+    return CheckpointDirectory(url).db_path(node, epoch)
+
+
 def _forget_after(url: str, epoch: int) -> None:
     """Make the URL look like the job died right after committing ``epoch``."""
     fs, root = filesystem_for(url)
     for key in _keys(url):
         name = key.rsplit("/", 1)[-1]
-        ep_ = name.split(".")[-2] if name.endswith(".json") else name.rsplit(".", 1)[-1]
+        split = split_db_file(name)
+        ep_ = name.split(".")[-2] if name.endswith(".json") else str(split[1]) if split else ""
         if ep_.isdigit() and int(ep_) > epoch:
             fs.rm_file(f"{root}/{key}")
 
@@ -75,8 +83,9 @@ def test_a_job_at_a_url_end_to_end_and_resumed_from_it(
     keys = _keys(url)
     for epoch in range(LAST + 1):
         assert f".epochal/manifest.{epoch}.json" in keys
-        for node in NODES:
-            assert f"{node}.{epoch}" in keys
+        for node in NODES:  # each db named with its writer's token, as the manifest says
+            name = _db(url, node, epoch).rsplit("/", 1)[-1]
+            assert name in keys and name.startswith(f"{node}.{epoch}.") and db_token(name) is not None
     assert not [k for k in keys if ".tmp." in k]
     assert ".epochal/lease.json" not in keys  # released when train ended
     d = CheckpointDirectory(url)
@@ -84,13 +93,13 @@ def test_a_job_at_a_url_end_to_end_and_resumed_from_it(
     manifest = d.manifest(LAST)
     assert manifest["final"] is True
     for node in NODES:  # the manifest records what the nodes reported: true sizes and digests
-        db = f"{url}/{node}.{LAST}"
+        db = _db(url, node, LAST)
         assert manifest["nodes"][node]["size"] == len(_cat(db))
         assert manifest["nodes"][node]["digest"] == ep.get_db_type("native").digest(db)
         got = ep.get_db_type("native").read(db, [f"{node}/total"])
         assert int(np.asarray(got[f"{node}/total"])[0]) == EXPECTED_TOTALS[-1]
     assert d.check_epoch(LAST, "full") == []
-    uninterrupted = {node: _cat(f"{url}/{node}.{LAST}") for node in NODES}
+    uninterrupted = {node: _cat(_db(url, node, LAST)) for node in NODES}
     m2 = _cat(f"{url}/.epochal/manifest.2.json")
 
     _forget_after(url, 2)  # the job died after committing epoch 2; a fresh session resumes
@@ -98,7 +107,7 @@ def test_a_job_at_a_url_end_to_end_and_resumed_from_it(
     assert _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts) == LAST
     assert _cat(f"{url}/.epochal/manifest.2.json") == m2  # epochs 0..2 were not retrained
     for node in NODES:
-        assert _cat(f"{url}/{node}.{LAST}") == uninterrupted[node]  # bit-identical
+        assert _cat(_db(url, node, LAST)) == uninterrupted[node]  # bit-identical
     assert os.listdir(tmp_path) == []
     loads = [r for r in CheckpointDirectory(url).stats() if r["action"] == "checkpoint_load"]
     assert sorted((r["epoch"], r["node"]) for r in loads) == [(2, n) for n in NODES]
@@ -114,7 +123,7 @@ def test_retention_pins_and_stats_at_the_url(where: tuple[str, dict[str, Any] | 
     assert d.pins() == {1}
     keys = _keys(url)
     assert sorted(k for k in keys if not k.startswith(".epochal/")) == sorted(
-        f"{n}.{e}" for n in NODES for e in (1, LAST - 1, LAST))
+        _db(url, n, e).rsplit("/", 1)[-1] for n in NODES for e in (1, LAST - 1, LAST))
     stats = d.stats()
     saves = [(r["epoch"], r["node"]) for r in stats if r["action"] == "checkpoint_save"]
     assert sorted(saves) == sorted((e, n) for e in range(LAST + 1) for n in NODES)
@@ -196,7 +205,7 @@ def test_resume_at_a_url_reads_headers_only_and_a_damaged_db_found_by_the_load_f
     url, opts = where
     assert _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts) == LAST
     _forget_after(url, 2)
-    sizes = sum(len(_cat(f"{url}/{n}.2")) for n in NODES)
+    sizes = sum(len(_cat(_db(url, n, 2))) for n in NODES)
     asked: list[int] = []
     real = fsspec_store.FsspecSource.read
 
@@ -212,7 +221,8 @@ def test_resume_at_a_url_reads_headers_only_and_a_damaged_db_found_by_the_load_f
     assert 0 < sum(asked) < sizes // 4  # size and digest from headers, not every byte
     monkeypatch.undo()
 
-    fs, path = filesystem_for(f"{url}/trainer_1.2")
+    damaged = _db(url, "trainer_1", 2)
+    fs, path = filesystem_for(damaged)
     data = bytearray(fs.cat_file(path))
     at = data.find(np.arange(10, dtype=np.int64).tobytes())  # trainer_1/data's bytes
     assert at > 0
@@ -221,11 +231,11 @@ def test_resume_at_a_url_reads_headers_only_and_a_damaged_db_found_by_the_load_f
     # an explicit epoch: the load's error names the db
     with pytest.raises(CheckpointError) as e:
         _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts, resume=2)
-    assert f"{url}/trainer_1.2" in str(e.value)
+    assert damaged in str(e.value)
     # the chosen epoch: the load finds the damage and the run falls back to epoch 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="epochal"):
         assert _train(url, ep.DirectoryMetadataHandler(storage_options=opts), opts) == LAST
     said = [r.getMessage() for r in caplog.records]
-    assert any("epoch 2 is damaged" in m and f"{url}/trainer_1.2" in m for m in said), said
+    assert any("epoch 2 is damaged" in m and damaged in m for m in said), said
     assert any("Resuming from epoch 1" in m for m in said), said

@@ -210,8 +210,8 @@ class Checkpointer:
         self._last_save = time.monotonic()
         #: the node-local fast tier (``local=``; None without one): see :mod:`.tier`
         self._tier = None if local is None else LocalTier(
-            local, keep=local_keep, persist_every=persist_every, durable=self._engine, durable_db=self.db_path,
-            durable_options=self._storage_options, saver=self._saver)
+            local, keep=local_keep, persist_every=persist_every, durable=self._engine,
+            durable_db=lambda s: self._dir.new_db_path(NODE, s), durable_options=self._storage_options, saver=self._saver)
         self._guard = SignalGuard((signal.SIGTERM,), word="step").__enter__()
         self._closed = False
 
@@ -250,11 +250,10 @@ class Checkpointer:
         return self._guard.signum is not None
 
     def db_path(self, step: int) -> str:
-        """The db of ``step`` (``<directory>/local.<step>``)."""
+        """The db of ``step``: ``<directory>/local.<step>`` (at a URL, its manifest's name)."""
         if self.distributed is not None:
             raise ValueError(f"{self!r}: a step saved across ranks has a db per rank (docs/format.md), not one")
         return self._dir.db_path(NODE, int(step))
-
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
                 strict: bool = True) -> int | None:
         """Restore ``state`` from the newest intact checkpoint and return its step; None (and
@@ -371,7 +370,7 @@ class Checkpointer:
         if not self._saved and not self._restored:
             self._warn_older(step)
         self._saved = True
-        db = self.db_path(step)
+        db = self._dir.new_db_path(NODE, step)  # at a URL: a name no other writer can produce
         self._last_save = time.monotonic()
         if self._tier is not None:
             self._tier.save(step, state, names, metrics, background=self.async_save,

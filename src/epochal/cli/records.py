@@ -196,9 +196,13 @@ def ls_prefix(prefix: str, limit: int | None = None) -> tuple[dict[str, Any], Be
         mnodes: dict[str, DbEntry] = m.nodes if m is not None else {}
         files: dict[str, Any] = {}
         for n in nodes:
-            path = present.get(e, {}).get(n)
+            named = mnodes[n].file if n in mnodes else None  # (at a URL: a writer's token in it)
+            if named and os.path.basename(named) == named:
+                path: str | None = os.path.join(prefix, named)
+            else:
+                path = present.get(e, {}).get(n)
             if path is None and n in mnodes:
-                path = os.path.join(prefix, mnodes[n].file or f"{n}.{e}")
+                path = os.path.join(prefix, f"{n}.{e}")
             if path is None:
                 continue
             files[n] = rec.file_record(path)

@@ -29,13 +29,15 @@ from ...storage.io import atomic
 from ..location.index import MetricIndex
 from ..location.lock import pid_alive
 from ..location.manifest import Manifest
+from ..location.naming import db_token, names_db_of
 from ..location.retention import RetentionPolicy, best_epochs, metric_unreadable
 from ..location.view import CheckpointDirectory
 from .references import referenced
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["apply_retention", "clean_temp_files", "clean_temp_keys", "metric_index", "read_manifests"]
+__all__ = ["apply_retention", "clean_orphan_dbs", "clean_temp_files", "clean_temp_keys", "metric_index",
+           "read_manifests"]
 
 
 def read_manifests(d: CheckpointDirectory, epochs: Iterable[int]) -> tuple[dict[int, Manifest], dict[int, str]]:
@@ -127,6 +129,7 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
     of the steps about to be deleted and of the ``keep_best`` best ones, and the metrics index;
     ``keep_every`` and pins decide by the step number alone."""
     if policy.keeps_everything:
+        clean_orphan_dbs(d, newest)
         return []
     try:
         pins = d.pins()
@@ -171,17 +174,16 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
     known = set(node_names)
     for m in reads.good.values():
         known.update(m.nodes)
-    scanned = d.scan()
-
-    def on_disk(e: int) -> dict[str, str]:  # (asked only of the epochs deleted: CPU per commit)
-        return {n: p for n, p in scanned.get(e, {}).items()
-                if n in known and os.path.basename(p) == os.path.basename(d.db_path(n, e))}
+    scanned: dict[int, list[str]] = {}
+    for e, n, p in d.db_files():
+        if n in known:
+            scanned.setdefault(e, []).append(p)
 
     in_use: list[set[str] | None] = []  # names kept steps' dbs take bytes from (read once, when needed)
 
     def unused(paths: Iterable[str]) -> list[str]:
         """``paths`` but those a kept step references (all of them when that is unknown)."""
-        paths = list(paths)
+        paths = sorted(paths)
         if paths and not in_use and not d.has_incremental():  # no step here references another's db
             in_use.append(set())
         if paths and not in_use:
@@ -191,29 +193,28 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
             return []
         return [p for p in paths if os.path.basename(p) not in names]
 
-    for epoch in doomed:
-        nodes = reads.good[epoch].nodes
-        files = [d.db_path(n, epoch) for n, entry in nodes.items()
-                 if entry.file == os.path.basename(d.db_path(n, epoch))]
+    for epoch in doomed:  # its manifest's dbs, and every writer's db of it (a token each, at a URL)
+        files = [d.path_of(entry.file) for n, entry in reads.good[epoch].nodes.items()
+                 if names_db_of(entry.file, n, epoch, d.file_prefix)]
         d.records.delete(d.manifest_path(epoch))
         d.records.sync_dir(d.records_dir)
-        for path in unused({*files, *on_disk(epoch).values()}):
+        for path in unused({*files, *scanned.get(epoch, ())}):
             d.records.delete(path)
         logger.info("Retention: deleted the checkpoint of epoch %d", epoch)
     # leftovers of saves that never committed (or of a delete that was interrupted): dbs of
     # epochs older than the newest commit with no manifest file at all (asked once more)
     listed = set(manifests)
-    for epoch in scanned:
+    for epoch, dbs in scanned.items():
         if epoch >= newest or epoch in listed or epoch in pins:
             continue
-        dbs = on_disk(epoch)
         if dbs and _manifest_absent(d, epoch):
-            gone = unused(dbs.values())
+            gone = unused(dbs)
             for path in gone:
                 d.records.delete(path)
             if not gone:
                 continue
-            logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs.values()))
+            logger.info("Retention: removed the uncommitted dbs of epoch %d: %s", epoch, sorted(dbs))
+    clean_orphan_dbs(d, newest, {e: m for e, m in reads.good.items() if e not in doomed})
     d.records.sync_dir(d.db_dir)
     if index is not None:
         for epoch, manifest in reads.good.items():  # what was read is the truth: the index follows
@@ -221,6 +222,48 @@ def apply_retention(d: CheckpointDirectory, newest: int, policy: RetentionPolicy
         index.forget(doomed)
         index.save()
     return doomed
+
+
+def clean_orphan_dbs(d: CheckpointDirectory, newest: int | None = None,
+                     known: dict[int, Manifest] | None = None) -> list[str]:
+    """At a URL: delete the dbs of writers that lost the lease (paused inside an upload past
+    it, or killed), named with their own token, of committed epochs (up to ``newest``) whose
+    manifest names another file for that node; return their URLs. Only the lease holder
+    calls this (after its commit, and as it takes the lease), so no save that could still
+    commit such a db is in flight. Never deleted: a file a manifest names, a name without a
+    writer token, a db of an epoch whose manifest is missing (retention's rule) or does not
+    read, one that a kept incremental step takes bytes from. Only epochs with more than one
+    db of a node are looked at (their manifests read, ``known``: those already read), so a
+    commit in the steady state reads nothing more."""
+    if not d.records.remote:
+        return []
+    by: dict[tuple[int, str], list[str]] = {}
+    for e, n, p in d.db_files():
+        if newest is None or e <= newest:
+            by.setdefault((e, n), []).append(p)
+    several = {e for (e, _), paths in by.items() if len(paths) > 1}
+    if not several:
+        return []
+    listed = set(d.manifest_epochs())
+    good = {e: m for e, m in (known or {}).items() if e in several}
+    got, _ = d.read_manifests(sorted(e for e in several if e in listed and e not in good))
+    good.update(got)
+    doomed: list[str] = []
+    for (e, n), paths in sorted(by.items()):
+        entry = good[e].nodes.get(n) if e in good and len(paths) > 1 else None
+        if entry is None or not names_db_of(entry.file, n, e, d.file_prefix):
+            continue
+        doomed.extend(p for p in paths
+                      if os.path.basename(p) != entry.file and db_token(os.path.basename(p)) is not None)
+    if doomed and d.has_incremental():  # never one a committed step takes bytes from
+        every, bad = d.read_manifests(sorted(listed))
+        names = None if bad else referenced(d.path_of(x.file) for m in every.values() for x in m.nodes.values())
+        doomed = [] if names is None else [p for p in doomed if os.path.basename(p) not in names]
+    removed = [p for p in doomed if d.records.delete(p)]
+    if removed:
+        logger.info("Removed %d db(s) of writers that lost the lease (no manifest names them): %s",
+                    len(removed), removed)
+    return removed
 
 
 def _unlink(path: str) -> bool:
@@ -287,4 +330,4 @@ def clean_temp_keys(d: CheckpointDirectory) -> list[str]:
                 logger.warning("Cannot remove the leftover upload %s: %s", path, ex)
     if removed:
         logger.info("Removed %d leftover upload key(s) of killed saves: %s", len(removed), removed)
-    return removed
+    return removed + clean_orphan_dbs(d)

@@ -1,5 +1,7 @@
 """What a commit records of each node's db: its file name, size and digest (a
-:class:`~.manifest.DbEntry`), once the db is durable.
+:class:`~.manifest.DbEntry`), once the db is durable. The file name is the one its writer
+reported (at a URL it carries the writer's token, see
+:mod:`~epochal.checkpoint.location.naming`); a db reported without one is ``<node>.<epoch>``.
 
 A node that reported its db (:class:`~.metadata.DbReport`, through the manager) is taken at
 its word: the driver never opens that file (it may be on another machine, or at a URL). A
@@ -15,10 +17,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ...errors import CheckpointNotFoundError
+from ...errors import CheckpointError, CheckpointNotFoundError
 from ...storage.formats.base import DbBackend
 from ...storage.io import atomic
 from ..location.manifest import DbEntry
+from ..location.naming import db_token, names_db_of
 from ..location.record_cache import CachedRecords
 from ..location.records import RecordStore
 from ..location.view import CheckpointDirectory
@@ -35,7 +38,14 @@ def durable_entries(
     durable. CheckpointNotFoundError naming the node and file when a db does not exist."""
     nodes: dict[str, DbEntry] = {}
     for node in node_names:
-        path = d.db_path(node, epoch)
+        got = reported.get(node)
+        if got is not None and got.file is not None and db_token(got.file) is not None:  # a writer's own name
+            if not names_db_of(got.file, node, epoch, d.file_prefix):
+                raise CheckpointError(f"cannot commit epoch {epoch}: node {node!r} reported db {got.file!r}, "
+                                      f"not a db name of that node and epoch")
+            path = d.path_of(got.file)
+        else:
+            path = d.plain_db_path(node, epoch)
         if node in reported or d.records.remote:  # the node said (or the store will)
             nodes[node] = _entry(d, backend, node, path, reported.get(node))
             continue

@@ -302,7 +302,7 @@ class DirectoryMetadataHandler(WriterLockHolder, MirrorSync, BaseMetadataHandler
             created=_utcnow(),
             final=self._expect_final == epoch,  # see expect_final
             nodes=nodes,
-            metrics=collect_metrics(self.policy, metrics, [d.db_path(n, epoch) for n in self.node_names],
+            metrics=collect_metrics(self.policy, metrics, [d.path_of(e.file) for e in nodes.values()],
                                     self.db_type, epoch),
             keep_best=keep_best_record(self.policy),
         )
@@ -311,6 +311,7 @@ class DirectoryMetadataHandler(WriterLockHolder, MirrorSync, BaseMetadataHandler
         # create-only at a URL: a writer paused past its lease never replaces a commit
         commit_manifest(d.records, d.manifest_path(epoch), manifest.encode(), self.storage_options or None,
                         self._lock.fence if self._lock is not None else None)
+        d.note_manifest(epoch, manifest)  # (its db names, for this process's reads)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
         try:
             self.apply_retention(epoch)

@@ -21,6 +21,9 @@ class DbReport:
     digest: str | None
     #: the node also uploaded it to the handler's mirror (see ``node_push_target``)
     pushed: bool = False
+    #: the db's file name (a base name) when its writer chose it: at a URL it carries the
+    #: writer's token (:mod:`epochal.checkpoint.location.naming`); None: ``<node>.<epoch>``
+    file: str | None = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ An epoch exists only when its manifest does. A manifest lists, per node, the db 
 size and digest. Since version 2 it also carries a CRC-32C of its own content: a manifest
 whose bytes were damaged (one flipped bit in a file name, say) is refused, never trusted
 with deletes. Files a manifest names must be exactly that epoch's dbs of the nodes it lists
-(``<prefix><node>.<epoch>``), so retention and mirror pulls can never be pointed at other
+(``<prefix><node>.<epoch>``, at a URL with its writer's token after it: see
+:mod:`.naming`), so retention and mirror pulls can never be pointed at other
 files. Duplicate JSON keys are refused too (the last would silently win).
 
 :class:`Manifest` is the typed record that the directory handler, the remote mirror and the
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointVersionError
-from .naming import check_node_name, get_ckpt_filename
+from .naming import check_node_name, get_ckpt_filename, without_token
 
 MANIFEST_FORMAT = "epochal-manifest"
 #: 2: adds ``checksum`` (required from this version on)
@@ -149,8 +150,9 @@ def validate_manifest(where: str, data: Any, epoch: int) -> None:
             raise bad(f"node {node!r} has no entry")
         file = entry.get("file")
         own = get_ckpt_filename(node, epoch)
-        if not isinstance(file, str) or "/" in file or "\\" in file or not file.endswith(own):
-            raise bad(f"node {node!r}: file {file!r} is not the name of its db of epoch {epoch} ({own})")
+        if not isinstance(file, str) or "/" in file or "\\" in file or not without_token(file).endswith(own):
+            raise bad(f"node {node!r}: file {file!r} is not the name of its db of epoch {epoch} "
+                      f"({own}, or that with a writer token)")
         size = entry.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise bad(f"node {node!r}: size {size!r}")

@@ -1,9 +1,10 @@
 """The read-only view of a checkpoint location (a local directory or a URL) and its records:
 what tools (``epochal ls/stats/verify``), the handler and the mirror read. It never writes.
 
-Layout, for ``db_prefix=D`` (the dbs are the seed's, ``D/<node>.<epoch>``)::
+Layout, for ``db_prefix=D`` (the dbs are the seed's, ``D/<node>.<epoch>``; at a URL each
+writer adds its token, ``D/<node>.<epoch>.<token>``: see :mod:`.naming`)::
 
-    D/trainer_0.0  D/trainer_0.1 ...          one db per node per epoch
+    D/trainer_0.0  D/trainer_0.1 ...          one db per node per epoch (as its manifest names it)
     D/.epochal/manifest.<epoch>.json          the commit record of an epoch
     D/.epochal/stats.jsonl                    one JSON line per db saved / loaded
     D/.epochal/pins.json                      epochs that retention never deletes
@@ -29,7 +30,7 @@ from ...storage.io.location import Location, location_for
 from ...storage.io.seam import local_path
 from .best import BestEpochs, best_of
 from .manifest import DbEntry, Manifest, decode_manifest, manifest_name, parse_manifest_name
-from .naming import RECORDS_DIR, db_name, split_db_file
+from .naming import RECORDS_DIR, db_name, names_db_of, new_token, split_db_file
 from .records import STATS_FILE, RecordStore, records_for
 from .stats import StatsLine
 
@@ -118,8 +119,53 @@ class CheckpointDirectory:
         return self._file_prefix
 
     def db_path(self, node_name: str, epoch: int) -> str:
-        """Where the db of ``node_name`` at ``epoch`` lives (the seed's ``db_name``)."""
+        """Where the db of ``node_name`` at ``epoch`` lives: the file the epoch's manifest
+        names for it (at a URL a writer's token is in the name: see :mod:`.naming`), else
+        :meth:`plain_db_path`. The manifest is read once per view (the one parsed last for
+        the epoch is used); one that names no valid db of that node and epoch (a forged
+        ``../x``) is never followed: :meth:`epoch_problems` names it."""
+        seen = self._parsed.get(int(epoch))
+        if seen is None:
+            try:
+                manifest = self.read_manifest(int(epoch))
+            except CheckpointError:  # not committed (or unreadable): the name a writer gives
+                return self.plain_db_path(node_name, epoch)
+        else:
+            manifest = seen[1]
+        entry = manifest.nodes.get(str(node_name))
+        if entry is None or not names_db_of(entry.file, str(node_name), int(epoch), self._file_prefix):
+            return self.plain_db_path(node_name, epoch)
+        return self.path_of(entry.file)
+
+    def plain_db_path(self, node_name: str, epoch: int) -> str:
+        """The db name without a writer token (the seed's ``db_name``): a local directory's,
+        and an older URL checkpoint's."""
         return db_name(epoch, node_name, self.db_prefix, self.path_prefix)
+
+    def new_db_path(self, node_name: str, epoch: int) -> str:
+        """Where a save of ``node_name`` at ``epoch`` writes its db: at a URL a name with a
+        fresh writer token, which no other writer (nor another save) can produce, so a
+        committed db is never overwritten; on a local disk (the writer lock is an OS lock)
+        :meth:`plain_db_path`."""
+        if not self.location.is_local:
+            return db_name(epoch, node_name, self.db_prefix, self.path_prefix, new_token())
+        return self.plain_db_path(node_name, epoch)
+
+    def token_db_path(self, node_name: str, epoch: int, token: str | None) -> str:
+        """The db name of ``node_name`` at ``epoch`` with a writer ``token`` drawn elsewhere
+        (a DCP save's, shared by its ranks; None: :meth:`plain_db_path`)."""
+        return db_name(epoch, node_name, self.db_prefix, self.path_prefix, token)
+
+    def path_of(self, file: str) -> str:
+        """The path (or URL) of a db file name beside the others (a manifest's ``DbEntry.file``)."""
+        if self.location.is_local:
+            return os.path.join(self.db_dir, file)
+        return self.db_dir.rstrip("/") + "/" + file
+
+    def note_manifest(self, epoch: int, manifest: Manifest) -> None:
+        """Remember ``manifest`` as the one of ``epoch`` (its writer just wrote it): the db
+        names :meth:`db_path` gives follow it."""
+        self._parsed[int(epoch)] = (manifest.encode(), manifest)
 
     def manifest_path(self, epoch: int) -> str:
         return os.path.join(self.records_dir, manifest_name(epoch))
@@ -298,8 +344,19 @@ class CheckpointDirectory:
 
     def scan(self) -> dict[int, dict[str, str]]:
         """``{epoch: {node: db path}}`` of every db file present, committed or not (temp files
-        of interrupted saves and the records directory are ignored)."""
+        of interrupted saves and the records directory are ignored). Of several files of one
+        node and epoch (writers' tokens: :meth:`db_files` lists them all) the name without
+        a token, else the first by name."""
         found: dict[int, dict[str, str]] = {}
+        for epoch, node, path in sorted(self.db_files(), key=lambda t: (t[0], t[1], t[2]), reverse=True):
+            found.setdefault(epoch, {})[node] = path
+        return {e: dict(sorted(found[e].items())) for e in sorted(found)}
+
+    def db_files(self) -> list[tuple[int, str, str]]:
+        """``(epoch, node, path)`` of every db file present, committed or not, each writer's
+        file of a node and epoch on its own (the listing, remembered where the record store
+        remembers it; each name split once per view)."""
+        out = []
         memo = self._split
         for name, path in self.records.files(self.db_dir):
             if name in memo:
@@ -307,8 +364,8 @@ class CheckpointDirectory:
             else:
                 hit = memo[name] = split_db_file(name, self._file_prefix)
             if hit is not None:
-                found.setdefault(hit[1], {})[hit[0]] = path
-        return {e: dict(sorted(found[e].items())) for e in sorted(found)}
+                out.append((hit[1], hit[0], path))
+        return out
 
     # -- checking
     def verify_epoch(self, epoch: int, full: bool = True, *, nodes: Iterable[str] | None = None) -> list[str]:
@@ -358,12 +415,13 @@ class CheckpointDirectory:
             if entry is None:
                 problems.append(EpochProblem(epoch, mpath, f"{mpath}: lists no db for node {node!r}", node))
                 continue
-            path = os.path.join(self.db_dir, entry.file)
-            expected = self.db_path(node, epoch)
-            if os.path.normpath(path) != os.path.normpath(expected):
+            if not names_db_of(entry.file, node, epoch, self._file_prefix):
+                expected = self.plain_db_path(node, epoch)
                 problems.append(EpochProblem(epoch, mpath, f"{mpath}: node {node!r} names {entry.file!r}, "
-                                                           f"expected {expected}", node))
+                                                           f"expected {expected} (or that name with a writer "
+                                                           "token)", node))
                 continue
+            path = self.path_of(entry.file)
             problems.extend(_check_db(self.records, backend, path, entry, level, epoch, node))
         return problems
 

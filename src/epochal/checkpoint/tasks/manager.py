@@ -20,6 +20,7 @@ from ...storage.formats.base import get_db_type
 from ...storage.io.seam import local_path
 from ..handler.metadata import DbReport, MetadataHandler, PushTarget
 from ..location.naming import check_node_name, db_name
+from ..location.view import CheckpointDirectory
 from .handler_calls import HandlerCalls
 from .handles import CheckpointTask
 from .steps import (
@@ -96,6 +97,8 @@ class CheckpointManager(HandlerCalls):
         self._untracked_output: TaskOutput | None = None
         self._path_prefix: str | None = None
         self._path_type: str | None = None
+        #: {epoch: db} of the saves started (a background save's join reports that db)
+        self._saving: dict[int, str] = {}
         #: the timed task built last: only the seed's calls that name none read it
         #: (collect_checkpoint_stats, write_checkpoint_metadata); the runner uses the task's own
         self._last: CheckpointTask | None = None
@@ -109,13 +112,25 @@ class CheckpointManager(HandlerCalls):
         return [self._node_name]
 
     def get_ckpt_db_name(self, node_name: str, epoch: int) -> str | None:
-        """The db path of ``node_name`` at ``epoch``; None for a node this manager lacks."""
+        """The db path of ``node_name`` at ``epoch`` (as its manifest names it, when it is
+        committed); None for a node this manager lacks."""
         if str(node_name) != self._node_name:
             return None
-        return db_name(epoch, self._node_name, self._db_prefix)
+        return self._db(epoch)
 
     def _db(self, epoch: int, path_prefix: str | None = None) -> str:
-        return db_name(epoch, self._node_name, self._db_prefix, path_prefix)
+        """The db of ``epoch`` to read: the file its manifest names (at a URL, with its
+        writer's token: read afresh, a step saved again has another), else the seed's name."""
+        if path_prefix:
+            return db_name(epoch, self._node_name, self._db_prefix, path_prefix)
+        view = CheckpointDirectory(self._db_prefix, storage_options=self._storage_options)
+        return view.db_path(self._node_name, epoch)
+
+    def _new_db(self, epoch: int) -> str:
+        """Where a save of ``epoch`` writes: at a URL a name with a fresh writer token (no
+        other writer can overwrite it; kept until its join), else the seed's name."""
+        return CheckpointDirectory(self._db_prefix, storage_options=self._storage_options).new_db_path(
+            self._node_name, epoch)
 
     # -- tasks
     def init(
@@ -266,7 +281,9 @@ class CheckpointManager(HandlerCalls):
         from a multi-node manager), the db holds only the bytes the base epoch's db of this
         node lacks (docs/format.md, "Incremental db files").
         """
-        db = self._db(epoch)
+        db = self._new_db(epoch)
+        if background:
+            self._saving[int(epoch)] = db
         logger.info("Saving to %s%s", db, " (background)" if background else "")
         step = SnapshotAndSave if background else SaveBlobs
         untracked = f"{INTERNAL_PREFIX}{self._node_name}/untracked_blobs"
@@ -290,13 +307,13 @@ class CheckpointManager(HandlerCalls):
         """A Task that prepares the node's background saves of the blob list as a run with
         ``async_save`` starts (:class:`~.steps.PrepareSaves`: snapshot memory faulted in on a
         thread of the node's process, so the first snapshot copies into warm memory)."""
-        step = PrepareSaves(self._db(0), self.blob_list(), node=self._node_name)
+        step = PrepareSaves(db_name(0, self._node_name, self._db_prefix), self.blob_list(), node=self._node_name)
         return Task(step=step, node=self._node_name, name="checkpoint_prepare")
 
     def join_save(self, epoch: int, *, push: PushTarget | None = None) -> CheckpointTask:
         """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
         and its results are the whole save's (snapshot until the file is durable)."""
-        db = self._db(epoch)
+        db = self._saving.pop(int(epoch), None) or self._db(epoch)
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
         task = CheckpointTask(step=JoinSave(db, f"{base}.ns", f"{base}.bytes",
                                             db_type=self._db_type, digest_output=f"{base}.digest",

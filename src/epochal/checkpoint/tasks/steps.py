@@ -58,8 +58,13 @@ class StepResult:
     pushed: bool = False
 
     def report(self) -> DbReport:
-        """What the handler commits of this db (its size and digest, never reread)."""
-        return DbReport(int(self.nbytes), self.digest, self.pushed)
+        """What the handler commits of this db (its file name, size and digest, never reread)."""
+        return DbReport(int(self.nbytes), self.digest, self.pushed, _base_name(self.db))
+
+
+def _base_name(db: str) -> str:
+    """The file name of a db path or URL (``/`` separates either)."""
+    return db.replace(os.sep, "/").rsplit("/", 1)[-1]
 
 
 def ensure_directory(db: str) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...checkpoint.location.naming import split_db_file
+from ...checkpoint.location.naming import db_token, split_db_file
 from ...checkpoint.location.view import CheckpointDirectory
 from ...errors import CheckpointError
 from .planners import EpochalSavePlanner
@@ -108,7 +108,8 @@ class SavePlanCache:
             raise CheckpointError("SavePlanCache.write: no plans kept")
         writer.set_up_storage_writer(rank == 0)
         writer.prepare_local_plan(kept.local)
-        final = planner.finish_plan(dataclasses.replace(kept.final, storage_data=Target(step, rank_node(rank))))
+        token = getattr(kept.final.storage_data, "token", None)  # the full save's (a URL's names)
+        final = planner.finish_plan(dataclasses.replace(kept.final, storage_data=Target(step, rank_node(rank), token)))
         writer.write_data(final, planner).wait()
         self.hits += 1
 
@@ -130,5 +131,5 @@ def _for_step(result: WriteResult, path: str, step: int) -> WriteResult:
     if not isinstance(w, Written):
         raise CheckpointError(f"SavePlanCache: a kept write result of {result.index.fqn!r} is not epochal's")
     node = (split_db_file(w.location.db) or ("", -1))[0]
-    db = os.path.basename(CheckpointDirectory(path).db_path(node, step))
+    db = os.path.basename(CheckpointDirectory(path).token_db_path(node, step, db_token(w.location.db)))
     return dataclasses.replace(result, storage_data=Written(dataclasses.replace(w.location, db=db), None))

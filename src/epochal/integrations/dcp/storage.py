@@ -54,7 +54,7 @@ from torch.futures import Future
 
 from ...checkpoint.handler.directory import DirectoryMetadataHandler
 from ...checkpoint.handler.metadata import DbReport
-from ...checkpoint.location.naming import split_db_file
+from ...checkpoint.location.naming import db_token, new_token, split_db_file
 from ...checkpoint.location.view import CheckpointDirectory
 from ...errors import (
     CheckpointCorruptError,
@@ -94,10 +94,13 @@ def chunk_blob(fqn: str, offsets: Sequence[int] | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """What the coordinator tells each rank: the step and the rank's node name."""
+    """What the coordinator tells each rank: the step, the rank's node name and, at a URL,
+    the save's writer token (every rank's db is ``<node>.<step>.<token>``: a name no other
+    job can produce, so a committed db is never overwritten; None: ``<node>.<step>``)."""
 
     step: int
     node: str
+    token: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +208,8 @@ class EpochalStorageWriter(StorageWriter):
         except BaseException:
             self._let_go()
             raise
-        return [dataclasses.replace(p, storage_data=Target(step, rank_node(i))) for i, p in enumerate(plans)]
+        token = None if d.location.is_local else new_token()
+        return [dataclasses.replace(p, storage_data=Target(step, rank_node(i), token)) for i, p in enumerate(plans)]
 
     def _hold_lock(self) -> None:
         """The writer lock, held from the plan to the commit by a handler of this writer (let
@@ -256,7 +260,7 @@ class EpochalStorageWriter(StorageWriter):
             placed.append((item.index, name, nbytes, rows))
         if not blobs:
             return _done([])
-        db = CheckpointDirectory(self.path).db_path(target.node, target.step)
+        db = CheckpointDirectory(self.path).token_db_path(target.node, target.step, target.token)
         report: DbReport | None = None
         if self.deferred:
             self.pending_blobs, self._pooled = self.staging.snapshot(blobs)
@@ -272,8 +276,8 @@ class EpochalStorageWriter(StorageWriter):
                 if pooled:
                     self.staging.release()
             st = stat_native(db)
-            report = DbReport(st.file_bytes, st.digest)
-        file = os.path.basename(db)
+            report = DbReport(st.file_bytes, st.digest, file=_file_name(db))
+        file = _file_name(db)
         return _done([
             WriteResult(index=idx, size_in_bytes=nbytes,
                         storage_data=Written(ItemLocation(file, name, 0, nbytes, rows), report))
@@ -334,6 +338,7 @@ class EpochalStorageWriter(StorageWriter):
         storage: dict[MetadataIndex, ItemLocation] = {}
         reports: dict[str, DbReport] = {}
         step = self._step
+        token: str | None = None  # the save's (its ranks' db names carry it)
         for rank_results in results:
             for r in rank_results:
                 w = r.storage_data
@@ -343,17 +348,18 @@ class EpochalStorageWriter(StorageWriter):
                 if w.report is not None:
                     reports[node] = w.report
                 elif node not in reports:  # a deferred write: the db as it now is on disk
-                    st = stat_native(CheckpointDirectory(self.path).db_path(node, ep))
-                    reports[node] = DbReport(st.file_bytes, st.digest)
+                    st = stat_native(CheckpointDirectory(self.path).path_of(w.location.db))
+                    reports[node] = DbReport(st.file_bytes, st.digest, file=w.location.db)
+                token = db_token(w.location.db)
                 step = ep
         if step is None:
             raise CheckpointError("EpochalStorageWriter.finish: no step was planned")
         metadata.storage_data = storage
         d = CheckpointDirectory(self.path)
-        meta_db = d.db_path(META_NODE, step)
+        meta_db = d.token_db_path(META_NODE, step, token) if token is not None else d.new_db_path(META_NODE, step)
         write_native(meta_db, {META_BLOB: metadata_to_json(metadata, self.save_id)})
         st = stat_native(meta_db)
-        reports[META_NODE] = DbReport(st.file_bytes, st.digest)
+        reports[META_NODE] = DbReport(st.file_bytes, st.digest, file=_file_name(meta_db))
         held = self._held
         commit_step(self.path, step, reports, held or self.handler, self.lock and held is None, self.metrics)
         self.committed = step
@@ -433,7 +439,8 @@ class EpochalStorageReader(StorageReader):
         md = metadata_from_json(text, db)
         for loc in md.storage_data.values():
             split = split_db_file(loc.db) if os.path.basename(loc.db) == loc.db else None
-            if split is None or split[1] != step or split[0] not in manifest.nodes:
+            if split is None or split[1] != step or split[0] not in manifest.nodes \
+                    or manifest.nodes[split[0]].file != loc.db:
                 raise CheckpointCorruptError(db, f"DCP metadata names db {loc.db!r}, not one of step {step}'s",
                                              META_BLOB)
         self.loaded_step = step
@@ -468,6 +475,11 @@ class EpochalStorageReader(StorageReader):
             d.require_intact(step, nodes=sorted(nodes), word="step")
         read_items(self.path, self.storage_data, self.chunk_rows, plan, planner)
         return _done(None)
+
+
+def _file_name(db: str) -> str:
+    """The file name of a db path or URL."""
+    return db.replace(os.sep, "/").rsplit("/", 1)[-1]
 
 
 def _located(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> str:
