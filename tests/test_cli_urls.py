@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("s3fs", reason="s3fs is not installed")
 
 from test_cli import jout, one_line_error, run  # noqa: E402
-from test_url_checkpoints import LAST, NODES, _train  # noqa: E402
+from test_url_checkpoints import LAST, NODES, _db, _train  # noqa: E402
 
 import epochal as ep  # noqa: E402
 from epochal.storage.io.remote.fsspec_store import filesystem_for  # noqa: E402
@@ -34,8 +34,9 @@ def test_ls_stats_inspect_diff_on_a_url(trained: tuple[str, list[str]]) -> None:
                for e in listing["epochs"] for f in e["files"].values())
     stats = jout(run("stats", url, *o, "--json"))
     assert {(r["action"], r["node"]) for r in stats["summary"]} >= {("checkpoint_save", n) for n in NODES}
-    info = jout(run("inspect", f"{url}/trainer_0.{LAST}", *o, "--json"))
-    assert "trainer_0/total" in str(info)
+    info = jout(run("inspect", f"{url}/trainer_0.{LAST}", *o, "--json"))  # the name, no token:
+    assert "trainer_0/total" in str(info)  # the db the manifest names (with its writer's token)
+    assert jout(run("inspect", _db(url, "trainer_0", LAST), *o, "--json")) == info
     same = run("diff", f"{url}/trainer_0.1", f"{url}/trainer_0.1", *o, "--exit-code")
     assert same.returncode == 0, same.stderr
     differ = run("diff", f"{url}/trainer_0.1", f"{url}/trainer_0.2", *o, "--exit-code")
@@ -46,7 +47,7 @@ def test_verify_a_url_finds_damage(trained: tuple[str, list[str]], s3: dict[str,
     url, o = trained
     assert jout(run("verify", url, *o, "--json"))["ok"] is True
     assert jout(run("verify", f"{url}/trainer_1.2", *o, "--json"))["ok"] is True
-    fs, path = filesystem_for(f"{url}/trainer_1.1")
+    fs, path = filesystem_for(_db(url, "trainer_1", 1))
     data = bytearray(fs.cat_file(path))
     data[len(data) // 3] ^= 0x40
     damaged = f"s3://ckpts/cli-{secrets.token_hex(4)}/bad.0"
@@ -59,7 +60,9 @@ def test_pull_a_url_prefix(trained: tuple[str, list[str]], tmp_path: Path) -> No
     url, o = trained
     got = jout(run("pull", url, str(tmp_path / "local"), *o, "--json"))
     assert got["epoch"] == LAST and got["final"] is True
-    assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.is_file()) == [f"{n}.{LAST}" for n in NODES]
+    names = [_db(url, n, LAST).rsplit("/", 1)[-1] for n in NODES]  # as the manifest names them
+    assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.is_file()) == names
+    assert ep.CheckpointDirectory(str(tmp_path / "local")).check_epoch(LAST) == []
 
 
 def test_a_url_with_nothing_there(trained: tuple[str, list[str]]) -> None:

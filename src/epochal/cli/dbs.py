@@ -16,7 +16,7 @@ from ..storage.formats.base import (
     sniff_db_type,
 )
 from ..storage.io.seam import store_for
-from .names import parse_db_name
+from .names import parse_db_name, resolve_db_url
 from .problems import Problem, one_line
 from .values import summarize
 
@@ -106,7 +106,9 @@ def read_blobs(path: str, names: list[str] | None, db_type: str | None = None) -
 
 
 def inspect_db(path: str, db_type: str | None = None) -> dict[str, Any]:
-    """``epochal inspect DB``: the header summary and every blob's index entry."""
+    """``epochal inspect DB``: the header summary and every blob's index entry (a URL's
+    ``<prefix>/<node>.<epoch>``: the db its manifest names)."""
+    path = resolve_db_url(path)
     name, infos = describe_db(path, db_type)
     try:
         st = get_db_type(name).stat(path)
@@ -125,6 +127,7 @@ def inspect_db(path: str, db_type: str | None = None) -> dict[str, Any]:
 
 def inspect_blob(path: str, blob: str, db_type: str | None = None) -> dict[str, Any]:
     """``epochal inspect DB --blob NAME``: the blob's index entry and statistics of its values."""
+    path = resolve_db_url(path)
     _, infos = describe_db(path, db_type)
     by_name = {i.name: i for i in infos}
     if blob not in by_name:

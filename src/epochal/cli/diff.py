@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .dbs import blob_record, describe_db, read_blobs
+from .names import resolve_db_url
 from .values import flatten, json_float, to_numpy
 
 __all__ = ["diff_dbs"]
@@ -75,6 +76,7 @@ def _compare_values(a: Any, b: Any) -> dict[str, Any]:
 def diff_dbs(path_a: str, path_b: str, db_type: str | None = None) -> dict[str, Any]:
     """``epochal diff DB1 DB2``: blobs added, removed and changed (index entries first; the
     values of blobs whose checksums differ are read and compared)."""
+    path_a, path_b = resolve_db_url(path_a), resolve_db_url(path_b)  # a URL's <node>.<epoch>
     type_a, infos_a = describe_db(path_a, db_type)
     type_b, infos_b = describe_db(path_b, db_type)
     a = {i.name: i for i in infos_a}

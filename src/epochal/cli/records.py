@@ -17,7 +17,7 @@ from ..errors import CheckpointError
 from ..storage.io.seam import is_url
 from .dbs import verify_file
 from .hf_dirs import hf_checkpoints, list_hf, verify_hf
-from .names import RECORDS_DIR, parse_db_name
+from .names import RECORDS_DIR, parse_db_name, resolve_db_url
 from .problems import Problem, one_line
 from .values import iso_time
 
@@ -340,6 +340,7 @@ def verify_target(target: str, db_type: str | None = None) -> dict[str, Any]:
     folders = hf_checkpoints(target)
     if folders:
         return verify_hf(target, folders)
+    target = resolve_db_url(target)  # a URL's <prefix>/<node>.<epoch>: the db its manifest names
     if not _is_prefix(target):
         f = verify_file(target, db_type)
         return {"target": target, "ok": f["ok"], "files": [f], "epochs": []}
