@@ -237,3 +237,18 @@ def test_retention_at_a_url_deletes_the_token_dbs_of_dropped_steps_never_a_kept_
     assert sorted(after) == sorted([kept[4], newest, *nine]), after  # step 3's db and step 1's stray gone
     assert after[kept[4]] == before[kept[4]]
     assert _restore_fresh(url, s3, 4) == {"step": 4, **_digests(_state(4))}
+
+
+def test_the_holder_saving_a_step_again_never_writes_over_its_committed_db(s3: dict[str, Any]) -> None:
+    """The lease holder saves step 2 again (a run resumed from an earlier step): the new db
+    goes to a new key while the committed one stands, the manifest is replaced to name it,
+    and the db it no longer names is deleted; a fresh process restores the new values."""
+    url = _url(s3)
+    with ep.Checkpointer(url, storage_options=s3, progress=False) as ck:
+        ck.save(2, _state(2))
+        first = CheckpointDirectory(url).read_manifest(2).nodes["local"].file
+        ck.save(2, _state(22))
+    second = CheckpointDirectory(url).read_manifest(2).nodes["local"].file
+    assert second != first and db_token(second) is not None
+    assert sorted(_keys(url)) == [second]
+    assert _restore_fresh(url, s3) == {"step": 2, **_digests(_state(22))}

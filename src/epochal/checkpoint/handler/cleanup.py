@@ -28,7 +28,7 @@ from ...errors import CheckpointError
 from ...storage.io import atomic
 from ..location.index import MetricIndex
 from ..location.lock import pid_alive
-from ..location.manifest import Manifest
+from ..location.manifest import Manifest, decode_manifest
 from ..location.naming import db_token, names_db_of
 from ..location.retention import RetentionPolicy, best_epochs, metric_unreadable
 from ..location.view import CheckpointDirectory
@@ -36,8 +36,8 @@ from .references import referenced
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["apply_retention", "clean_orphan_dbs", "clean_temp_files", "clean_temp_keys", "metric_index",
-           "read_manifests"]
+__all__ = ["apply_retention", "clean_orphan_dbs", "clean_temp_files", "clean_temp_keys", "drop_replaced_dbs",
+           "metric_index", "read_manifests"]
 
 
 def read_manifests(d: CheckpointDirectory, epochs: Iterable[int]) -> tuple[dict[int, Manifest], dict[int, str]]:
@@ -264,6 +264,28 @@ def clean_orphan_dbs(d: CheckpointDirectory, newest: int | None = None,
         logger.info("Removed %d db(s) of writers that lost the lease (no manifest names them): %s",
                     len(removed), removed)
     return removed
+
+
+def drop_replaced_dbs(d: CheckpointDirectory, epoch: int, replaced: bytes | None, manifest: Manifest) -> list[str]:
+    """After the holder saved ``epoch`` again (its ``manifest`` replaced the ``replaced``
+    bytes): delete the dbs the old manifest named and the new one does not (at a URL each
+    save's own token names them; nothing else names them); return their paths. Left to
+    the next holder's cleanup where a kept incremental step may take bytes from them, or the
+    old manifest does not parse."""
+    if replaced is None or not d.records.remote or d.has_incremental():
+        return []
+    try:
+        old = Manifest.from_dict(decode_manifest(replaced, d.manifest_path(epoch), epoch))
+    except CheckpointError:
+        return []
+    named = {entry.file for entry in manifest.nodes.values()}
+    gone = [d.path_of(e.file) for n, e in sorted(old.nodes.items()) if e.file not in named
+            and db_token(e.file) is not None and names_db_of(e.file, n, epoch, d.file_prefix)]
+    try:
+        return [p for p in gone if d.records.delete(p)]
+    except OSError as ex:  # the commit stands; the next holder's cleanup removes them
+        logger.warning("Cannot remove the dbs step %d was saved over: %s", epoch, ex)
+        return []
 
 
 def _unlink(path: str) -> bool:

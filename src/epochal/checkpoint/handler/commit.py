@@ -80,17 +80,18 @@ def _entry(d: CheckpointDirectory, backend: DbBackend, node: str, path: str, got
 
 
 def commit_manifest(records: RecordStore, path: str, data: bytes, storage_options: dict[str, Any] | None,
-                    fence: Callable[[], None] | None) -> None:
+                    fence: Callable[[], None] | None) -> bytes | None:
     """Write the manifest ``data`` that commits an epoch at ``path``. At a URL it is created
     only where none is (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``): a writer paused
     past its lease between its fence and this write (a GC pause, a frozen VM) cannot replace
     the manifest the new holder committed meanwhile. When one is there, ``fence`` (the lease's)
     is asked again: a job that lost the lease fails with CheckpointLockedError and nothing
-    changes; the holder replaces it (a save of the same epoch again). On a local disk the
-    writer lock is a flock: written atomically in place."""
+    changes; the holder replaces it (a save of the same epoch again) and gets back the bytes
+    of the manifest it replaced (None: none was there), whose dbs no manifest names any more.
+    On a local disk the writer lock is a flock: written atomically in place."""
     if not records.remote:
         records.write(path, data)
-        return
+        return None
     from ...storage.io.remote.conditional import conditional_for
 
     objects = conditional_for(path, storage_options)
@@ -98,7 +99,12 @@ def commit_manifest(records: RecordStore, path: str, data: bytes, storage_option
         objects.fs.invalidate_cache(path.rsplit("/", 1)[0].split("://", 1)[-1])
         if isinstance(records, CachedRecords):
             records.note_written(path, data)
-        return
+        return None
     if fence is not None:
         fence()  # CheckpointLockedError naming the new holder
+    try:
+        replaced: bytes | None = records.read(path)
+    except OSError:  # (gone meanwhile, or unreadable: its dbs are left to the cleanups)
+        replaced = None
     records.write(path, data)
+    return replaced

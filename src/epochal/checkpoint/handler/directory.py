@@ -309,8 +309,9 @@ class DirectoryMetadataHandler(WriterLockHolder, MirrorSync, BaseMetadataHandler
         d.records.makedirs(d.records_dir)
         self._fence()  # a job that lost the lease stops here, before writing (CheckpointLockedError)
         # create-only at a URL: a writer paused past its lease never replaces a commit
-        commit_manifest(d.records, d.manifest_path(epoch), manifest.encode(), self.storage_options or None,
-                        self._lock.fence if self._lock is not None else None)
+        replaced = commit_manifest(d.records, d.manifest_path(epoch), manifest.encode(), self.storage_options or None,
+                                   self._lock.fence if self._lock is not None else None)
+        cleanup.drop_replaced_dbs(d, epoch, replaced, manifest)  # (at a URL: their own token names)
         d.note_manifest(epoch, manifest)  # (its db names, for this process's reads)
         logger.debug("Committed epoch %d: %s", epoch, d.manifest_path(epoch))
         try:
