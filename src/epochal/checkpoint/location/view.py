@@ -348,7 +348,7 @@ class CheckpointDirectory:
         node and epoch (writers' tokens: :meth:`db_files` lists them all) the name without
         a token, else the first by name."""
         found: dict[int, dict[str, str]] = {}
-        for epoch, node, path in sorted(self.db_files(), key=lambda t: (t[0], t[1], t[2]), reverse=True):
+        for epoch, node, path in sorted(self.db_files(), reverse=True):  # (the first by name wins)
             found.setdefault(epoch, {})[node] = path
         return {e: dict(sorted(found[e].items())) for e in sorted(found)}
 

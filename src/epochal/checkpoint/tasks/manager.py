@@ -123,8 +123,11 @@ class CheckpointManager(HandlerCalls):
         writer's token: read afresh, a step saved again has another), else the seed's name."""
         if path_prefix:
             return db_name(epoch, self._node_name, self._db_prefix, path_prefix)
-        view = CheckpointDirectory(self._db_prefix, storage_options=self._storage_options)
-        return view.db_path(self._node_name, epoch)
+        try:
+            view = CheckpointDirectory(self._db_prefix, storage_options=self._storage_options)
+            return view.db_path(self._node_name, epoch)
+        except (OSError, ValueError, ImportError):  # no records there (a store of bytes alone)
+            return db_name(epoch, self._node_name, self._db_prefix)
 
     def _new_db(self, epoch: int) -> str:
         """Where a save of ``epoch`` writes: at a URL a name with a fresh writer token (no
@@ -313,7 +316,7 @@ class CheckpointManager(HandlerCalls):
     def join_save(self, epoch: int, *, push: PushTarget | None = None) -> CheckpointTask:
         """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
         and its results are the whole save's (snapshot until the file is durable)."""
-        db = self._saving.pop(int(epoch), None) or self._db(epoch)
+        db = self._saving.pop(int(epoch), None) or db_name(epoch, self._node_name, self._db_prefix)
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
         task = CheckpointTask(step=JoinSave(db, f"{base}.ns", f"{base}.bytes",
                                             db_type=self._db_type, digest_output=f"{base}.digest",
