@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 pytest.importorskip("s3fs", reason="s3fs is not installed")
 
 from _pipeline import EXPECTED_TOTALS, build_pipeline  # noqa: E402
-from test_url_checkpoints import _cat, _forget_after  # noqa: E402
+from test_url_checkpoints import _cat, _db, _forget_after  # noqa: E402
 
 import epochal as ep  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
@@ -68,9 +68,9 @@ def test_ray_nodes_write_their_own_dbs_at_the_url(ray_cluster: Any, s3: dict[str
     assert d.committed_epochs() == list(range(LAST + 1))
     monkeypatch.undo()
     assert d.check_epoch(LAST, "full") == []
-    final = {n: _cat(f"{url}/{n}.{LAST}") for n in NODES}
+    final = {n: _cat(_db(url, n, LAST)) for n in NODES}
 
     _forget_after(url, 2)  # a new cluster, no local files: resume from the URL alone
     assert _train(url, s3) == LAST
     for n in NODES:
-        assert _cat(f"{url}/{n}.{LAST}") == final[n]
+        assert _cat(_db(url, n, LAST)) == final[n]
