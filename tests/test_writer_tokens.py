@@ -222,7 +222,7 @@ def test_retention_at_a_url_deletes_the_token_dbs_of_dropped_steps_never_a_kept_
     fs, root = filesystem_for(url)
     stray = {name: f"{root}/{name}" for name in (f"local.4.{new_token()}", f"local.1.{new_token()}",
                                                  f"local.9.{new_token()}")}
-    for name, key in stray.items():  # dead writers' uploads (their commits failed)
+    for key in stray.values():  # dead writers' uploads (their commits failed)
         fs.pipe_file(key, b"a dead writer's db")
     with ep.Checkpointer(url, storage_options=s3, keep_last=2, progress=False) as ck:
         left = _keys(url)
