@@ -1,10 +1,10 @@
 """Helpers for the torch.distributed tests: start N gloo ranks on 127.0.0.1, and the rank
 functions they run (importable by name, as the start method needs).
 
-Ranks start from multiprocessing's fork server, which imports torch, DCP and epochal once per
-test process: each rank is a fresh process that has imported those modules and done nothing
-else (no state of the process that runs the test), and starts in milliseconds instead of the
-seconds a new interpreter spends importing them."""
+Ranks start from multiprocessing's fork server (tests/_fresh.py), which imports torch, DCP and
+epochal once per test process: each rank is a fresh process that has imported those modules
+and done nothing else, and starts in milliseconds instead of the seconds a new interpreter
+spends importing them."""
 
 from __future__ import annotations
 
@@ -23,12 +23,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-#: what the fork server imports before it forks any rank (the cost of a new interpreter)
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
-           "torch.distributed.fsdp", "epochal", "epochal.integrations.distributed.checkpointer",
-           "_dist_workers"]
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...],
@@ -50,11 +44,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` new processes of one gloo group (forked by
     the fork server, see the module doc); an exception in any of them is raised here
     (torch.multiprocessing's ProcessRaisedException)."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
+    from _fresh import context
 
-    multiprocessing.set_forkserver_preload(PRELOAD)  # (read when the server first starts)
+    context()  # the fork server's preload (read when the server first starts)
     mp.start_processes(_entry, args=(fn, world, free_port(), args, dict(os.environ)), nprocs=world,
                        join=True, start_method="forkserver")
 

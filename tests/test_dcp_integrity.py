@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is 
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import _fresh  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from epochal import Checkpointer  # noqa: E402
@@ -53,7 +52,7 @@ def state(k: float) -> dict[str, Any]:
 
 
 def load_fresh(path: str, step: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-c", LOAD, path, str(step)], capture_output=True, text=True, timeout=120)
+    out = _fresh.run("-c:" + LOAD, [path, str(step)], timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -131,13 +130,12 @@ WRITER = textwrap.dedent("""
 
 def test_two_jobs_saving_at_once_the_second_fails_and_the_first_commits_its_own(tmp_path: Path) -> None:
     path, gate = str(tmp_path / "ckpt"), str(tmp_path / "gate")
-    first = subprocess.Popen([sys.executable, "-c", WRITER, path, "1", gate], stdout=subprocess.PIPE, text=True)
+    first = _fresh.start("-c:" + WRITER, [path, "1", gate])
     deadline = time.monotonic() + 120
     while not os.path.exists(gate + ".waiting"):  # the first job is inside its save
         assert time.monotonic() < deadline and first.poll() is None
         time.sleep(0.05)
-    second = subprocess.run([sys.executable, "-c", WRITER, path, "2", "-"], capture_output=True, text=True,
-                            timeout=120)
+    second = _fresh.run("-c:" + WRITER, [path, "2", "-"], timeout=120)
     assert "FAILED CheckpointLockedError" in second.stdout, second.stdout + second.stderr[-2000:]
     open(gate, "w").close()
     out, _ = first.communicate(timeout=120)

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is 
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import _fresh  # noqa: E402
 from _dist_workers import (  # noqa: E402
     free_port,
     fsdp_restore,
@@ -40,19 +41,18 @@ TRAIN = str(Path(__file__).parent / "_dist_train.py")
 STEPS = 24
 
 
-def _launch(ckpt: Path, out: Path) -> list[subprocess.Popen[str]]:
+def _launch(ckpt: Path, out: Path) -> list[Any]:
     """Two ranks of tests/_dist_train.py, as torchrun would start them."""
     port = free_port()
     procs = []
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
-        procs.append(subprocess.Popen([sys.executable, TRAIN, str(ckpt), str(out), str(STEPS)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(_fresh.start(TRAIN, [str(ckpt), str(out), str(STEPS)], env=env))
     return procs
 
 
-def _finish(procs: list[subprocess.Popen[str]]) -> None:
+def _finish(procs: list[Any]) -> None:
     for p in procs:
         out, _ = p.communicate(timeout=180)
         assert p.returncode == 0, out

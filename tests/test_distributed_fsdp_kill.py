@@ -10,8 +10,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ pytest.importorskip("torchdata", reason="torchdata (StatefulDataLoader) is not i
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import _fresh  # noqa: E402
 from _dist_workers import free_port  # noqa: E402
 
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
@@ -32,25 +31,24 @@ TRAIN = str(Path(__file__).parent / "_dist_train.py")
 STEPS = 14  # 5 batches of 4 per rank per epoch: saves (every 3) fall mid-epoch
 
 
-def _launch(ckpt: Path, out: Path, stall: str = "") -> list[subprocess.Popen[str]]:
+def _launch(ckpt: Path, out: Path, stall: str = "") -> list[Any]:
     port = free_port()
     procs = []
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1",
                "EPOCHAL_TEST_FSDP": "1", "EPOCHAL_TEST_STALL": stall, "PYTHONWARNINGS": "ignore"}
-        procs.append(subprocess.Popen([sys.executable, TRAIN, str(ckpt), str(out), str(STEPS)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(_fresh.start(TRAIN, [str(ckpt), str(out), str(STEPS)], env=env))
     return procs
 
 
-def _finish(procs: list[subprocess.Popen[str]]) -> None:
+def _finish(procs: list[Any]) -> None:
     for p in procs:
         out, _ = p.communicate(timeout=180)
         assert p.returncode == 0, out
 
 
-def _kill(procs: list[subprocess.Popen[str]]) -> None:
+def _kill(procs: list[Any]) -> None:
     for p in procs:
         p.send_signal(signal.SIGKILL)
     for p in procs:
@@ -62,7 +60,7 @@ def _final(out: Path) -> list[dict[str, Any]]:
     return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
 
 
-def _read_until(p: subprocess.Popen[str], text: str) -> str:
+def _read_until(p: Any, text: str) -> str:
     lines = []
     while True:
         line = p.stdout.readline()  # type: ignore[union-attr]
