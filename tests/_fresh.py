@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 #: what the fork server imports before it forks anything (the cost of a new interpreter)
@@ -109,6 +110,10 @@ class _Output:
                 self._part = ""
                 return rest
             time.sleep(0.005)
+
+    def __iter__(self) -> Iterator[str]:
+        while line := self.readline():
+            yield line
 
     def read(self) -> str:
         rest, self._part = self._part + self._f.read(), ""

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is 
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import _fresh  # noqa: E402
 from _dist_workers import free_port, run_ranks  # noqa: E402
 from _dist_workers_more import async_saves  # noqa: E402
 
@@ -43,8 +42,7 @@ def test_ranks_killed_before_a_background_write_finished_never_commit_that_step(
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(ckpt), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(_fresh.start(SCRIPT, [str(ckpt), str(out)], env=env))
     seen = []
     while not (any("stalling" in ln for ln in seen) and any("save 2 returned" in ln for ln in seen)):
         line = procs[1].stdout.readline()  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _fresh  # noqa: E402
 import _hf_train as H  # noqa: E402
 
 pytestmark = pytest.mark.system
@@ -57,8 +58,7 @@ def resume(saved: str, shape: str) -> dict[str, Any]:
 
     out = os.path.join(tempfile.mkdtemp(), "run")
     shutil.copytree(saved, out)  # (the resume writes its own checkpoints there)
-    got = subprocess.run([sys.executable, "-c", RESUME, out, shape, HERE], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    got = _fresh.run("-c:" + RESUME, [out, shape, HERE], env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert got.returncode == 0, got.stderr[-3000:]
     return json.loads(got.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 

@@ -22,6 +22,7 @@ pytest.importorskip("accelerate")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _fresh  # noqa: E402
 import _hf_train as H  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -197,11 +198,10 @@ def test_transformers_own_checkpoints_are_not_loaded(tmp_path, caplog):
         H.make_trainer(out, "epochal", 8, EVERY).train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
 
 
-def _script(out: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+def _script(out: str, *args: str, env: dict | None = None) -> _fresh.Fresh:
     e = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), HERE])))
     e.update(env or {})
-    return subprocess.Popen([sys.executable, SCRIPT, out, "epochal", str(MAX), str(EVERY), *args], env=e,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return _fresh.start(SCRIPT, [out, "epochal", str(MAX), str(EVERY), *args], env=e)
 
 
 def _done(p: subprocess.Popen) -> str:

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 L = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _fresh  # noqa: E402
 import _lightning_bits as bits  # noqa: E402
 
 from epochal.cli.main import run as cli  # noqa: E402
@@ -424,8 +425,7 @@ print(json.dumps({"error": error, "changed": changed}))
 def test_a_resume_into_a_module_of_another_shape_changes_nothing(tmp_path: Path) -> None:
     bits.run(bits.Run(str(tmp_path), max_steps=6))
     last = str(tmp_path / "last.ckpt")
-    out = subprocess.run([sys.executable, "-c", RESUME_OTHER, last, "24", os.path.dirname(os.path.abspath(__file__))],
-                         capture_output=True, text=True, timeout=300)
+    out = _fresh.run("-c:" + RESUME_OTHER, [last, "24", os.path.dirname(os.path.abspath(__file__))], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["error"] is not None and got["error"].startswith("BlobMismatchError"), got

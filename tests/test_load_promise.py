@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from typing import Any
 
@@ -25,6 +24,7 @@ torch = pytest.importorskip("torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _fresh  # noqa: E402
 import _promise  # noqa: E402
 
 pytestmark = pytest.mark.system
@@ -47,15 +47,15 @@ EXPECTED: dict[str, tuple[str, list[str]] | None] = {
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: Any) -> str:
     root = str(tmp_path_factory.mktemp("promise"))
-    subprocess.run([sys.executable, os.path.join(HERE, "_promise.py"), "save", root], check=True, timeout=300)
+    done = _fresh.run(os.path.join(HERE, "_promise.py"), ["save", root], timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     return root
 
 
 def run_load(saved: str, tmp_path: Any, door: str, case: str) -> dict[str, Any]:
     root = str(tmp_path / "copy")
     shutil.copytree(saved, root)
-    out = subprocess.run([sys.executable, os.path.join(HERE, "_promise.py"), "load", door, case, root],
-                         capture_output=True, text=True, timeout=300)
+    out = _fresh.run(os.path.join(HERE, "_promise.py"), ["load", door, case, root], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 

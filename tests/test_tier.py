@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
 
+import _fresh  # noqa: E402
+
 from epochal import Checkpointer  # noqa: E402
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
 
@@ -27,8 +29,7 @@ JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tier_job.py")
 def job(tmp: Path, out: str, *args: str, rc: int = 0) -> subprocess.CompletedProcess[str]:
     """Run the training job on ``tmp/store`` and ``tmp/local``; check its exit status."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", "")] + sys.path if p))
-    p = subprocess.run([sys.executable, JOB, str(tmp / "store"), str(tmp / "local"), str(tmp / out), *args],
-                       capture_output=True, text=True, env=env, timeout=120)
+    p = _fresh.run(JOB, [str(tmp / "store"), str(tmp / "local"), str(tmp / out), *args], env=env, timeout=120)
     assert p.returncode == rc, (p.returncode, p.stdout, p.stderr[-3000:])
     return p
 
