@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
+from ..storage.encoding.chunks import KIND as CHUNKED_KIND
 from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.reads.ranges import RangedFile
 from .dcp import DcpLeaf, open_dcp, read_dcp_regions
 from .names import leaf_label
+from .pieces import Piece, chunked_layout, read_pieces
 from .reads import Stored, Task, array_layout, read_plain, read_regions, stored_leaves
 
 __all__ = ["DcpSource", "LocalSource", "Source"]
@@ -74,6 +76,7 @@ class LocalSource(Source):
     def __init__(self, path: str) -> None:
         self.path = path
         self.f = RangedFile(path)
+        self.chunked: dict[Key, tuple[np.dtype, tuple[int, ...], list[Piece]]] = {}
         try:
             self.stored = stored_leaves(self.f)
         except BaseException:
@@ -86,8 +89,20 @@ class LocalSource(Source):
     def kind(self, key: Key) -> str:
         return self.stored[key].kind
 
+    def _chunked(self, key: Key, label: str) -> tuple[np.dtype, tuple[int, ...], list[Piece]]:
+        got = self.chunked.get(key)
+        if got is None:
+            s = self.stored[key]
+            try:
+                got = self.chunked[key] = chunked_layout(s)
+            except ValueError as e:
+                raise corrupt(self.path, f"leaf {label}: {e}", s.blob) from None
+        return got
+
     def layout(self, key: Key, label: str) -> tuple[np.dtype, tuple[int, ...]] | None:
         s = self.stored[key]
+        if s.kind == CHUNKED_KIND:
+            return self._chunked(key, label)[:2]
         try:
             return array_layout(s)
         except ValueError as e:
@@ -95,7 +110,11 @@ class LocalSource(Source):
 
     def regions(self, key: Key, label: str, indices: list[tuple[Any, ...]], chunk: int,
                 run: Callable[[list[Task]], None]) -> list[np.ndarray]:
-        return read_regions(self.f, self.stored[key], label, indices, chunk, run=run)
+        s = self.stored[key]
+        if s.kind == CHUNKED_KIND:
+            dt, shape, pieces = self._chunked(key, label)
+            return read_pieces({"": self.f}, pieces, dt, shape, label, s.blob, indices, chunk, run)
+        return read_regions(self.f, s, label, indices, chunk, run=run)
 
     def plain(self, key: Key, label: str) -> Any:
         return _plain(self.f, self.stored[key], label)

@@ -1,0 +1,100 @@
+"""The JAX door's sharded saves: each shard written once from its own buffer (never the
+array assembled on host), restored onto any mesh and into PyTorch bit for bit; chunked
+records that do not cover their array refused; names= through the Orbax handlers.
+
+Saves and restores between meshes run in fresh processes (tests/_jax_bits.py, with 8 CPU
+devices)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+jax = pytest.importorskip("jax")
+
+import epochal  # noqa: E402
+import epochal.jax as ej  # noqa: E402
+from epochal.errors import CheckpointCorruptError  # noqa: E402
+from epochal.jax.host import HostChunks  # noqa: E402
+from epochal.storage.encoding.chunks import chunk_layout  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_bits(*args: str) -> dict[str, Any]:
+    """One process of tests/_jax_bits.py; its JSON line."""
+    out = subprocess.run([sys.executable, os.path.join(HERE, "_jax_bits.py"), *args], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.system
+def test_a_sharded_save_writes_each_shard_from_its_buffer_and_restores_anywhere(tmp_path: Any) -> None:
+    # 256 MiB on 8 CPU devices: w split 4 x 2, e by rows (replicated over the other axis),
+    # b replicated. The save adds no copy of the pytree on host (the shards are written
+    # from the device buffers: the old save assembled each array, +256 MiB); one chunk per
+    # shard of replica 0, a replicated array as one tensor
+    d = str(tmp_path)
+    got = run_bits("stream_save", d)
+    assert got["peak_mib"] <= 32, got
+    assert got["kinds"] == {"w": "torch.chunked_tensor", "e": "torch.chunked_tensor", "b": "torch.tensor"}
+    assert got["chunks"] == {"w": 8, "e": 4, "b": 0}
+    assert run_bits("stream_restore", d) == {"restored_on": [8, 4, 2, 1]}
+    # PyTorch gets each array whole: into live tensors and as fresh ones
+    assert run_bits("stream_torch", d) == {"restored": ["b", "e", "w"], "step": 3}
+
+
+def _forged(tmp_path: Any, chunks: list[tuple[tuple[int, ...], np.ndarray]]) -> str:
+    with epochal.Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, {"p": {"w": HostChunks((4, 6), np.dtype(np.float32), chunks, "p/w")}})
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["overlap", "gap"])
+def test_chunks_that_do_not_cover_their_array_are_refused_naming_the_leaf(tmp_path: Any, case: str) -> None:
+    a = np.arange(12, dtype=np.float32).reshape(2, 6)
+    second = (1, 0) if case == "overlap" else (2, 0)
+    chunks = [((0, 0), a), (second, a[:1].copy())] if case == "gap" else [((0, 0), a), (second, a)]
+    d = _forged(tmp_path, chunks)
+    want = {"p": {"w": jax.ShapeDtypeStruct((4, 6), np.float32)}}
+    with pytest.raises(CheckpointCorruptError) as e:
+        ej.restore(d, want)
+    assert "p/w" in str(e.value) and e.value.blob == "p" and e.value.path.endswith("local.1")
+    assert ("overlap" if case == "overlap" else "elements") in str(e.value)
+
+
+def test_chunk_layout_checks_each_chunk_against_the_tensor_and_its_segments() -> None:
+    meta = {"shape": [4, 6], "chunks": [{"offsets": [0, 0], "shape": [4, 3], "rows": 3},
+                                        {"offsets": [0, 3], "shape": [4, 3], "rows": 4}]}
+    shape, chunks = chunk_layout(meta, [36, 12, 48], 4)
+    assert shape == (4, 6) and [c.blocks() for c in chunks] == [[(0, 3), (3, 4)], [(0, 4)]]
+    assert [(c.first, c.count) for c in chunks] == [(0, 2), (2, 1)]
+    for sizes, words in (([36, 12, 48, 8], "need 3 segments, the record has 4"), ([36, 12, 44], "do not fit"), ([48, 48], "do not fit")):
+        with pytest.raises(ValueError, match=words):
+            chunk_layout(meta, sizes, 4)
+    bad = {**meta, "chunks": [{"offsets": [2, 0], "shape": [4, 3], "rows": 1}]}
+    with pytest.raises(ValueError, match="does not fit a tensor"):
+        chunk_layout(bad, [12] * 4, 4)
+
+
+@pytest.mark.system
+def test_a_torch_state_restores_through_an_orbax_manager_under_a_name_mapping(tmp_path: Any) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    pytest.importorskip("torch")
+    root = str(tmp_path)
+    assert run_bits("orbax_torch_save", root) == {"saved": [".epochal", "local.0"]}
+    # restored onto 2 devices under the flax <-> torch mapping (the kernel transposed),
+    # saved back as step 8 under the torch names; the same through the v1 handler
+    got = run_bits("orbax_names", root, "2")
+    assert got == {"steps": [7, 8], "stored": ["model/emb.weight", "model/fc.bias", "model/fc.weight", "step"],
+                   "jax": 8}
+    # and PyTorch reads Orbax's step 8 back with its own names
+    assert run_bits("torch_restore_named", os.path.join(root, "8", "default")) == {"restored": 0, "step": 7}
