@@ -141,7 +141,7 @@ def orbax_torch_save(root: str) -> None:
 def orbax_names(root: str, k: int) -> None:
     """Through an Orbax CheckpointManager under the flax <-> torch name mapping: restore the
     torch-saved step 7 onto K devices (every shard compared), save it back as step 8 (the
-    kernel stored transposed under the torch name), and the same through Orbax's v1 API
+    kernel stored transposed under the torch name) and restore that, and the same through Orbax's v1 API
     (``local_registry(names=...)``) into ``<root>/v1``."""
     import jax
     import orbax.checkpoint as ocp
@@ -168,6 +168,7 @@ def orbax_names(root: str, k: int) -> None:
         mngr.save(8, args=EpochalSave(tree, names=jax_names()))
         mngr.wait_until_finished()
         steps = list(mngr.all_steps())
+        check(mngr.restore(8, args=EpochalRestore(a, names=jax_names())))  # the kernel's chunks, transposed
     with RangedFile(os.path.join(root, "8", "default", "local.0")) as f:
         stored = sorted("/".join(n) for n in stored_leaves(f))
     ctx = ocp1.Context()

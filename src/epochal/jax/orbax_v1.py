@@ -12,7 +12,9 @@ numpy and plain leaves). Register it for a checkpointable's name, in a local reg
         tree = ocp.load_checkpointables(path, {"state": abstract_pytree})["state"]
 
 (:func:`local_registry`: Orbax's global registry with that name's entry replaced) or globally with
-``ocp.handlers.register_handler(EpochalHandler, checkpointable_name="state")``. Registered
+``ocp.handlers.register_handler(EpochalHandler, checkpointable_name="state")``; with a name
+mapping (as :func:`epochal.jax.restore` takes it), ``local_registry("state", names=...)`` or
+``EpochalHandler.with_names(names)`` in place of ``EpochalHandler``. Registered
 without a name it would take every pytree Orbax saves (the newest handler that accepts an
 object wins), so a name is asked for. Load with ``ocp.load_checkpointables`` (``ocp.load``
 looks for Orbax's own pytree files before it asks a handler). A save copies every array to host before it returns
