@@ -98,3 +98,37 @@ def test_a_torch_state_restores_through_an_orbax_manager_under_a_name_mapping(tm
                    "jax": 8}
     # and PyTorch reads Orbax's step 8 back with its own names
     assert run_bits("torch_restore_named", os.path.join(root, "8", "default")) == {"restored": 0, "step": 7}
+
+
+def test_any_regions_of_a_chunked_array_read_the_same_bytes_as_numpy(tmp_path: Any, monkeypatch: Any) -> None:
+    # a 3-d array stored as an uneven 3 x 2 grid of chunks, each in row blocks of a few rows;
+    # regions at random (spanning chunk and block edges, column slices, whole rows) read
+    # into their buffers (straight, or through the scratch) as numpy slices them
+    from epochal.jax.host import HostTensor
+    from epochal.jax.sources import LocalSource
+
+    monkeypatch.setattr(ej.host, "BLOCK_BYTES", 300)
+    rng = np.random.default_rng(5)
+    arr = rng.standard_normal((37, 10, 3)).astype(np.float32)
+    rows, cols = [0, 5, 20, 37], [0, 4, 10]
+    chunks = [((r0, c0, 0), np.ascontiguousarray(arr[r0:r1, c0:c1])) for r0, r1 in zip(rows, rows[1:])
+              for c0, c1 in zip(cols, cols[1:])]
+    with epochal.Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, {"x": HostChunks(arr.shape, arr.dtype, chunks, "x"), "y": HostTensor(arr[0], "y")})
+    indices: list[tuple[Any, ...]] = [(), (slice(0, 37),), (slice(5, 20), slice(4, 10))]
+    for _ in range(12):
+        idx = []
+        for n in arr.shape:
+            a = int(rng.integers(0, n))
+            idx.append(slice(a, int(rng.integers(a + 1, n + 1))))
+        indices.append(tuple(idx))
+    src = LocalSource(str(tmp_path / "local.1"))
+    try:
+        assert src.layout(("x",), "x") == (np.dtype(np.float32), arr.shape)
+        for chunk in (1, 64, 1 << 20):
+            got = src.regions(("x",), "x", indices, chunk, lambda tasks: [t() for t in reversed(tasks)] and None)
+            for index, g in zip(indices, got):
+                assert g.shape == arr[index].shape and g.tobytes() == arr[index].tobytes(), (index, chunk)
+                assert g.ctypes.data % 64 == 0
+    finally:
+        src.close()

@@ -5,10 +5,11 @@ or a whole chunk) in one of a step's db files.
 
 :func:`read_pieces` fills the shard regions a target sharding asks for from the pieces
 they overlap, each piece read once for all of them by :func:`~.reads.read_regions` (only
-the rows needed, checked before use): where the overlap spans the region's trailing axes
-(a row range of it, contiguous in its buffer) straight into the region's buffer, else into
-a buffer of the overlap then copied into place. So a restore onto the mesh a save used
-reads each shard's bytes straight into the buffer JAX adopts.
+the rows needed, checked before use) into its place in the region's buffer: where the
+overlap spans the region's trailing axes (a row range of it, contiguous) straight from the
+file, else through the reader's scratch. So a restore onto the mesh a save used reads each
+shard's bytes straight into the buffer JAX adopts, and no restore holds more than the
+regions and the readers' scratch.
 """
 
 from __future__ import annotations
@@ -97,12 +98,8 @@ def _read_piece(files: dict[str, RangedFile], p: Piece, label: str, parts: list[
                 bounds: list[list[tuple[int, int]]], outs: list[np.ndarray], chunk: int) -> None:
     """One piece's parts of the regions (see :func:`read_pieces`)."""
     local = [tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, p.offsets)) for _, inter in parts]
-    # an overlap spanning the region's trailing axes is a row range of its buffer: read into it
-    direct = [bool(inter) and inter[1:] == bounds[r][1:] for r, inter in parts]
-    dest = [outs[r][inter[0][0] - bounds[r][0][0] : inter[0][1] - bounds[r][0][0]] if d
-            else aligned_empty([hi - lo for lo, hi in inter], outs[r].dtype)
-            for (r, inter), d in zip(parts, direct)]
+    # each overlap is read into its place in the region's buffer: a row range of it (the
+    # overlap spans the region's trailing axes) is contiguous and read into straight
+    dest = [outs[r][tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, bounds[r])) or ...]
+            for r, inter in parts]  # (``...``: a 0-d region, as a view)
     read_regions(files[p.db], p.stored, label, local, chunk, dest)
-    for (r, inter), d, got in zip(parts, direct, dest):
-        if not d:
-            outs[r][tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, bounds[r]))] = got
