@@ -72,8 +72,8 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
-    are written once, from their host views, never assembled (:mod:`.host`). ``names``: the stored name of each
-    leaf (:mod:`.mapping`; default: the pytree's own)."""
+    are written once, from their host views, never assembled (:mod:`.host`). ``names``:
+    the stored name of each leaf (:mod:`.mapping`; default: the pytree's own)."""
     state = host_state(pytree, names)
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
@@ -230,6 +230,7 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
             raise BlobMismatchError(f"step {step} ({src.path}) holds leaves the abstract pytree lacks: "
                                     + ", ".join(extra) + " (restore(..., partial=True) leaves them out)")
         plans = [_fit(t, want, src, step) for t, (_, want) in zip(targets, leaves)]
+        src.prefetch([k for k, plan in zip(keys, plans) if plan == "array"])
         values: list[Any] = []
         with ThreadPoolExecutor(READ_THREADS) as pool:
             for t, k, (_, want), plan in zip(targets, keys, leaves, plans):

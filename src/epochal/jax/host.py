@@ -17,9 +17,10 @@ from there:
 
 So a save adds no copy of the data on CPU devices, and on an accelerator only the host
 copies of the shards (each byte once). A process must address every shard of an array
-(one process: always; arrays with shards in other processes raise): the chunks name their
-place in the whole array, so a save of several processes, each writing its own shards,
-needs only the commit of several dbs.
+(one process: always; arrays with shards in other processes raise). The chunks name
+their place in the whole array, not the process that wrote them, so a save of several
+processes can write each process's shards into its own db (node ``local`` and one per
+other process); what it lacks is committing those dbs as one step.
 """
 
 from __future__ import annotations

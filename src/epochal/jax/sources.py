@@ -5,7 +5,9 @@ A :class:`Source` is keyed by a leaf's stored names (:class:`~.mapping.Target`):
 Checkpointer's db by the names themselves, a DCP step by the FQN DCP gives nested dicts
 (the names joined by ``.``: ``model.fc.weight``). For each key it gives the stored layout
 (dtype and shape of an array, None for a plain value), the regions of an array read and
-checked, or a plain value decoded from checked bytes.
+checked (a tensor record by its row blocks, :mod:`.reads`; a sharded array saved as its
+chunks, or a DCP item, from the pieces each region overlaps, :mod:`.pieces`), or a plain
+value decoded from checked bytes.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Source:
     def plain(self, key: Key, label: str) -> Any:
         raise NotImplementedError
 
+    def prefetch(self, keys: list[Key]) -> None:
+        """The leaves ``keys`` will be read, in this order: a cold file may be read ahead."""
+
     def close(self) -> None:
         """Close the files opened."""
 
@@ -71,7 +76,8 @@ def _plain(f: RangedFile, s: Stored, label: str) -> Any:
 
 
 class LocalSource(Source):
-    """A Checkpointer's step: its one db at ``path``."""
+    """A Checkpointer's step: its one db at ``path`` (a ``torch.chunked_tensor`` leaf's
+    layout parsed and checked once, when first asked for)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -118,6 +124,9 @@ class LocalSource(Source):
 
     def plain(self, key: Key, label: str) -> Any:
         return _plain(self.f, self.stored[key], label)
+
+    def prefetch(self, keys: list[Key]) -> None:
+        self.f.prefetch([(off, n) for k in keys for off, n, _ in self.stored[k].segs])
 
     def close(self) -> None:
         self.f.close()
