@@ -132,3 +132,39 @@ def test_any_regions_of_a_chunked_array_read_the_same_bytes_as_numpy(tmp_path: A
                 assert g.ctypes.data % 64 == 0
     finally:
         src.close()
+
+
+def test_a_restore_from_a_cold_file_asks_the_kernel_to_read_ahead_along_its_leaves(tmp_path: Any,
+                                                                                    monkeypatch: Any) -> None:
+    # the page cache is made to answer "not cached" to every RWF_NOWAIT read: the restore
+    # then hints (posix_fadvise WILLNEED) the byte ranges of the leaves it reads, ahead of
+    # its reads, and nothing else (the plain leaf, the one left out by partial=True)
+    from epochal.jax.reads import stored_leaves
+    from epochal.storage.formats.native.reads.ranges import RangedFile
+    from epochal.storage.io import local
+
+    rng = np.random.default_rng(7)
+    vals = {n: rng.standard_normal((1024, 2048)).astype(np.float32) for n in ("a", "b", "c")}  # 8 MiB each
+    ej.save(str(tmp_path), 1, {"p": {n: jax.numpy.asarray(v) for n, v in vals.items()}, "lr": 0.5})
+    with RangedFile(str(tmp_path / "local.1")) as f:
+        s = stored_leaves(f)
+        spans = {n: [(o, o + k) for o, k, _ in s[("p", n)].segs] for n in vals}
+    hints: list[tuple[int, int]] = []
+    orig_read = local.LocalSource.read_into
+
+    def not_cached(self: Any, views: Any, offset: int, *, nowait: bool = False) -> int:
+        return 0 if nowait else orig_read(self, views, offset)
+
+    monkeypatch.setattr(local.LocalSource, "read_into", not_cached)
+    monkeypatch.setattr(local.LocalSource, "hint", lambda self, o, n: hints.append((o, o + n)) or True)
+    want = {"p": {n: jax.ShapeDtypeStruct((1024, 2048), np.float32) for n in ("a", "c")}, "lr": 0.0}
+    got = ej.restore(str(tmp_path), want, partial=True)
+    for n in ("a", "c"):
+        assert np.asarray(got["p"][n]).tobytes() == vals[n].tobytes()
+    assert hints
+
+    def covered(lo: int, hi: int) -> bool:
+        return all(any(a <= x < b for a, b in hints) for x in range(lo, hi, 4096))
+
+    assert all(covered(lo, hi) for lo, hi in spans["a"] + spans["c"])
+    assert not any(a < hi and lo < b for a, b in hints for lo, hi in spans["b"])
