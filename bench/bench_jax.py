@@ -3,15 +3,22 @@
 CPU mesh with epochal (``epochal.jax``) and with Orbax's ``StandardCheckpointer``,
 on the same disk, and the restore resharded from 8 devices to 2.
 
-    python bench/bench_jax.py --mib 1024 --dir /tmp/epochal_bench_jax
+    python bench/bench_jax.py --mib 1024 --rounds 3 --dir /tmp/epochal_bench_jax
 
 Each phase runs in a fresh process (``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
-it builds its pytree (a save) or its abstract pytree (a restore), records its RSS, runs the
-phase and reports the wall time and its peak RSS (``ru_maxrss``) above that baseline: the
-host memory the phase itself needed, the restored arrays included. Leaves are 2-D, sharded
+it builds its pytree (a save) or its abstract pytree (a restore), resets the process's
+high-water mark of RSS to its RSS now (``/proc/self/clear_refs``), runs the phase and
+reports the wall time and the peak RSS above that baseline (``VmHWM``): the host memory
+the phase itself needed, the restored arrays included. Rounds alternate which library
+goes first; the summary gives the median time of each and the median (min..max) of the
+paired ratios. Leaves are 2-D, sharded
 ``P("x", "y")`` on a 4x2 mesh (8 devices) or ``P(None, "y")`` on 1x2 (2 devices: column
 slices), half bf16, half fp32, about 8 MiB each. Saves end durable for both (epochal fsyncs;
-Orbax waits for its commit). Restores read a file just written (page cache warm for both).
+Orbax waits for its commit). Before each restore the files of both libraries are read
+once (``--cache warm``, the default: epochal writes a db of 512 MiB or more around the page
+cache, with O_DIRECT, so without this it would read from the disk what Orbax reads from
+memory) or dropped from the page cache (``--cache cold``: ``posix_fadvise(DONTNEED)`` on
+each file, after an ``fsync``).
 Every restored value is compared with the saved one. Data under ``--dir`` is removed.
 """
 
@@ -35,8 +42,22 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def reset_peak() -> None:
+    """The high-water mark of RSS := RSS now (Linux); where that is refused, ``ru_maxrss``
+    stays the process's peak so far."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def tree_spec(mib: int) -> list[tuple[str, tuple[int, int], str]]:
@@ -75,6 +96,10 @@ def child(phase: str, lib: str, directory: str, mib: int, k: int) -> dict[str, A
             params[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sh)
     tree = {"params": params, "step": 1}
     path = os.path.join(directory, lib)
+    import gc
+
+    gc.collect()
+    reset_peak()
     base = rss_mib()
     t0 = time.perf_counter()
     if lib == "epochal":
@@ -103,6 +128,24 @@ def child(phase: str, lib: str, directory: str, mib: int, k: int) -> dict[str, A
     return {"phase": phase, "lib": lib, "devices": k, "seconds": round(seconds, 3), "peak_mib": round(peak, 1)}
 
 
+def set_cache(directory: str, how: str) -> None:
+    """Every file under ``directory`` read once (``warm``) or dropped from the page cache
+    (``cold``)."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if how == "warm":
+                    while os.read(fd, 8 << 20):
+                        pass
+                else:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def run(args: list[str]) -> dict[str, Any]:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "EPOCHAL_QUIET": "1"}
     out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
@@ -111,9 +154,20 @@ def run(args: list[str]) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+PHASES = (("save", 8), ("restore", 8), ("restore", 2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--cache", choices=("warm", "cold"), default="warm")
     ap.add_argument("--dir", default="/tmp/epochal_bench_jax")
     ap.add_argument("--child", nargs=5, metavar=("PHASE", "LIB", "DIR", "MIB", "K"))
     a = ap.parse_args()
@@ -121,30 +175,43 @@ def main() -> None:
         phase, lib, d, mib, k = a.child
         print(json.dumps(child(phase, lib, d, int(mib), int(k))))
         return
-    d = os.path.join(a.dir, f"run{os.getpid()}")
-    os.makedirs(d)
     total = sum(s[0] * s[1] * (2 if dt == "bfloat16" else 4) for _, s, dt in tree_spec(a.mib)) / 2**20
-    print(f"pytree: {len(tree_spec(a.mib))} leaves, {total:.0f} MiB; dir {d}")
+    print(f"pytree: {len(tree_spec(a.mib))} leaves, {total:.0f} MiB; page cache {a.cache} before each restore; "
+          f"load average {os.getloadavg()[0]:.1f}")
     import epochal.jax as ej
 
     bound = total + ej.api.READ_THREADS * ej.DEFAULT_CHUNK / 2**20
     print(f"epochal's restore bound: the arrays + {ej.api.READ_THREADS} x chunk_bytes = {bound:.0f} MiB")
-    rows = []
-    try:
-        for phase, k in (("save", 8), ("restore", 8), ("restore", 2)):
-            for lib in ("orbax", "epochal"):
-                r = run([phase, lib, d, str(a.mib), str(k)])
-                rows.append(r)
-                print(f"{phase:8s} {k} dev  {lib:8s} {r['seconds']:8.3f} s  peak +{r['peak_mib']:8.1f} MiB")
-        for phase, k in (("save", 8), ("restore", 8), ("restore", 2)):
-            o = next(r for r in rows if (r["phase"], r["devices"], r["lib"]) == (phase, k, "orbax"))
-            e = next(r for r in rows if (r["phase"], r["devices"], r["lib"]) == (phase, k, "epochal"))
-            print(f"{phase} {k} dev: epochal/orbax time {e['seconds'] / o['seconds']:.2f}x, "
-                  f"peak RSS {e['peak_mib'] / max(o['peak_mib'], 0.1):.2f}x"
-                  + (f"; epochal's peak / the arrays {e['peak_mib'] / total:.2f}x, Orbax's "
-                     f"{o['peak_mib'] / total:.2f}x" if phase == "restore" else ""))
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    rows: list[dict[str, Any]] = []
+    for rnd in range(a.rounds):
+        d = os.path.join(a.dir, f"run{os.getpid()}_{rnd}")
+        os.makedirs(d)
+        order = ("orbax", "epochal") if rnd % 2 == 0 else ("epochal", "orbax")
+        try:
+            for phase, k in PHASES:
+                for lib in order:
+                    if phase == "restore":
+                        set_cache(d, a.cache)
+                    r = run([phase, lib, d, str(a.mib), str(k)])
+                    r["round"] = rnd
+                    rows.append(r)
+                    print(f"round {rnd}  {phase:8s} {k} dev  {lib:8s} {r['seconds']:8.3f} s  "
+                          f"peak +{r['peak_mib']:8.1f} MiB")
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    for phase, k in PHASES:
+        def get(lib: str, rnd: int, phase: str = phase, k: int = k) -> dict[str, Any]:
+            return next(r for r in rows if (r["phase"], r["devices"], r["lib"], r["round"]) == (phase, k, lib, rnd))
+
+        t = [get("epochal", i)["seconds"] / get("orbax", i)["seconds"] for i in range(a.rounds)]
+        m = [get("epochal", i)["peak_mib"] / max(get("orbax", i)["peak_mib"], 0.1) for i in range(a.rounds)]
+        med = {lib: _median([get(lib, i)["seconds"] for i in range(a.rounds)]) for lib in ("orbax", "epochal")}
+        peak = {lib: _median([get(lib, i)["peak_mib"] for i in range(a.rounds)]) for lib in ("orbax", "epochal")}
+        print(f"{phase} {k} dev: median s orbax {med['orbax']:.3f}, epochal {med['epochal']:.3f}; "
+              f"epochal/orbax time {_median(t):.2f}x ({min(t):.2f}..{max(t):.2f}); "
+              f"peak RSS orbax +{peak['orbax']:.1f}, epochal +{peak['epochal']:.1f} MiB, "
+              f"{_median(m):.2f}x ({min(m):.2f}..{max(m):.2f})")
 
 
 if __name__ == "__main__":

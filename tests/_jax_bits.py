@@ -118,9 +118,10 @@ def chain(directory: str, k: int, step_in: str, step_out: str) -> None:
 
         db = os.path.join(directory, f"local.{step_in}")
         with ranges.RangedFile(db) as f:
-            off, length, _ = stored_leaves(f)[("params", "emb")].segs[0]
-        assert length == want["params"]["emb"].nbytes
-        out["emb_read"] = sum(max(0, min(o + n, off + length) - max(o, off)) for o, n in reads)
+            segs = stored_leaves(f)[("params", "emb")].segs  # one, or one per block of each chunk
+        assert sum(length for _, length, _ in segs) == want["params"]["emb"].nbytes
+        out["emb_read"] = sum(max(0, min(o + n, off + length) - max(o, off)) for o, n in reads
+                              for off, length, _ in segs)
     else:
         tree = jax.tree_util.tree_map(lambda v, a: jax.device_put(v, a.sharding) if isinstance(v, np.ndarray) else v,
                                       want, abstract(k))
@@ -353,6 +354,7 @@ def orbax_restore(directory: str, k: int) -> None:
 
 if __name__ == "__main__":
     import _jax_bits_more as more
+    import _jax_bits_save as saves
 
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "chain":
@@ -385,5 +387,9 @@ if __name__ == "__main__":
         orbax_save(args[0])
     elif cmd == "orbax_restore":
         orbax_restore(args[0], int(args[1]))
+    elif cmd in ("stream_save", "stream_restore", "stream_torch", "orbax_torch_save"):
+        getattr(saves, cmd)(*args)
+    elif cmd == "orbax_names":
+        saves.orbax_names(args[0], int(args[1]))
     else:
         raise SystemExit(f"unknown command {cmd}")

@@ -2,12 +2,13 @@
 ``restore(path_or_checkpointer, abstract_pytree, step=None)`` (docs/jax.md).
 
 One checkpoint for both frameworks: a pytree of nested dicts is stored under the same names
-as a torch state of the same nested dicts, and its arrays as the tensor records torch writes
-(bf16 and the float8s too, same bits), so a PyTorch :class:`~epochal.Checkpointer` restores
-what JAX saved and the reverse, without a mapping. A restore reads only the byte ranges of
+as a torch state of the same nested dicts, and its arrays as records torch reads (bf16 and
+the float8s too, same bits; a sharded array as its shards, each written once from its own
+buffer), so a PyTorch :class:`~epochal.Checkpointer` restores what JAX saved and the
+reverse, without a mapping. A restore reads only the byte ranges of
 the shards each device needs (resharding freely), checks every range's checksum before use,
 and bounds its scratch memory by ``chunk_bytes``. ``epochal.jax.orbax`` holds
-an Orbax ``CheckpointManager`` handler. Needs ``pip install 'epochal[jax]'``.
+an Orbax ``CheckpointManager`` handler, ``epochal.jax.orbax_v1`` an Orbax v1 one. Needs ``pip install 'epochal[jax]'``.
 """
 
 from __future__ import annotations

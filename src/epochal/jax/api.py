@@ -25,13 +25,13 @@ from ..checkpointer import Checkpointer
 from ..checkpointer.parts import NODE
 from ..errors import BlobMismatchError, CheckpointNotFoundError, MissingBlobError
 from .dcp import is_dcp_step
-from .host import HostTensor, to_host
+from .host import HostChunks, HostTensor, to_host
 from .mapping import NameMap, Target, map_leaves
 from .names import Leaf, flat_leaves, leaf_label, nest
 from .reads import DEFAULT_CHUNK, Task, aligned_empty
 from .sources import DcpSource, LocalSource, Source
 
-__all__ = ["DEFAULT_CHUNK", "restore", "save"]
+__all__ = ["DEFAULT_CHUNK", "host_state", "restore", "save"]
 
 #: threads reading the regions of one leaf at once
 READ_THREADS = 4
@@ -48,11 +48,23 @@ def stored_as(leaves: list[Leaf], targets: list[Target]) -> list[Leaf]:
     out: list[Leaf] = []
     for (_, v), t in zip(leaves, targets):
         if t.transpose:
-            if not isinstance(v, HostTensor) or v.array.ndim < 2:
+            if isinstance(v, HostChunks) and len(v.shape) >= 2:
+                v = v.transposed(leaf_label(t.names))
+            elif isinstance(v, HostTensor) and v.array.ndim >= 2:
+                v = HostTensor(np.ascontiguousarray(v.array.T), leaf_label(t.names))
+            else:
                 raise ValueError(f"names: leaf {t.label} is not an array of 2 or more axes to transpose")
-            v = HostTensor(np.ascontiguousarray(v.array.T), leaf_label(t.names))
         out.append((t.names, v))
     return out
+
+
+def host_state(pytree: Any, names: NameMap | None = None, *, copy: bool = False) -> dict[str, Any]:
+    """The state a Checkpointer saves for ``pytree``: nested dicts of the stored names
+    (``names``: :mod:`.mapping`), arrays on host (:func:`~.host.to_host`; ``copy``: none
+    sharing memory with a live buffer, for a write after the caller goes on)."""
+    leaves = flat_leaves(pytree)
+    targets = map_leaves(leaves, keystrs(pytree), names)
+    return nest(stored_as(to_host(leaves, copy=copy), targets))
 
 
 def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int, pytree: Any, *,
@@ -60,11 +72,9 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
-    are copied to host once; see :mod:`epochal.jax`. ``names``: the stored name of each
-    leaf (:mod:`.mapping`; default: the pytree's own)."""
-    leaves = flat_leaves(pytree)
-    targets = map_leaves(leaves, keystrs(pytree), names)
-    state = nest(stored_as(to_host(leaves), targets))
+    are written once, from their host views, never assembled (:mod:`.host`). ``names``:
+    the stored name of each leaf (:mod:`.mapping`; default: the pytree's own)."""
+    state = host_state(pytree, names)
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
         return
@@ -220,6 +230,7 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
             raise BlobMismatchError(f"step {step} ({src.path}) holds leaves the abstract pytree lacks: "
                                     + ", ".join(extra) + " (restore(..., partial=True) leaves them out)")
         plans = [_fit(t, want, src, step) for t, (_, want) in zip(targets, leaves)]
+        src.prefetch([k for k, plan in zip(keys, plans) if plan == "array"])
         values: list[Any] = []
         with ThreadPoolExecutor(READ_THREADS) as pool:
             for t, k, (_, want), plan in zip(targets, keys, leaves, plans):

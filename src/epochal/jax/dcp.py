@@ -17,8 +17,6 @@ whole db.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +28,8 @@ from ..errors import CheckpointCorruptError
 from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.reads.ranges import RangedFile
 from .names import DTYPES
-from .reads import Stored, Task, aligned_empty, array_layout, read_regions
+from .pieces import Piece, read_pieces
+from .reads import Stored, Task, array_layout
 
 __all__ = ["DcpLeaf", "Piece", "is_dcp_step", "open_dcp", "read_dcp_regions"]
 
@@ -41,17 +40,6 @@ META_NODE = "dcp"
 def is_dcp_step(view: CheckpointDirectory, step: int) -> bool:
     """Whether committed ``step`` of ``view`` was written by DCP (it has a metadata db)."""
     return META_NODE in view.read_manifest(step).nodes
-
-
-@dataclass
-class Piece:
-    """A stored tensor record holding the region of a DCP item at ``offsets``: a saved chunk,
-    or one row block of it, in the db file ``db``."""
-
-    db: str
-    stored: Stored
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
 
 
 @dataclass
@@ -149,44 +137,7 @@ def open_dcp(directory: str, step: int, files: dict[str, RangedFile]) -> tuple[d
 def read_dcp_regions(files: dict[str, RangedFile], leaf: DcpLeaf, label: str, indices: Sequence[tuple[Any, ...]],
                      chunk: int, run: Callable[[list[Task]], None]) -> list[np.ndarray]:
     """The regions ``indices`` (one slice per axis each) of tensor item ``leaf``, in aligned
-    buffers: each piece (a chunk, or a row block) read once for all the regions it overlaps
-    (only the rows needed, checked; :func:`~.reads.read_regions`), straight into a region it
-    covers whole, else into a buffer of the overlap then copied into place. ``run`` runs
-    the pieces' reads (on threads: they write disjoint parts). CheckpointCorruptError when
-    the pieces do not cover a region."""
+    buffers, from the pieces (chunks or row blocks) they overlap (:func:`~.pieces.read_pieces`).
+    CheckpointCorruptError when the pieces do not cover a region."""
     assert leaf.dtype is not None
-    dt = leaf.dtype
-    bounds = [[sl.indices(n)[:2] for sl, n in zip(tuple(ix) + (slice(None),) * (len(leaf.shape) - len(ix)),
-                                                  leaf.shape)] for ix in indices]
-    outs = [aligned_empty([max(0, b - a) for a, b in bd], dt) for bd in bounds]
-    covered = [0] * len(outs)
-    tasks: list[Task] = []
-    for p in leaf.pieces:
-        parts = []  # (region, its overlap with the piece)
-        for r, bd in enumerate(bounds):
-            inter = [(max(a, o), min(b, o + n)) for (a, b), o, n in zip(bd, p.offsets, p.shape)]
-            if all(lo < hi for lo, hi in inter):
-                parts.append((r, inter))
-                covered[r] += math.prod(hi - lo for lo, hi in inter)
-        if parts:
-            tasks.append(functools.partial(_read_piece, files, p, label, parts, bounds, outs, chunk))
-    bad = [r for r, o in enumerate(outs) if covered[r] != o.size]
-    if bad:
-        raise CheckpointCorruptError(next(iter(files.values())).path if files else "",
-                                     f"leaf {label}: the saved chunks cover {covered[bad[0]]} of the "
-                                     f"{outs[bad[0]].size} elements of region {bounds[bad[0]]}", leaf.fqn)
-    run(tasks)
-    return outs
-
-
-def _read_piece(files: dict[str, RangedFile], p: Piece, label: str, parts: list[tuple[int, list[tuple[int, int]]]],
-                bounds: list[list[tuple[int, int]]], outs: list[np.ndarray], chunk: int) -> None:
-    """One piece's parts of the regions (see :func:`read_dcp_regions`)."""
-    local = [tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, p.offsets)) for _, inter in parts]
-    whole = [inter == bounds[r] for r, inter in parts]
-    dest = [outs[r] if w else aligned_empty([hi - lo for lo, hi in inter], outs[r].dtype)
-            for (r, inter), w in zip(parts, whole)]
-    read_regions(files[p.db], p.stored, label, local, chunk, dest)
-    for (r, inter), w, got in zip(parts, whole, dest):
-        if not w:
-            outs[r][tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, bounds[r]))] = got
+    return read_pieces(files, leaf.pieces, leaf.dtype, leaf.shape, label, leaf.fqn, indices, chunk, run)

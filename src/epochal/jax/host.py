@@ -1,17 +1,26 @@
-"""A save's side: each array leaf on host once, as the tensor record torch writes.
+"""A save's side: each array leaf as the records torch reads, its shards never assembled.
 
 Every ``jax.Array`` leaf is asked to ``copy_to_host_async`` first (all transfers in flight
-together), then each is put on host as one C-contiguous numpy array built from its
-addressable shards, each shard with ``replica_id == 0`` copied once into its place (a
-single shard that covers the array is used as it is, no copy). So a save holds the pytree
-on host once; a process must address every shard of an array (one process: always; several
-processes are not supported yet and raise).
+together); then each addressable shard with ``replica_id == 0`` is taken once, as the
+host view of its buffer (on CPU devices the device buffer itself: no copy), and written
+from there:
 
-:class:`HostTensor` wraps such an array for the Checkpointer; its codec writes kind
-``torch.tensor`` with torch's meta (dtype name, shape, device ``cpu``) so PyTorch restores
-it as a tensor, plus ``row_crc``: the array's rows cut in blocks of about
-:data:`BLOCK_BYTES` and a checksum of each block, so a restore reads and checks only the
-blocks the rows it needs lie in (a torch reader ignores the key; the index checksum covers it).
+* an array whose one such shard covers it (on one device, or replicated) is a
+  :class:`HostTensor`: kind ``torch.tensor`` with torch's meta (dtype name, shape, device
+  ``cpu``) so PyTorch restores it as a tensor, plus ``row_crc``: its rows cut in blocks of
+  about :data:`BLOCK_BYTES` and a checksum of each block, so a restore reads and checks
+  only the blocks the rows it needs lie in (a torch reader ignores the key; the index
+  checksum covers it);
+* a sharded array is a :class:`HostChunks`: kind ``torch.chunked_tensor``
+  (:mod:`epochal.storage.encoding.chunks`), each shard a chunk at its offsets, cut into
+  row blocks of about :data:`BLOCK_BYTES`, each block a segment with its own checksum.
+
+So a save adds no copy of the data on CPU devices, and on an accelerator only the host
+copies of the shards (each byte once). A process must address every shard of an array
+(one process: always; arrays with shards in other processes raise). The chunks name
+their place in the whole array, not the process that wrote them, so a save of several
+processes can write each process's shards into its own db (node ``local`` and one per
+other process); what it lacks is committing those dbs as one step.
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..storage.encoding.chunks import KIND as CHUNKED_KIND
+from ..storage.encoding.chunks import encode_chunks
 from ..storage.encoding.codecs import Encoded, flat_writable, register_codec
 from ..storage.io.checksum import checksum_function, default_algorithm
 from .names import Leaf, dtype_name, leaf_label
 
-__all__ = ["BLOCK_BYTES", "HostTensor", "block_rows", "to_host"]
+__all__ = ["BLOCK_BYTES", "HostChunks", "HostTensor", "block_rows", "to_host"]
 
 #: the bytes of a checksummed row block (at least one row): the unit a restore reads
 BLOCK_BYTES = 4 << 20
@@ -68,14 +79,35 @@ class HostTensor:
         return Encoded("torch.tensor", meta, [flat_writable(flat) if flat.nbytes else memoryview(b"")])
 
 
+@dataclass(frozen=True)
+class HostChunks:
+    """A sharded array leaf on host as its shards (offsets in the whole array, the shard's
+    C-contiguous host array), stored as a ``torch.chunked_tensor`` record."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: list[tuple[tuple[int, ...], np.ndarray]]
+    label: str
+
+    def encoded(self) -> Encoded:
+        meta, segments = encode_chunks(dtype_name(self.dtype, self.label), self.shape, self.chunks, BLOCK_BYTES)
+        return Encoded(CHUNKED_KIND, meta, segments)
+
+    def transposed(self, label: str) -> HostChunks:
+        """The transpose (every axis reversed), each chunk transposed in a copy."""
+        return HostChunks(self.shape[::-1], self.dtype,
+                          [(o[::-1], np.ascontiguousarray(a.T)) for o, a in self.chunks], label)
+
+
 class HostTensorCodec:
-    """Writes a :class:`HostTensor` as a torch tensor record; never read back as such (the
-    record's kind is ``torch.tensor``: torch reads it, the JAX door reads it by ranges)."""
+    """Writes a :class:`HostTensor` or :class:`HostChunks` as the record torch reads; never
+    read back as such (the record's kind is ``torch.tensor`` or ``torch.chunked_tensor``:
+    torch reads it, the JAX door reads it by ranges)."""
 
     kind = "jax.host_tensor"
 
     def accepts(self, value: Any) -> bool:
-        return isinstance(value, HostTensor)
+        return isinstance(value, (HostTensor, HostChunks))
 
     def encode(self, value: Any) -> Encoded:
         return value.encoded()  # type: ignore[no-any-return]
@@ -90,26 +122,34 @@ class HostTensorCodec:
 register_codec(HostTensorCodec())
 
 
-def _whole(x: jax.Array, label: str, copy: bool) -> np.ndarray:
-    """``x`` on host as one array, each shard of replica 0 copied once into place (one shard
-    covering the array: its host view, copied only with ``copy``)."""
+def _host(x: jax.Array, label: str, copy: bool) -> HostTensor | HostChunks:
+    """``x``'s shards of replica 0, each taken once as its host view (copied only with
+    ``copy``): one shard covering the array as a :class:`HostTensor`, else the chunks."""
     if not x.is_fully_addressable:
         raise NotImplementedError(f"leaf {label}: an array with shards in other processes "
                                   "(multi-process saves are not supported yet)")
     shards = [s for s in x.addressable_shards if s.replica_id == 0]
-    if len(shards) == 1 and tuple(shards[0].data.shape) == tuple(x.shape):
-        whole = np.asarray(shards[0].data)
-        return whole.copy() if copy else whole
-    out = np.empty(x.shape, dtype=x.dtype)
+    if x.size == 0 or (len(shards) == 1 and tuple(shards[0].data.shape) == tuple(x.shape)):
+        whole = np.asarray(shards[0].data) if x.size else np.empty(x.shape, dtype=x.dtype)
+        return HostTensor(whole.copy() if copy else whole, label)
+    chunks = []
     for s in shards:
-        out[s.index] = np.asarray(s.data)
-    return out
+        if s.data.size == 0:
+            continue
+        offsets = tuple(sl.indices(n)[0] for sl, n in zip(s.index, x.shape))
+        host = np.asarray(s.data)
+        if copy or not host.flags.c_contiguous:
+            host = np.array(host, order="C", copy=True)
+        chunks.append((offsets, host))
+    chunks.sort(key=lambda c: c[0])
+    return HostChunks(tuple(x.shape), np.dtype(x.dtype), chunks, label)
 
 
 def to_host(leaves: Sequence[Leaf], *, copy: bool = False) -> list[Leaf]:
-    """Each leaf as a value the Checkpointer stores: arrays as :class:`HostTensor`, plain
-    values (Python scalars, str, numpy scalars) as they are. ``copy``: no array may share
-    memory with a live buffer (for a write that runs after the caller goes on)."""
+    """Each leaf as a value the Checkpointer stores: arrays as :class:`HostTensor` or
+    :class:`HostChunks`, plain values (Python scalars, str, numpy scalars) as they are.
+    ``copy``: no array may share memory with a live buffer (for a write that runs after the
+    caller goes on)."""
     for _, v in leaves:
         if isinstance(v, jax.Array):
             v.copy_to_host_async()
@@ -117,7 +157,7 @@ def to_host(leaves: Sequence[Leaf], *, copy: bool = False) -> list[Leaf]:
     for names, v in leaves:
         label = leaf_label(names)
         if isinstance(v, jax.Array):
-            out.append((names, HostTensor(_whole(v, label, copy), label)))
+            out.append((names, _host(v, label, copy)))
         elif isinstance(v, np.ndarray):
             out.append((names, HostTensor(v.copy() if copy else v, label)))
         else:

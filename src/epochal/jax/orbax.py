@@ -6,6 +6,9 @@ changes one line::
     mngr.save(step, args=EpochalSave(pytree))
     tree = mngr.restore(step, args=EpochalRestore(abstract_pytree))
 
+(``names=`` on either, as :func:`epochal.jax.restore` takes it: a flax pytree against a
+torch state's names.)
+
 :class:`EpochalCheckpointHandler` is an Orbax v0 ``AsyncCheckpointHandler``; the args are
 registered with it (``ocp.args.register_with_handler``), so the manager finds it by the args'
 type. A save copies every array to host before it returns (the training loop may then
@@ -25,9 +28,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from ..checkpointer import Checkpointer
-from .api import DEFAULT_CHUNK, restore
-from .host import to_host
-from .names import flat_leaves, nest
+from .api import DEFAULT_CHUNK, host_state, restore
+from .mapping import NameMap
 
 __all__ = ["EpochalCheckpointHandler", "EpochalRestore", "EpochalSave"]
 
@@ -46,7 +48,7 @@ class EpochalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):  # type: ig
         """Copies the pytree to host now; the returned commit future writes it."""
         if args is None:
             raise ValueError("EpochalCheckpointHandler saves with args=EpochalSave(pytree)")
-        state = nest(to_host(flat_leaves(args.item), copy=True))
+        state = host_state(args.item, args.names, copy=True)
 
         async def write() -> None:
             await asyncio.to_thread(self._write, str(directory), state)
@@ -65,7 +67,8 @@ class EpochalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):  # type: ig
         """The pytree of ``args.item``'s structure (see :func:`epochal.jax.restore`)."""
         if args is None or args.item is None:
             raise ValueError("EpochalCheckpointHandler restores with args=EpochalRestore(abstract_pytree)")
-        return restore(str(directory), args.item, STEP, chunk_bytes=args.chunk_bytes, partial=args.partial)
+        return restore(str(directory), args.item, STEP, chunk_bytes=args.chunk_bytes, partial=args.partial,
+                       names=args.names)
 
     def metadata(self, directory: Any) -> None:
         """No tree metadata: the abstract pytree of a restore says what is wanted."""
@@ -81,17 +84,21 @@ class EpochalCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):  # type: ig
 @ocp.args.register_with_handler(EpochalCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class EpochalSave(ocp.args.CheckpointArgs):  # type: ignore[misc]
-    """Save ``item`` (a pytree) as an epochal checkpoint."""
+    """Save ``item`` (a pytree) as an epochal checkpoint; ``names``: where each leaf is
+    stored, as :func:`~epochal.jax.save` takes it (default: under its own names)."""
 
     item: Any
+    names: NameMap | None = None
 
 
 @ocp.args.register_with_handler(EpochalCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
 class EpochalRestore(ocp.args.CheckpointArgs):  # type: ignore[misc]
     """Restore the pytree of ``item``'s structure (``jax.ShapeDtypeStruct`` leaves with their
-    target shardings); ``chunk_bytes`` and ``partial`` as in :func:`~epochal.jax.restore`."""
+    target shardings); ``chunk_bytes``, ``partial`` and ``names`` (where each leaf is
+    stored: a torch state's names, say) as in :func:`~epochal.jax.restore`."""
 
     item: Any = None
     chunk_bytes: int = DEFAULT_CHUNK
     partial: bool = False
+    names: NameMap | None = None

@@ -12,7 +12,9 @@ numpy and plain leaves). Register it for a checkpointable's name, in a local reg
         tree = ocp.load_checkpointables(path, {"state": abstract_pytree})["state"]
 
 (:func:`local_registry`: Orbax's global registry with that name's entry replaced) or globally with
-``ocp.handlers.register_handler(EpochalHandler, checkpointable_name="state")``. Registered
+``ocp.handlers.register_handler(EpochalHandler, checkpointable_name="state")``; with a name
+mapping (as :func:`epochal.jax.restore` takes it), ``local_registry("state", names=...)`` or
+``EpochalHandler.with_names(names)`` in place of ``EpochalHandler``. Registered
 without a name it would take every pytree Orbax saves (the newest handler that accepts an
 object wins), so a name is asked for. Load with ``ocp.load_checkpointables`` (``ocp.load``
 looks for Orbax's own pytree files before it asks a handler). A save copies every array to host before it returns
@@ -34,8 +36,8 @@ import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp
 
 from ..checkpointer import Checkpointer
-from .api import restore
-from .host import to_host
+from .api import host_state, restore
+from .mapping import NameMap
 from .names import flat_leaves, nest
 from .sources import LocalSource
 
@@ -53,10 +55,26 @@ def _write(directory: str, state: dict[str, Any]) -> None:
 class EpochalHandler(ocp.handlers.CheckpointableHandler):  # type: ignore[misc]
     """Saves and loads a pytree as an epochal checkpoint (see the module doc)."""
 
+    #: the name mapping of its saves and loads, in a tuple (:meth:`with_names`)
+    _names: tuple[NameMap | None] = (None,)
+
+    @classmethod
+    def with_names(cls, names: NameMap | None) -> type[EpochalHandler]:
+        """This handler with a name mapping (as :func:`epochal.jax.restore` takes it) for
+        its saves and loads: a subclass, since Orbax registers handler types. It keeps the
+        name Orbax records for a handler, so either one loads what the other saved."""
+        return type(cls.__name__, (cls,), {"_names": (names,), "__qualname__": cls.__qualname__,
+                                           "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+    @property
+    def names(self) -> NameMap | None:
+        """The name mapping of this handler's saves and loads (None: none)."""
+        return self._names[0]
+
     async def save(self, directory: Any, checkpointable: Any) -> Awaitable[None]:
         """Copies the pytree to host now; the awaitable returned writes it once Orbax has
         created ``directory``."""
-        state = nest(to_host(flat_leaves(checkpointable), copy=True))
+        state = host_state(checkpointable, self.names, copy=True)
 
         async def write() -> None:
             path = await directory.await_creation()
@@ -72,12 +90,12 @@ class EpochalHandler(ocp.handlers.CheckpointableHandler):  # type: ignore[misc]
             abstract = await self.metadata(directory)
 
         async def read() -> Any:
-            return await asyncio.to_thread(restore, str(directory), abstract, STEP)
+            return await asyncio.to_thread(restore, str(directory), abstract, STEP, names=self.names)
 
         return read()
 
     async def metadata(self, directory: Any) -> Any:
-        """The stored pytree as nested dicts of the stored names: a ``jax.ShapeDtypeStruct``
+        """The stored pytree as nested dicts of the stored names (not mapped): a ``jax.ShapeDtypeStruct``
         for each array, the value of each plain leaf (the db checked as for a restore)."""
         src = LocalSource(f"{str(directory).rstrip('/')}/local.{STEP}")
         try:
@@ -108,13 +126,15 @@ def _pytree_of(tree: Any, arrays: tuple[type, ...]) -> bool:
     return all(isinstance(v, (*arrays, np.generic, int, float, str, bool)) for _, v in leaves)
 
 
-def local_registry(checkpointable_name: str = "state") -> Any:
+def local_registry(checkpointable_name: str = "state", names: NameMap | None = None) -> Any:
     """A local Orbax v1 registry where ``checkpointable_name`` is handled by
-    :class:`EpochalHandler` and everything else as by the global registry. The default
-    ``"state"`` is the checkpointable of ``ocp.save``, which
-    Orbax's global registry gives its PyTreeHandler: this registry replaces that entry."""
+    :class:`EpochalHandler` (with the name mapping ``names``: :meth:`~EpochalHandler.with_names`)
+    and everything else as by the global registry. The default ``"state"`` is the
+    checkpointable of ``ocp.save``, which Orbax's global registry gives its PyTreeHandler:
+    this registry replaces that entry."""
     registry = ocp.handlers.local_registry(include_global_registry=False)
-    registry.add(EpochalHandler, checkpointable_name=checkpointable_name)
+    registry.add(EpochalHandler if names is None else EpochalHandler.with_names(names),
+                 checkpointable_name=checkpointable_name)
     glob = ocp.handlers.global_registry()
     for handler, name in glob.get_all_entries():
         if name != checkpointable_name:

@@ -183,7 +183,8 @@ def read_regions(f: RangedFile, s: Stored, label: str, indices: Sequence[tuple[A
                  chunk: int = DEFAULT_CHUNK, outs: Sequence[np.ndarray] | None = None,
                  run: Callable[[list[Task]], None] | None = None) -> list[np.ndarray]:
     """The regions ``indices`` of the array leaf ``s``, each in a new :func:`aligned_empty`
-    array (or in ``outs``), every byte read once for all of them and checked before use:
+    array (or in ``outs``: views of any strides; rows are read straight into a C-contiguous
+    one), every byte read once for all of them and checked before use:
     regions sharing rows (column slices of one row range) share the reads of those rows.
     ``run`` runs the independent reads (a thread pool's map; default: one after another),
     each with at most one scratch buffer of ``max(chunk, one row)``."""
@@ -194,21 +195,23 @@ def read_regions(f: RangedFile, s: Stored, label: str, indices: Sequence[tuple[A
     if outs is None:
         outs = [aligned_empty([b - a for a, b in bd], dt) for bd in bounds]
     for o, bd in zip(outs, bounds):
-        if o.shape != tuple(b - a for a, b in bd) or o.dtype != dt or not o.flags.c_contiguous:
+        if o.shape != tuple(b - a for a, b in bd) or o.dtype != dt:
             raise ValueError(f"leaf {label}: a {o.dtype} {o.shape} buffer for a {dt} region {bd}")
     live = [(bd, o) for bd, o in zip(bounds, outs) if o.size]
     if not live:
         return list(outs)
     run = run or _serially
     if not shape:  # 0-d: one element
-        _read_whole_checked(f, s, live[0][1].reshape(-1).view(np.uint8), chunk, label)
-        for _, o in live[1:]:
-            o[...] = live[0][1]
+        one = aligned_empty((), dt)
+        _read_whole_checked(f, s, one.reshape(-1).view(np.uint8), chunk, label)
+        for _, o in live:
+            o[...] = one
         return list(outs)
     row_bytes = math.prod(shape[1:]) * dt.itemsize
 
-    def full_rows(bd: list[tuple[int, int]]) -> bool:
-        return all(a == 0 and b == n for (a, b), n in zip(bd[1:], shape[1:]))
+    def full_rows(bd: list[tuple[int, int]], o: np.ndarray) -> bool:
+        """Whether region ``bd`` (in ``o``) is whole rows, in C order: rows can be read into it."""
+        return o.flags.c_contiguous and all(a == 0 and b == n for (a, b), n in zip(bd[1:], shape[1:]))
 
     def scatter(r0: int, r1: int, got: np.ndarray, skip: np.ndarray | None = None) -> None:
         """Rows r0..r1 of the leaf (``got``) into every region they overlap."""
@@ -219,7 +222,7 @@ def read_regions(f: RangedFile, s: Stored, label: str, indices: Sequence[tuple[A
 
     blocks = _row_blocks(s, shape)
     if blocks is None:  # one checksum for the whole tensor: one pass for every region
-        whole = next((o for bd, o in live if full_rows(bd) and bd[0] == (0, shape[0])), None)
+        whole = next((o for bd, o in live if full_rows(bd, o) and bd[0] == (0, shape[0])), None)
         if whole is not None:
             _read_whole_checked(f, s, whole.reshape(-1).view(np.uint8), chunk, label)
             scatter(0, shape[0], whole, skip=whole)
@@ -253,7 +256,7 @@ def read_regions(f: RangedFile, s: Stored, label: str, indices: Sequence[tuple[A
     def read_run(b: int, e: int) -> None:
         br0, br1 = b * rows, min(e * rows, shape[0])
         # rows that one region of whole rows holds all of are read straight into it
-        into = next(((bd, o) for bd, o in live if full_rows(bd) and bd[0][0] <= br0 and br1 <= bd[0][1]), None)
+        into = next(((bd, o) for bd, o in live if full_rows(bd, o) and bd[0][0] <= br0 and br1 <= bd[0][1]), None)
         if into is not None:
             r0 = into[0][0][0]
             view = into[1].reshape(-1).view(np.uint8)[(br0 - r0) * row_bytes : (br1 - r0) * row_bytes]

@@ -5,7 +5,9 @@ A :class:`Source` is keyed by a leaf's stored names (:class:`~.mapping.Target`):
 Checkpointer's db by the names themselves, a DCP step by the FQN DCP gives nested dicts
 (the names joined by ``.``: ``model.fc.weight``). For each key it gives the stored layout
 (dtype and shape of an array, None for a plain value), the regions of an array read and
-checked, or a plain value decoded from checked bytes.
+checked (a tensor record by its row blocks, :mod:`.reads`; a sharded array saved as its
+chunks, or a DCP item, from the pieces each region overlaps, :mod:`.pieces`), or a plain
+value decoded from checked bytes.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
+from ..storage.encoding.chunks import KIND as CHUNKED_KIND
 from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.reads.ranges import RangedFile
 from .dcp import DcpLeaf, open_dcp, read_dcp_regions
 from .names import leaf_label
+from .pieces import Piece, chunked_layout, read_pieces
 from .reads import Stored, Task, array_layout, read_plain, read_regions, stored_leaves
 
 __all__ = ["DcpSource", "LocalSource", "Source"]
@@ -55,6 +59,9 @@ class Source:
     def plain(self, key: Key, label: str) -> Any:
         raise NotImplementedError
 
+    def prefetch(self, keys: list[Key]) -> None:
+        """The leaves ``keys`` will be read, in this order: a cold file may be read ahead."""
+
     def close(self) -> None:
         """Close the files opened."""
 
@@ -69,11 +76,13 @@ def _plain(f: RangedFile, s: Stored, label: str) -> Any:
 
 
 class LocalSource(Source):
-    """A Checkpointer's step: its one db at ``path``."""
+    """A Checkpointer's step: its one db at ``path`` (a ``torch.chunked_tensor`` leaf's
+    layout parsed and checked once, when first asked for)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.f = RangedFile(path)
+        self.chunked: dict[Key, tuple[np.dtype, tuple[int, ...], list[Piece]]] = {}
         try:
             self.stored = stored_leaves(self.f)
         except BaseException:
@@ -86,8 +95,20 @@ class LocalSource(Source):
     def kind(self, key: Key) -> str:
         return self.stored[key].kind
 
+    def _chunked(self, key: Key, label: str) -> tuple[np.dtype, tuple[int, ...], list[Piece]]:
+        got = self.chunked.get(key)
+        if got is None:
+            s = self.stored[key]
+            try:
+                got = self.chunked[key] = chunked_layout(s)
+            except ValueError as e:
+                raise corrupt(self.path, f"leaf {label}: {e}", s.blob) from None
+        return got
+
     def layout(self, key: Key, label: str) -> tuple[np.dtype, tuple[int, ...]] | None:
         s = self.stored[key]
+        if s.kind == CHUNKED_KIND:
+            return self._chunked(key, label)[:2]
         try:
             return array_layout(s)
         except ValueError as e:
@@ -95,10 +116,17 @@ class LocalSource(Source):
 
     def regions(self, key: Key, label: str, indices: list[tuple[Any, ...]], chunk: int,
                 run: Callable[[list[Task]], None]) -> list[np.ndarray]:
-        return read_regions(self.f, self.stored[key], label, indices, chunk, run=run)
+        s = self.stored[key]
+        if s.kind == CHUNKED_KIND:
+            dt, shape, pieces = self._chunked(key, label)
+            return read_pieces({"": self.f}, pieces, dt, shape, label, s.blob, indices, chunk, run)
+        return read_regions(self.f, s, label, indices, chunk, run=run)
 
     def plain(self, key: Key, label: str) -> Any:
         return _plain(self.f, self.stored[key], label)
+
+    def prefetch(self, keys: list[Key]) -> None:
+        self.f.prefetch([(off, n) for k in keys for off, n, _ in self.stored[k].segs])
 
     def close(self) -> None:
         self.f.close()

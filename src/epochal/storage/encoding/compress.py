@@ -101,8 +101,8 @@ def plane_widths(kind: str, meta: dict[str, Any], nseg: int) -> list[int]:
     out = [0] * nseg
     if nseg == 1 and kind == "ndarray":
         out[0] = numpy_width(meta.get("dtype"))
-    elif nseg == 1 and kind == "torch.tensor":
-        out[0] = _TORCH_FLOATS.get(str(meta.get("dtype")), 0)
+    elif (nseg == 1 and kind == "torch.tensor") or kind == "torch.chunked_tensor":  # chunks: each segment
+        out = [_TORCH_FLOATS.get(str(meta.get("dtype")), 0)] * nseg
     elif kind == "tree" and isinstance(meta.get("leaves"), list):
         at = 0
         for leaf in meta["leaves"]:

@@ -37,7 +37,7 @@ def _shape_mismatches(saved: Any, live: Any, path: tuple[Any, ...], out: list[st
         out.append(f"{where}: checkpoint shape {tuple(a)}, live object shape {tuple(b)}")
 
 
-_SHAPED_KINDS = ("torch.tensor", "ndarray")
+_SHAPED_KINDS = ("torch.tensor", "ndarray", "torch.chunked_tensor")
 
 
 def _fits(saved: tuple[Any, ...], live: tuple[Any, ...], strict: bool) -> bool:

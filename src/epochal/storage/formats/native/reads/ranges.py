@@ -23,7 +23,7 @@ from typing import Any
 
 from ....io.checksum import checksum_function
 from ....io.extents import blame_refs, open_db
-from ....io.reads import read_bytes, read_exact
+from ....io.reads import Prefetcher, merged_ranges, read_bytes, read_exact
 from ....io.seam import ByteSource
 from ..index import Index
 from ..items import Opened
@@ -55,6 +55,16 @@ class RangedFile:
         self._found: dict[int, list[Segment]] = {}
         self._decoded: list[tuple[int, memoryview]] = []
         self._next = self.header.file_size
+        self._prefetch: Prefetcher | None = None
+
+    def prefetch(self, spans: list[tuple[int, int]]) -> None:
+        """The file ranges ``(offset, length)`` the reads that follow will want, about in
+        order: once a read finds the file not cached, the kernel is asked to read ahead of
+        it along these ranges (:class:`~epochal.storage.io.reads.Prefetcher`), so a cold read
+        is served by big asynchronous disk requests. Ranges past the file (decoded
+        segments) are left out."""
+        inside = sorted((a, a + n) for a, n in spans if n > 0 and a + n <= self.header.file_size)
+        self._prefetch = Prefetcher(self.src, merged_ranges(inside)) if inside else None
 
     def close(self) -> None:
         self.src.close()
@@ -105,6 +115,9 @@ class RangedFile:
                 if start <= offset and offset + view.nbytes <= start + buf.nbytes:
                     view[:] = buf[offset - start : offset - start + view.nbytes]
                     return
+        if self._prefetch is not None:
+            self._prefetch.read([view], offset, blob or "", progress=False)
+            return
         read_exact(self.src, [view], offset, blob, progress=False)
 
     def stream(self, seg: Segment, scratch: memoryview, blob: str,

@@ -1,0 +1,120 @@
+"""A tensor stored as the chunks it was sharded in: kind ``torch.chunked_tensor``.
+
+A sharded array (a ``jax.Array`` over a mesh) is saved without being assembled: each chunk
+(a shard, at its offsets in the whole array) is written as it lies in memory, cut along
+dim 0 into row blocks of about ``block_bytes``, each block one segment of the record, so
+each has the format's own checksum. The meta says the whole tensor (``dtype``: torch's
+name, ``shape``, ``device``: ``"cpu"``) and its ``chunks`` in segment order::
+
+    {"dtype": "bfloat16", "shape": [4096, 1024], "device": "cpu",
+     "chunks": [{"offsets": [0, 0], "shape": [1024, 512], "rows": 1024}, ...]}
+
+chunk ``c`` holding ``ceil(shape[0] / rows)`` segments, block ``k`` rows ``k * rows ..
+min((k + 1) * rows, shape[0])`` of the chunk, C order. The chunks cover the tensor exactly
+(:func:`chunk_layout` refuses any overlap or gap). A PyTorch restore assembles the tensor
+(:mod:`epochal.integrations.torch_chunks`); the JAX door reads each shard of a target
+sharding from the blocks it overlaps, a block that one shard holds whole straight into it.
+Chunks name their place in the whole array, not the process that wrote them, so the
+records of several processes' chunks can be read together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .codecs import check_shape, flat_segment
+
+__all__ = ["KIND", "Chunk", "chunk_layout", "encode_chunks"]
+
+#: the record kind (``torch.`` so that a PyTorch restore finds its codec lazily)
+KIND = "torch.chunked_tensor"
+
+#: more chunks than this are not checked pairwise for overlaps (a sweep would be needed)
+_PAIRWISE = 1 << 12
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored chunk: where it lies in the whole tensor, its shape, its rows per block and
+    its segments (``first .. first + count`` of the record)."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    rows: int
+    first: int
+    count: int
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """The chunk-relative rows ``(r0, r1)`` of each of its blocks, in segment order."""
+        n = self.shape[0]
+        return [(r, min(r + self.rows, n)) for r in range(0, n, self.rows)]
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise ValueError(f"bad chunk {what} {str(v)[:80]!r}")
+    return tuple(v)
+
+
+def chunk_layout(meta: dict[str, Any], sizes: Sequence[int], itemsize: int) -> tuple[tuple[int, ...], list[Chunk]]:
+    """The tensor's shape and its chunks, from ``meta`` and the record's segment ``sizes``;
+    ValueError unless every chunk lies in the tensor, the segments are its blocks' bytes
+    exactly and the chunks cover the tensor without overlap."""
+    shape = check_shape(meta.get("shape"))
+    raw = meta.get("chunks")
+    if not shape or not isinstance(raw, list):
+        raise ValueError("a chunked tensor needs a shape of at least one axis and a chunk list")
+    chunks: list[Chunk] = []
+    first, volume = 0, 0
+    for c in raw:
+        if not isinstance(c, dict):
+            raise ValueError(f"bad chunk {str(c)[:80]!r}")
+        offsets, cshape = _ints(c.get("offsets"), "offsets"), _ints(c.get("shape"), "shape")
+        rows = c.get("rows")
+        if (len(offsets) != len(shape) or len(cshape) != len(shape) or not isinstance(rows, int)
+                or isinstance(rows, bool) or rows < 1 or 0 in cshape
+                or any(o + n > m for o, n, m in zip(offsets, cshape, shape))):
+            raise ValueError(f"chunk at {list(offsets)} of shape {list(cshape)} does not fit a tensor {list(shape)}")
+        chunk = Chunk(offsets, cshape, rows, first, -(-cshape[0] // rows))
+        row_bytes = math.prod(cshape[1:]) * itemsize
+        want = [(r1 - r0) * row_bytes for r0, r1 in chunk.blocks()]
+        if list(sizes[first : first + chunk.count]) != want:
+            raise ValueError(f"the segments of the chunk at {list(offsets)} do not fit its shape {list(cshape)}")
+        chunks.append(chunk)
+        first += chunk.count
+        volume += math.prod(cshape)
+    if first != len(sizes):
+        raise ValueError(f"the chunks need {first} segments, the record has {len(sizes)}")
+    if volume != math.prod(shape):
+        raise ValueError(f"the chunks hold {volume} elements of a tensor of {math.prod(shape)}")
+    if len(chunks) <= _PAIRWISE:
+        for i, a in enumerate(chunks):
+            for b in chunks[i + 1 :]:
+                if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape)):
+                    raise ValueError(f"the chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
+    return shape, chunks
+
+
+def encode_chunks(dtype: str, shape: Sequence[int], chunks: Sequence[tuple[Sequence[int], np.ndarray]],
+                  block_bytes: int) -> tuple[dict[str, Any], list[memoryview]]:
+    """The meta and segments of a chunked record: each chunk (its offsets, a C-contiguous
+    little-endian array) cut into row blocks of about ``block_bytes`` (whole rows, at least
+    one), each segment a view of the chunk's memory (no copy)."""
+    meta_chunks = []
+    segments: list[memoryview] = []
+    for offsets, arr in chunks:
+        if arr.ndim != len(shape) or not arr.flags.c_contiguous or arr.dtype.byteorder == ">":
+            raise ValueError(f"a chunk of a tensor {list(shape)} must be a C-contiguous little-endian "
+                             f"array of {len(shape)} axes")
+        row = math.prod(arr.shape[1:]) * arr.dtype.itemsize
+        rows = max(1, block_bytes // max(1, row))
+        meta_chunks.append({"offsets": [int(o) for o in offsets], "shape": list(arr.shape), "rows": rows})
+        for r in range(0, arr.shape[0], rows):
+            segments.append(flat_segment(arr[r : r + rows].reshape(-1).view(np.uint8)))
+    meta = {"dtype": dtype, "shape": [int(n) for n in shape], "device": "cpu", "chunks": meta_chunks}
+    return meta, segments
