@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 from epochal.storage.encoding import compress
-from epochal.storage.encoding.compress import WriteOptions, raw_frame
+from epochal.storage.encoding.compress import WriteOptions
 from epochal.storage.formats.native import NativeFile, stat_native, write_native
 
 FRAME = 64 << 10
@@ -21,8 +21,8 @@ FRAME = 64 << 10
 @pytest.fixture(autouse=True)
 def _small_frames(monkeypatch):
     monkeypatch.setattr(compress, "FRAME_BYTES", FRAME)
-    monkeypatch.setattr(compress, "PLANE_SAMPLE_MIN", 4 * FRAME)
-    monkeypatch.setattr(compress, "PLANE_SAMPLE_BYTES", 4 << 10)
+    monkeypatch.setattr(compress, "PLANE_SAMPLE_MIN", 4 * FRAME, raising=False)
+    monkeypatch.setattr(compress, "PLANE_SAMPLE_BYTES", 4 << 10, raising=False)
 
 
 class _Counting:
@@ -50,7 +50,7 @@ class _Counting:
 @pytest.mark.parametrize("n", [1, 5, 131_071, 131_072, 131_073, 3 * 131_072, 1_000_003])
 def test_a_raw_frame_is_a_zstd_frame_of_its_bytes(n):
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-    f = raw_frame(data)
+    f = compress.raw_frame(data)
     blocks = -(-n // (128 << 10))
     assert len(f) == n + 9 + 3 * blocks  # header, then a 3-byte header per 128 KiB block
     assert f[:4] == b"\x28\xb5\x2f\xfd" and int.from_bytes(f[5:9], "little") == n
@@ -96,7 +96,7 @@ def test_planes_that_do_not_compress_skip_zstd_and_round_trip(tmp_path, monkeypa
         chunk = rot[fr * FRAME // width:(fr + 1) * FRAME // width]
         for j in range(raw_planes):  # the low planes: exactly a raw frame of their bytes
             plane = ((chunk >> (8 * j)) & 0xFF).astype(np.uint8)
-            assert streams[fr * width + j] == raw_frame(plane)
+            assert streams[fr * width + j] == compress.raw_frame(plane)
         assert len(streams[fr * width + width - 1]) < 0.9 * len(chunk)  # the exponent plane compressed
     with NativeFile(str(path), mmap=False) as f:
         got = f.read()["w"]
