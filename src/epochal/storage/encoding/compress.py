@@ -142,12 +142,17 @@ def numpy_width(dtype: Any) -> int:
 
 # ---------------------------------------------------------------- planes
 _scratch = threading.local()
+#: the largest scratch array kept per thread and slot (a 4 MiB frame needs 8 MiB at most)
+_SCRATCH_MAX = 8 << 20
 
 
 def _buf(slot: int, dtype: Any, n: int) -> np.ndarray:
     """This thread's scratch array number ``slot`` of ``n`` items of ``dtype``, reused from
     frame to frame: a fresh array per frame costs a page fault per 4 KiB, which on a 4 MiB
-    frame took longer than the arithmetic. Valid until the next call with the same slot."""
+    frame took longer than the arithmetic. Valid until the next call with the same slot.
+    A thread keeps about 12 MiB of them for 4 MiB frames (two word arrays and the planes)."""
+    if n * np.dtype(dtype).itemsize > _SCRATCH_MAX:  # (frames of others' files: not kept)
+        return np.empty(n, dtype=dtype)
     cache = getattr(_scratch, "b", None)
     if cache is None:
         cache = _scratch.b = {}
