@@ -297,8 +297,9 @@ class ExtentSource:
     def read_into(self, views: Sequence[memoryview], offset: int, *, nowait: bool = False) -> int:
         """Fill ``views`` from logical ``offset``, each source file read in few calls: the
         source with the most bytes in the range straight into place in one span when its
-        extents keep their relative positions, every other source's extents read in merged
-        spans and copied. Unchecked here: the format's checksums cover the logical bytes, and
+        extents keep their relative positions, every other source's extents in merged spans,
+        one read each whose buffers are the pieces' places (gaps to a scratch buffer).
+        Unchecked here: the format's checksums cover the logical bytes, and
         on a mismatch :meth:`check_refs` names the older file at fault."""
         want = sum(v.nbytes for v in views)
         end = min(offset + want, self.ex.logical_size)

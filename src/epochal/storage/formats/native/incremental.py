@@ -17,7 +17,9 @@ start); each chunk is
   download: the digest comes first);
 * else stored whole.
 
-A chunk saved as runs records no digest (a later save compares its bytes).
+A chunk saved as runs records no digest (a later save compares its bytes). Compaction: a
+chunk whose references would lie in more than ``MAX_SOURCES`` older files or be cut into
+more than ``MAX_PIECES`` pieces is stored whole again (so reads stay bounded).
 References name stored bytes of older files (never another reference), so a step is read
 with at most one hop; the base is the newest committed step before this one, whose own
 references are carried over. Everything else (superblock, small segments, padding, index)
