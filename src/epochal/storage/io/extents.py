@@ -38,7 +38,7 @@ import os
 import posixpath
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -361,15 +361,14 @@ class ExtentSource:
             for a in range(i, j, MAX_PIECES_READ):
                 b = min(j, a + MAX_PIECES_READ)
                 o, ln, d = r_soff[a:b], r_len[a:b], r_dst[a:b]
-                gap = np.zeros(b - a, dtype=np.int64)
-                gap[1:] = o[1:] - (o + ln)[:-1]
+                gap = np.concatenate([[0], o[1:] - (o + ln)[:-1]])
                 has = gap > 0
                 pos = np.arange(b - a) + np.cumsum(has)  # piece k's place among the buffers
                 starts = np.zeros(b - a + int(has.sum()), dtype=np.int64)
                 ends, which = starts.copy(), starts.copy()
                 starts[pos], ends[pos] = d, d + ln
                 ends[pos[has] - 1], which[pos[has] - 1] = gap[has], 1  # (a gap: scratch)
-                parts: list[memoryview] = list(map(_cut, map(bufs.__getitem__, which.tolist()),
+                parts: list[memoryview] = list(map(operator.getitem, map(bufs.__getitem__, which.tolist()),  # type: ignore[arg-type]
                                                    map(slice, starts.tolist(), ends.tolist())))
                 self._fill(int(r_src[a]), parts, int(o[0]), int(o[-1] + ln[-1] - o[0]))
 
@@ -442,10 +441,6 @@ class ExtentSource:
         for s in self._srcs:
             s.close()
         self._srcs = []
-
-
-#: ``buf[at]`` (operator.getitem, typed for the buffers a read fills: a C call per piece)
-_cut: Callable[[memoryview, slice], memoryview] = operator.getitem  # type: ignore[assignment]
 
 
 def open_db(path: str, *, what: str = "db", whole: bool = False) -> seam.ByteSource:
