@@ -84,6 +84,7 @@ class _Base:
         me = RefFile(os.path.basename(path), ex.size, ex.step)
         self.files = [me, *ex.refs]  # base source k -> the file it names
         self.ref_id: dict[str, int] = {}
+        self._scratch: np.ndarray | None = None
         #: base source k -> this file's source for it (-1: not referenced yet)
         self.src_map = np.full(len(self.files), -1, dtype=np.int64)
 
@@ -138,7 +139,12 @@ class _Base:
         return hit[1] if hit is not None and hit[0] == length else None
 
     def read(self, loff: int, length: int) -> np.ndarray:
-        buf = np.empty(length, dtype=np.uint8)
+        """The base's logical bytes ``loff .. loff + length``, in a buffer reused from chunk
+        to chunk (a fresh 4 MiB one per chunk cost a page fault per 4 KiB): valid until the
+        next call."""
+        if self._scratch is None or len(self._scratch) < length:
+            self._scratch = np.empty(length, dtype=np.uint8)
+        buf = self._scratch[:length]
         self.src.read_into([memoryview(buf.data)], loff)
         return buf
 
