@@ -85,6 +85,7 @@ class _Base:
         self.files = [me, *ex.refs]  # base source k -> the file it names
         self.ref_id: dict[str, int] = {}
         self._scratch: np.ndarray | None = None
+        self._neq: np.ndarray | None = None  # (the comparison's word flags, reused too)
         #: base source k -> this file's source for it (-1: not referenced yet)
         self.src_map = np.full(len(self.files), -1, dtype=np.int64)
 
@@ -180,8 +181,11 @@ def _diff(base: _Base, old_at: int, data: memoryview) -> np.ndarray | None:
     whole = n // DIFF_UNIT * DIFF_UNIT
     changed = np.empty(units, dtype=bool)
     words = DIFF_UNIT // 8
-    changed[: whole // DIFF_UNIT] = np.any(
-        new[:whole].view(np.uint64).reshape(-1, words) != old[:whole].view(np.uint64).reshape(-1, words), axis=1)
+    if base._neq is None or len(base._neq) < whole // 8:
+        base._neq = np.empty(whole // 8, dtype=bool)
+    neq = base._neq[: whole // 8].reshape(-1, words)  # (reused: no fresh pages per chunk)
+    np.not_equal(new[:whole].view(np.uint64).reshape(-1, words), old[:whole].view(np.uint64).reshape(-1, words), out=neq)
+    changed[: whole // DIFF_UNIT] = neq.any(axis=1)
     if whole < n:
         changed[-1] = not np.array_equal(new[whole:], old[whole:])
     if not changed.any():
