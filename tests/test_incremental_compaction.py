@@ -77,6 +77,7 @@ def _emb_range(path: Path) -> tuple[int, int]:
         return int(row["offset"]), int(row["offset"]) + int(row["length"])
 
 
+@pytest.mark.system
 def test_compaction_bounds_the_files_a_chunk_spans_and_every_step_restores_bit_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(incremental, "MAX_SOURCES", 2, raising=False)
     d = tmp_path / "ck"
@@ -101,6 +102,7 @@ def test_compaction_bounds_the_files_a_chunk_spans_and_every_step_restores_bit_e
     assert v.returncode == 0, v.stdout + v.stderr
 
 
+@pytest.mark.system
 def test_a_chunk_cut_into_more_pieces_than_the_bound_is_stored_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(incremental, "MAX_PIECES", 100, raising=False)  # a chunk with 2% of 4096 rows changed: ~160 pieces
     d = tmp_path / "ck"
@@ -111,6 +113,7 @@ def test_a_chunk_cut_into_more_pieces_than_the_bound_is_stored_whole(tmp_path, m
     assert _restore_fresh(d, 2, (ROWS, DIM), tmp_path).tobytes() == _table(2).tobytes()
 
 
+@pytest.mark.system
 def test_pieces_that_share_their_source_bytes_restore_bit_exact(tmp_path):
     # step 2: the second half of x becomes a copy of the first half of step 1: both halves
     # then reference the same stored bytes of step 1 (one read with overlapping sources)
