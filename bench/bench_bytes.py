@@ -16,12 +16,15 @@ then zstd, in 4 MiB frames) on one thread and on every core, against zstd level 
 buffer (one frame; DCP's ``ZStandard`` extension streams the raw bytes through the same
 zstd at level 3, so its ratio is this one). The ``zipnn`` package is not installed here (it
 would need a download), so it is not measured. Speeds are logical bytes per second, divided
-by the threads used ("per core"); each figure is the median of ``--rounds`` runs.
+by the threads used ("per core"): on one thread (t=1, and zstd -3) the thread's CPU time,
+so that a loaded machine does not count the time others ran; on several, wall time. Each
+figure is the median of ``--rounds`` runs.
 
-Then a save (``write_native``, fsynced) and a warm load of the bf16 and fp32 tensors with
-compression off and on, on this disk (``--dir``).
+Then a save (fsynced) and a load (every checksum checked) of the bf16 and fp32 tensors with
+compression off and on, in paired rounds, on this disk (``--dir``) and with ``--s3`` at an
+``s3://`` URL served by a local moto server (a separate process).
 
-    .venv/bin/python bench/bench_bytes.py --mib 64 --rounds 3
+    .venv/bin/python bench/bench_bytes.py --mib 64 --rounds 3 --s3
     .venv/bin/python bench/bench_bytes.py --quick              # smoke run, seconds
 """
 
@@ -40,18 +43,19 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from epochal.storage.encoding import compress  # noqa: E402
 from epochal.storage.encoding.compress import WriteOptions  # noqa: E402
 from epochal.storage.io.checksum import checksum_function, default_algorithm  # noqa: E402
 
 
-def _median(fn: Callable[[], Any], rounds: int) -> tuple[float, Any]:
+def _median(fn: Callable[[], Any], rounds: int, clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
     times, out = [], None
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = clock()
         out = fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times), out
 
 
@@ -96,8 +100,11 @@ def bench_codec(data: np.ndarray, width: int, rounds: int, threads: int) -> dict
     n = data.nbytes
     row: dict[str, float] = {}
     for t in sorted({1, threads}):
+        # one thread: its CPU time (what a core spends, whatever else the machine runs);
+        # several: wall time divided by the threads
+        clock = time.thread_time if t == 1 else time.perf_counter
         opts = WriteOptions("zstd", threads=t)
-        s, c = _median(lambda o=opts: compress.compress_segment(mv, width, o, fn), rounds)
+        s, c = _median(lambda o=opts: compress.compress_segment(mv, width, o, fn), rounds, clock)
         stored = c.nbytes if c is not None else n
         row["ratio"] = n / stored
         row[f"comp/core t={t}"] = n / s / t / 1e9
@@ -105,39 +112,57 @@ def bench_codec(data: np.ndarray, width: int, rounds: int, threads: int) -> dict
             out = memoryview(bytearray(n))
             streams = [memoryview(x) for x in c.streams]
             s, _ = _median(lambda t=t, c=c, streams=streams, out=out: compress.decode_frames(
-                c.codec, c.planes, c.frame_bytes, c.logical, 0, streams, out, t), rounds)
+                c.codec, c.planes, c.frame_bytes, c.logical, 0, streams, out, t), rounds, clock)
             row[f"dec/core t={t}"] = n / s / t / 1e9
     z = zstandard.ZstdCompressor(level=3)
-    s, blob = _median(lambda: z.compress(mv), rounds)
+    s, blob = _median(lambda: z.compress(mv), rounds, time.thread_time)
     row["zstd3 ratio"] = n / len(blob)
     row["zstd3 comp"] = n / s / 1e9
     d = zstandard.ZstdDecompressor()
-    s, _ = _median(lambda: d.decompress(blob), rounds)
+    s, _ = _median(lambda: d.decompress(blob), rounds, time.thread_time)
     row["zstd3 dec"] = n / s / 1e9
     return row
 
 
-def bench_disk(directory: str, data: dict[str, tuple[np.ndarray, int]], rounds: int) -> None:
+def bench_disk(where: dict[str, str], data: dict[str, tuple[np.ndarray, int]], rounds: int) -> None:
+    """A save and a load of the N(0, 0.02) tensors with compression off and on, at each
+    place of ``where`` (label -> folder or URL), in paired rounds (the order flipped each
+    round); medians of the per-round on / off ratios."""
     import torch
 
-    from epochal.storage.formats.native import NativeFile, write_native
+    from epochal.storage.encoding.compress import write_options
+    from epochal.storage.formats.base import get_db_type
 
+    backend = get_db_type("native")
     blobs = {k: torch.from_numpy(v.copy()).view(torch.bfloat16 if w == 2 else torch.float32)
              for k, (v, w) in data.items() if "N(0" in k}
     logical = sum(t.numel() * t.element_size() for t in blobs.values())
-    print(f"\nsave (fsynced) and warm load of {logical / 2**20:.0f} MiB (bf16 and fp32 N(0,0.02)) in {directory}")
-    for mode in (None, "zstd"):
-        path = os.path.join(directory, f"bytes.{mode}")
-        s, size = _median(lambda m=mode, p=path: write_native(p, blobs, options=WriteOptions(m)), rounds)
-
-        def load(p: str = path) -> None:
-            with NativeFile(p, mmap=False) as f:
-                f.read()
-
-        s2, _ = _median(load, rounds)
-        print(f"  compression={mode!s:5}  file {size / 2**20:7.1f} MiB  save {s:6.3f} s "
-              f"({logical / s / 1e9:.2f} GB/s)  load {s2:6.3f} s ({logical / s2 / 1e9:.2f} GB/s)")
-        os.unlink(path)
+    print(f"\nsave and load of {logical / 2**20:.0f} MiB (bf16 and fp32 N(0,0.02)), compression off and on, "
+          f"{rounds} paired rounds")
+    for label, folder in where.items():
+        times: dict[tuple[str | None, str], list[float]] = {}
+        for mode in (None, "zstd"):  # (a warm-up of each: connections, first writes)
+            with write_options(WriteOptions(mode)):
+                backend.write(f"{folder}/bytes.{mode}", blobs)
+        for r in range(rounds):
+            for mode in ((None, "zstd") if r % 2 == 0 else ("zstd", None)):
+                path = f"{folder}/bytes.{mode}"
+                t = time.perf_counter()
+                with write_options(WriteOptions(mode)):
+                    backend.write(path, blobs)
+                times.setdefault((mode, "save"), []).append(time.perf_counter() - t)
+                t = time.perf_counter()
+                got = backend.read(path)  # every checksum checked
+                times.setdefault((mode, "load"), []).append(time.perf_counter() - t)
+                assert all(got[k].view(torch.uint8).numpy().tobytes() == v.view(torch.uint8).numpy().tobytes()
+                           for k, v in blobs.items())
+        for phase in ("save", "load"):
+            off, on = times[(None, phase)], times[("zstd", phase)]
+            ratio = [b / a for a, b in zip(off, on)]
+            print(f"  {label:5} {phase}: off {statistics.median(off):6.3f} s ({logical / statistics.median(off) / 1e9:.2f} GB/s)"
+                  f"  on {statistics.median(on):6.3f} s ({logical / statistics.median(on) / 1e9:.2f} GB/s)"
+                  f"  on/off {statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})"
+                  f"  rounds off {' '.join(f'{x:.3f}' for x in off)} on {' '.join(f'{x:.3f}' for x in on)}")
 
 
 def main() -> None:
@@ -147,6 +172,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dir", default=None, help="where the save/load files go (default: a temp dir)")
+    ap.add_argument("--s3", action="store_true", help="also save and load at S3 (a local moto server)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke run)")
     a = ap.parse_args()
     if a.quick:
@@ -162,7 +188,21 @@ def main() -> None:
             print(f"{'workload':24} {'MiB':>6} " + " ".join(f"{h:>14}" for h in head))
         print(f"{name:24} {arr.nbytes / 2**20:6.1f} " + " ".join(f"{row.get(h, float('nan')):14.3f}" for h in head))
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
-        bench_disk(d, data, a.rounds)
+        where = {"disk": d}
+        server = None
+        if a.s3:
+            from _requests import moto_server
+
+            from epochal.storage.io.remote.fsspec_store import set_storage_options
+
+            server, opts = moto_server()
+            where["s3"] = "s3://bench/bytes"
+            set_storage_options(where["s3"], opts)
+        try:
+            bench_disk(where, data, a.rounds)
+        finally:
+            if server is not None:
+                server.terminate()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ time of a step whose bytes span many older steps against a full step's.
 Two runs through ``Checkpointer(incremental=True)`` on this disk: a LoRA-style state (a
 frozen base of >= 95% of the bytes, adapters that change every step) and an embedding table
 of which 2% of the rows (at random) change every step. Each is compared with the same saves
-written whole, in paired rounds (the order flipped each round). Usage:
+written whole, in paired rounds (the order flipped each round); wall times, and the
+process's CPU time (all its threads: on a loaded machine, the work done). Usage:
 ``python bench/bench_incremental.py [--mb 256] [--steps 8] [--rounds 3]``.
 """
 
@@ -43,25 +44,27 @@ def changed_bytes(make, mb: int, step: int) -> int:
                for k in a)
 
 
-def run(make, mb: int, steps: int, incremental: bool) -> tuple[list[int], list[float], float, str]:
+def run(make, mb: int, steps: int, incremental: bool) -> tuple[list[int], list[float], float, str, list[float], float]:
     d = tempfile.mkdtemp(prefix="bench_incr_")
-    sizes, times = [], []
+    sizes, times, cpus = [], [], []
     states = [make(mb, s) for s in range(1, steps + 1)]
     with ep.Checkpointer(d, incremental=incremental, progress=False) as ck:
         for s, st in enumerate(states, 1):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             ck.save(s, st)
             times.append(time.perf_counter() - t)
+            cpus.append(time.process_time() - c)
             sizes.append(os.path.getsize(os.path.join(d, f"local.{s}")))
     target = {k: np.zeros_like(v) for k, v in states[-1].items()}
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(3):  # warm cache: the cost of following references, not of the disk
         with ep.Checkpointer(d, progress=False) as ck:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             ck.restore(target)
             best = min(best, time.perf_counter() - t)
+            best_cpu = min(best_cpu, time.process_time() - c)
     assert all(np.array_equal(target[k], states[-1][k]) for k in target)
-    return sizes, times, best, d
+    return sizes, times, best, d, cpus, best_cpu
 
 
 def main() -> None:
@@ -72,7 +75,7 @@ def main() -> None:
     a = ap.parse_args()
     for label, make in (("lora", lora), ("embedding 2% rows", embedding)):
         ch = [changed_bytes(make, a.mb, s) for s in range(2, a.steps + 1)]
-        save_x, rest_x, ratios, fulls, incs = [], [], [], [], []
+        save_x, rest_x, ratios, fulls, incs, save_cx, rest_cx = [], [], [], [], [], [], []
         for r in range(a.rounds):  # paired rounds, the order flipped from round to round
             order = (False, True) if r % 2 == 0 else (True, False)
             got = {}
@@ -84,10 +87,14 @@ def main() -> None:
             incs.append(inc)
             save_x.append(np.median(inc[1][1:]) / np.median(full[1][1:]))
             rest_x.append(inc[2] / full[2])
+            save_cx.append(np.median(inc[4][1:]) / np.median(full[4][1:]))
+            rest_cx.append(inc[5] / full[5])
             ratios += [w / c for w, c in zip(inc[0][1:], ch)]
             print(f"  round {r}: save full {np.median(full[1][1:]) * 1e3:.1f} ms, incremental "
                   f"{np.median(inc[1][1:]) * 1e3:.1f} ms; restore full {full[2] * 1e3:.1f} ms, "
-                  f"incremental {inc[2] * 1e3:.1f} ms", flush=True)
+                  f"incremental {inc[2] * 1e3:.1f} ms; CPU (all threads): save full "
+                  f"{np.median(full[4][1:]) * 1e3:.1f} ms, incremental {np.median(inc[4][1:]) * 1e3:.1f} ms; "
+                  f"restore full {full[5] * 1e3:.1f} ms, incremental {inc[5] * 1e3:.1f} ms", flush=True)
         print(f"{label} ({a.mb} MiB, {a.steps} steps, {a.rounds} rounds)")
         print(f"  full save: {fulls[0][0][-1] / 2**20:8.2f} MiB  "
               f"{np.median([np.median(f[1][1:]) for f in fulls]) * 1e3:7.1f} ms median")
@@ -96,6 +103,8 @@ def main() -> None:
               f" {np.median([np.median(i[1][1:]) for i in incs]) * 1e3:7.1f} ms median")
         print(f"  paired incremental/full: save {np.median(save_x):.2f}x ({min(save_x):.2f}-{max(save_x):.2f}),"
               f" restore of the last step {np.median(rest_x):.2f}x ({min(rest_x):.2f}-{max(rest_x):.2f})")
+        print(f"  paired CPU time incremental/full: save {np.median(save_cx):.2f}x ({min(save_cx):.2f}-{max(save_cx):.2f}),"
+              f" restore {np.median(rest_cx):.2f}x ({min(rest_cx):.2f}-{max(rest_cx):.2f})")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ encoded on its own, so a ranged read decodes only the frames that hold its bytes
   is read as little-endian words of ``w`` bytes, each rotated left by one bit (the sign bit
   moves to bit 0, so the exponent fills the word's top byte: ZipNN's trick), and split into
   ``w`` byte planes (plane ``j`` holds byte ``j`` of every word); each plane of each frame is
-  one zstd frame. The exponent plane compresses well, the low mantissa planes hardly.
+  one zstd frame. The exponent plane compresses well, the low mantissa planes hardly: a
+  plane whose sample does not shrink is written as a zstd frame of raw blocks
+  (:func:`raw_frame`), which any zstd decoder reads, so the format is the same.
 
 Every zstd frame is a *stream*; a frame of codec 2 has ``w`` streams, one of codec 1 one.
 Streams are concatenated in order (frame 0's planes 0..w-1, frame 1's, ...).
@@ -39,7 +41,7 @@ import numpy as np
 __all__ = [
     "AUTO_MIN_RATIO", "CODEC_PLANES", "CODEC_ZSTD", "COMPRESSIONS", "FRAME_BYTES", "MIN_BYTES",
     "Compressed", "WRITE_OPTIONS", "WriteOptions", "check_compression", "compress_segment",
-    "decode_frames", "numpy_width", "plane_widths", "write_options",
+    "decode_frames", "numpy_width", "plane_widths", "raw_frame", "write_options",
 ]
 
 CODEC_ZSTD = 1
@@ -139,38 +141,61 @@ def numpy_width(dtype: Any) -> int:
 
 
 # ---------------------------------------------------------------- planes
+_scratch = threading.local()
+#: the largest scratch array kept per thread and slot (a 4 MiB frame needs 8 MiB at most)
+_SCRATCH_MAX = 8 << 20
+
+
+def _buf(slot: int, dtype: Any, n: int) -> np.ndarray:
+    """This thread's scratch array number ``slot`` of ``n`` items of ``dtype``, reused from
+    frame to frame: a fresh array per frame costs a page fault per 4 KiB, which on a 4 MiB
+    frame took longer than the arithmetic. Valid until the next call with the same slot.
+    A thread keeps about 12 MiB of them for 4 MiB frames (two word arrays and the planes)."""
+    if n * np.dtype(dtype).itemsize > _SCRATCH_MAX:  # (frames of others' files: not kept)
+        return np.empty(n, dtype=dtype)
+    cache = getattr(_scratch, "b", None)
+    if cache is None:
+        cache = _scratch.b = {}
+    a = cache.get(slot)
+    if a is None or a.dtype != dtype or len(a) < n:
+        a = cache[slot] = np.empty(max(n, 1), dtype=dtype)
+    return a[:n]  # type: ignore[no-any-return]
+
+
 def _split(frame: np.ndarray, w: int) -> list[np.ndarray]:
-    """The ``w`` byte planes of the rotated words of ``frame`` (uint8, a multiple of w)."""
-    if w == 2:
-        x = frame.view("<u2")
-        lo = np.left_shift(x, 1).astype(np.uint8)
-        lo |= (x >> 15).astype(np.uint8)
-        return [lo, (x >> 7).astype(np.uint8)]
+    """The ``w`` byte planes of the rotated words of ``frame`` (uint8, a multiple of w), in
+    this thread's scratch arrays (valid until its next split: the caller compresses them
+    first). Each plane is cut from the rotated words by a truncating cast (one vectorised
+    pass per plane; a strided transpose of the bytes is about half as fast)."""
     x = frame.view(_UINT[w])
-    r = np.left_shift(x, 1)
-    r |= x >> (8 * w - 1)
-    return list(np.ascontiguousarray(r.view(np.uint8).reshape(-1, w).T))
+    n = len(x)
+    r, t = _buf(0, x.dtype, n), _buf(1, x.dtype, n)
+    np.left_shift(x, 1, out=r)
+    np.right_shift(x, 8 * w - 1, out=t)
+    r |= t
+    out = []
+    for j in range(w):
+        if j:
+            r >>= 8
+        p = _buf(2 + j, np.uint8, n)
+        np.copyto(p, r, casting="unsafe")  # (keeps the low byte)
+        out.append(p)
+    return out
 
 
 def _merge(planes: Sequence[bytes], out: np.ndarray, w: int) -> None:
     """Inverse of :func:`_split`: the planes' bytes into ``out`` (uint8), words rotated back."""
-    if w == 2:
-        lo = np.frombuffer(planes[0], dtype=np.uint8)
-        hi = np.frombuffer(planes[1], dtype=np.uint8)
-        x = out.view("<u2")
-        np.left_shift(hi, 7, out=x, dtype=np.uint16)
-        x |= lo >> 1
-        t = np.left_shift(lo, 15, dtype=np.uint16)
-        x |= t
-        return
-    words = out.view(np.uint8).reshape(-1, w)
-    for j in range(w):
-        words[:, j] = np.frombuffer(planes[j], dtype=np.uint8)
     x = out.view(_UINT[w])
-    low = x & np.asarray(1, dtype=x.dtype)
+    t = _buf(1, x.dtype, len(x))
+    np.copyto(x, np.frombuffer(planes[w - 1], dtype=np.uint8), casting="unsafe")
+    for j in range(w - 2, -1, -1):
+        x <<= 8
+        np.copyto(t, np.frombuffer(planes[j], dtype=np.uint8), casting="unsafe")
+        x |= t
+    # rotate right by one bit: the sign bit back from bit 0 to the top
+    np.left_shift(x, 8 * w - 1, out=t)
     x >>= 1
-    low <<= (8 * w - 1)
-    x |= low
+    x |= t
 
 
 # ---------------------------------------------------------------- zstd, one context per thread
@@ -266,23 +291,91 @@ class Compressed:
         return sum(map(len, self.streams))
 
 
-def _frames(data: np.ndarray, w: int, level: int, threads: int) -> list[list[bytes]]:
+#: zstd's largest block (RFC 8878: Block_Maximum_Size is at most 128 KiB)
+_BLOCK = 128 << 10
+#: a byte plane whose sample shrinks by less than this is stored in raw zstd blocks
+PLANE_MIN_RATIO = 1.03
+#: float segments of at least this many bytes sample their planes first (smaller ones zstd
+#: every plane: the sample would cost more than it saves); the sample is eight pieces of
+#: :data:`PLANE_SAMPLE_BYTES` spread over the segment
+PLANE_SAMPLE_MIN = 4 << 20
+PLANE_SAMPLE_BYTES = 16 << 10
+
+
+def raw_frame(data: Any) -> bytes:
+    """``data`` as one zstd frame of raw (stored) blocks: any zstd decoder returns it with a
+    copy. Magic, a single-segment header with a 4-byte content size, then blocks of at most
+    128 KiB, each behind its 3-byte header (last-block bit, type 0, size): 9 bytes plus 3 per
+    128 KiB, against zstd's own attempt at compressing a plane that does not compress."""
+    mv = memoryview(data).cast("B")
+    n = mv.nbytes
+    if n >= 1 << 32:
+        raise ValueError("a raw zstd frame of 4 GiB or more")
+    parts: list[Any] = [b"\x28\xb5\x2f\xfd\xa0" + n.to_bytes(4, "little")]
+    at = 0
+    while True:
+        size = min(_BLOCK, n - at)
+        last = at + size >= n
+        parts.append(((size << 3) | int(last)).to_bytes(3, "little"))
+        parts.append(mv[at:at + size])
+        at += size
+        if last:
+            return b"".join(parts)
+
+
+def _frames(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bool] = ()) -> list[list[bytes]]:
+    """Each frame of ``data`` compressed: one stream (``w`` 1) or its ``w`` planes' streams;
+    the planes ``raw`` marks are stored in raw blocks instead of compressed."""
+    return _frames_of(data, w, FRAME_BYTES, level, threads, raw)
+
+
+def _frames_of(data: np.ndarray, w: int, size: int, level: int = 3, threads: int = 1,
+               raw: Sequence[bool] = ()) -> list[list[bytes]]:
+    """:func:`_frames` with frames of ``size`` bytes."""
     n = len(data)
 
     def one(k: int) -> list[bytes]:
-        frame = data[k * FRAME_BYTES:min(n, (k + 1) * FRAME_BYTES)]
+        frame = data[k * size:min(n, (k + 1) * size)]
         c = _compressor(level if w == 1 else PLANE_LEVEL)
         parts = _split(frame, w) if w > 1 else [frame]
-        return [c.compress(p) for p in parts]
+        return [raw_frame(p) if raw and raw[j] else c.compress(p) for j, p in enumerate(parts)]
 
-    return _map(one, -(-n // FRAME_BYTES), threads)
+    return _map(one, -(-n // size), threads)
+
+
+def _sample(data: np.ndarray, w: int, piece: int, count: int) -> np.ndarray:
+    """``count`` pieces of ``piece`` bytes, from the start to the end of ``data`` at even
+    spacing, cut on word boundaries (``len(data)`` is at least ``count * piece``)."""
+    n = len(data)
+    step = piece - piece % max(w, 1)
+    align = max(w, 8)
+    starts = [min(n - step, (n - step) * i // max(count - 1, 1)) for i in range(count)]
+    return np.concatenate([data[a - a % align:a - a % align + step] for a in starts])
+
+
+def _raw_planes(data: np.ndarray, w: int) -> list[bool]:
+    """Per byte plane of ``data``'s words: whether to store it raw, from a sample of eight
+    pieces of :data:`PLANE_SAMPLE_BYTES` whose planes are compressed piece by piece (a
+    plane that compresses in some regions of a segment only, like an optimizer state that
+    holds two tensors, still counts: one zstd pass over pieces mixed together would not)."""
+    sample = _sample(data, w, PLANE_SAMPLE_BYTES, 8)
+    piece = len(sample) // 8
+    sizes = np.zeros(w, dtype=np.int64)
+    for f in _frames_of(sample, w, piece):
+        sizes += [len(s) for s in f]
+    return [int(z) * PLANE_MIN_RATIO > len(sample) // w for z in sizes]
 
 
 def compress_segment(view: memoryview, width: int, options: WriteOptions, fn: Any) -> Compressed | None:
     """``view`` (one segment's bytes) compressed as ``options`` says, or None to store it
     raw (compression off, too short, an ``"auto"`` sample that does not compress, or a result
     not smaller than the bytes). ``width``: :func:`plane_widths`' value for it; ``fn``: the
-    file's checksum function (each stream gets its own checksum, for ranged reads)."""
+    file's checksum function (each stream gets its own checksum, for ranged reads).
+
+    A float segment of at least :data:`PLANE_SAMPLE_MIN` bytes first compresses a sample of
+    its planes; a plane whose sample shrinks by less than :data:`PLANE_MIN_RATIO` (bf16's
+    low byte, most often fp32's three low ones) is stored in raw zstd blocks in every frame,
+    which costs a copy instead of a zstd pass that would gain nothing."""
     mode = options.compression
     n = view.nbytes
     if mode is None or n < MIN_BYTES:
@@ -290,14 +383,12 @@ def compress_segment(view: memoryview, width: int, options: WriteOptions, fn: An
     data = np.frombuffer(view, dtype=np.uint8)
     w = width if width > 1 and n % width == 0 else 1
     if mode == "auto" and n > 3 * SAMPLE_BYTES:
-        step = SAMPLE_BYTES - SAMPLE_BYTES % max(w, 1)
-        mid = (n // 2) - (n // 2) % max(w, 8)
-        end = n - step - (n - step) % max(w, 8)
-        sample = np.concatenate([data[:step], data[mid:mid + step], data[end:end + step]])
+        sample = _sample(data, w, SAMPLE_BYTES, 3)
         got = sum(len(s) for f in _frames(sample, w, options.level, 1) for s in f)
         if got * AUTO_MIN_RATIO > len(sample):
             return None
-    frames = _frames(data, w, options.level, options.threads)
+    raw = _raw_planes(data, w) if w > 1 and n >= PLANE_SAMPLE_MIN else []
+    frames = _frames(data, w, options.level, options.threads, raw)
     streams = [s for f in frames for s in f]
     size = sum(map(len, streams))
     if size >= n or (mode == "auto" and size * AUTO_MIN_RATIO > n):

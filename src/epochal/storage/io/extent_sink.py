@@ -34,9 +34,10 @@ __all__ = ["ExtentSink", "Piece", "digest"]
 
 #: (offset in the chunk, length, source: 0 stored here / k the k-th ref, offset in the source)
 Piece = tuple[int, int, int, int]
-#: (chunk's logical offset, its bytes) -> its pieces, and its digest (None: not computed, the
+#: (chunk's logical offset, its bytes) -> its pieces (a list of :data:`Piece`, or an int64
+#: array of such rows), in order, tiling the chunk; and its digest (None: not computed, the
 #: chunk is then absent from the chunk table: a later save compares its bytes instead)
-Decide = Callable[[int, memoryview], tuple[list[Piece], bytes | None]]
+Decide = Callable[[int, memoryview], tuple[Any, bytes | None]]
 
 
 def digest(data: Any) -> bytes:
@@ -60,7 +61,8 @@ class ExtentSink:
         self.breaks = sorted(set(breaks))
         self.pos = 0  # logical bytes received
         self.phys = HEAD_SIZE  # physical bytes written (after the head placeholder)
-        self.ext: list[tuple[int, int, int, int, int]] = []  # loff, len, source, crc, soff
+        self.ext: list[tuple[int, ...]] = []  # loff, len, source, crc, soff (the newest rows)
+        self._parts: list[np.ndarray] = []  # the older rows, in blocks (int64, same columns)
         self.chunk_rows: list[tuple[int, int, bytes]] = []
         self._open: list[int] | None = None  # the stored extent being written: loff, len, crc, soff
         self._ci = 0
@@ -131,40 +133,98 @@ class ExtentSink:
         self._open = None
 
     def _chunk_done(self, start: int, data: memoryview) -> None:
-        pieces, dig = self.decide(start, data)
+        got, dig = self.decide(start, data)
         if dig is not None:
             self.chunk_rows.append((start, data.nbytes, dig))
-        self.pos = start
-        for rel, ln, source, soff in pieces:
-            if source == 0:
-                self._store(data[rel:rel + ln])
+        p = np.asarray(got, dtype=np.int64).reshape(-1, 4)
+        rel, ln, source, soff = p[:, 0], p[:, 1], p[:, 2], p[:, 3]
+        if not len(p) or rel[0] != 0 or np.any(rel[1:] != (rel + ln)[:-1]) or rel[-1] + ln[-1] != data.nbytes:
+            raise AssertionError("decide must tile its chunk")
+        # runs of pieces that make one extent: stored pieces side by side, or references to
+        # one source whose bytes follow each other there
+        new = np.ones(len(p), dtype=bool)
+        new[1:] = (source[1:] != source[:-1]) | ((source[1:] != 0) & (soff[1:] != (soff + ln)[:-1]))
+        first = np.flatnonzero(new)
+        rows = np.zeros((len(first), 5), dtype=np.int64)  # loff, length, source, crc, soff
+        rows[:, 0] = start + rel[first]
+        rows[:, 1] = np.add.reduceat(ln, first)
+        rows[:, 2] = source[first]
+        rows[:, 4] = soff[first]
+        keep = np.ones(len(rows), dtype=bool)
+        stored: list[memoryview] = []
+        for i in np.flatnonzero(rows[:, 2] == 0).tolist():  # (the changed runs: few)
+            a, n = int(rows[i, 0]) - start, int(rows[i, 1])
+            mv = data[a:a + n]
+            stored.append(mv)
+            if i == 0 and self._open is not None:  # it continues the stored extent before it
+                self._open[1] += n
+                self._open[2] = self.fn(mv, self._open[2])
+                keep[0] = False
             else:
-                self._close()
-                last = self.ext[-1] if self.ext else None
-                if last is not None and last[2] == source and last[0] + last[1] == start + rel and last[4] + last[1] == soff:
-                    self.ext[-1] = (last[0], last[1] + ln, source, 0, last[4])  # (one reference, not two)
-                else:
-                    self.ext.append((start + rel, ln, source, 0, soff))
-                self.pos += ln
-        assert self.pos == start + data.nbytes, "decide must cover its chunk"
+                rows[i, 3], rows[i, 4] = self.fn(mv, 0), self.phys
+            self.phys += n
+            self.stored_bytes += n
+        if keep[0] or len(rows) > 1:  # (the open extent, maybe just grown, precedes the rest)
+            self._close()
+        tail = rows[-1].tolist() if rows[-1, 2] == 0 and keep[-1] else None
+        if tail is not None:  # a stored run at the end stays open: the next bytes may continue it
+            keep[-1] = False
+        block = rows[keep]
+        if len(block):
+            if block[0, 2] != 0:  # a reference that continues the last one joins it
+                last = self._last()
+                b0 = block[0].tolist()
+                if last is not None and last[2] == b0[2] and last[0] + last[1] == b0[0] and last[4] + last[1] == b0[4]:
+                    self._set_last((last[0], last[1] + b0[1], last[2], 0, last[4]))
+                    block = block[1:]
+            if self.ext and len(block):
+                self._parts.append(np.asarray(self.ext, dtype=np.int64).reshape(-1, 5))
+                self.ext = []
+            if len(block):
+                self._parts.append(block)
+        if tail is not None:
+            self._open = [tail[0], tail[1], tail[3], tail[4]]
+        for i in range(0, len(stored), 512):  # (writev: at most IOV_MAX buffers a call)
+            self.inner.write(stored[i:i + 512])
+        self.pos = start + data.nbytes
+
+    def _last(self) -> tuple[int, ...] | None:
+        if self.ext:
+            return self.ext[-1]
+        return tuple(self._parts[-1][-1].tolist()) if self._parts else None
+
+    def _set_last(self, row: tuple[int, int, int, int, int]) -> None:
+        if self.ext:
+            self.ext[-1] = row
+        else:
+            self._parts[-1][-1] = row
+
+    def _all_extents(self) -> np.ndarray:
+        """Every extent so far, in logical order (int64 rows: loff, length, source, crc, soff)."""
+        self._close()
+        blocks = [*self._parts, np.asarray(self.ext, dtype=np.int64).reshape(-1, 5)]
+        return np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
 
     # ---- the end
     def patch(self, offset: int, data: Any) -> None:
         """Overwrite a whole stored extent (a header filled in last; see ``breaks``)."""
-        self._close()
         mv = memoryview(data).cast("B")
-        for i, (loff, ln, source, _, soff) in enumerate(self.ext):
-            if loff == offset and ln == mv.nbytes and source == 0:
-                self._patches.append((soff, bytes(mv)))  # (written after the tables)
-                self.ext[i] = (loff, ln, 0, self.fn(mv, 0), soff)
-                return
+        ext = self._all_extents()
+        self._parts, self.ext = [ext], []
+        hit = np.flatnonzero((ext[:, 0] == offset) & (ext[:, 1] == mv.nbytes) & (ext[:, 2] == 0))
+        if len(hit):
+            i = int(hit[0])
+            self._patches.append((int(ext[i, 4]), bytes(mv)))  # (written after the tables)
+            ext[i, 3] = self.fn(mv, 0)
+            return
         raise ValueError(f"{self.name}: a patch must replace one whole stored extent (at {offset})")
 
     def tables(self) -> tuple[bytes, bytes]:
         """The head and the tables (extents, chunks, refs text), for the bytes written."""
-        self._close()
-        ext = np.array(self.ext, dtype=[("loff", "<u8"), ("length", "<u8"), ("source", "<u4"),
-                                        ("crc", "<u4"), ("soff", "<u8")]).astype(EXT_DTYPE)
+        rows = self._all_extents()
+        ext = np.zeros(len(rows), dtype=EXT_DTYPE)
+        for j, c in enumerate(("loff", "length", "source", "crc", "soff")):
+            ext[c] = rows[:, j]
         ch = np.zeros(len(self.chunk_rows), dtype=CHUNK_DTYPE)
         if self.chunk_rows:
             ch["loff"] = [r[0] for r in self.chunk_rows]

@@ -17,7 +17,9 @@ start); each chunk is
   download: the digest comes first);
 * else stored whole.
 
-A chunk saved as runs records no digest (a later save compares its bytes).
+A chunk saved as runs records no digest (a later save compares its bytes). Compaction: a
+chunk whose references would lie in more than ``MAX_SOURCES`` older files or be cut into
+more than ``MAX_PIECES`` pieces is stored whole again (so reads stay bounded).
 References name stored bytes of older files (never another reference), so a step is read
 with at most one hop; the base is the newest committed step before this one, whose own
 references are carried over. Everything else (superblock, small segments, padding, index)
@@ -27,7 +29,6 @@ the referenced bytes too.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 from collections.abc import Mapping
@@ -37,7 +38,7 @@ import numpy as np
 
 from ....errors import CheckpointError
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
-from ...io.extent_sink import ExtentSink, Piece, digest
+from ...io.extent_sink import ExtentSink, digest
 from ...io.extents import ExtentSource, RefFile
 from ...io.seam import committed, is_url, store_for
 from .layout import SUPERBLOCK_SIZE, pack_superblock
@@ -46,7 +47,7 @@ from .writer import index_bytes, plan_file, write_data
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["CHUNK_BYTES", "DIFF_MAX", "DIFF_UNIT", "MIN_CHUNKED", "write_incremental"]
+__all__ = ["CHUNK_BYTES", "DIFF_MAX", "DIFF_UNIT", "MAX_PIECES", "MAX_SOURCES", "MIN_CHUNKED", "write_incremental"]
 
 #: the content chunk: a segment's bytes are matched in pieces of this size (from its start)
 CHUNK_BYTES = 4 << 20
@@ -56,6 +57,11 @@ MIN_CHUNKED = 64 << 10
 DIFF_UNIT = 256
 #: a chunk of which more than this fraction changed is stored whole
 DIFF_MAX = 0.5
+#: compaction: a chunk whose bytes would lie in more than this many older files, or in more
+#: than MAX_PIECES pieces, is stored whole again (so a restore reads a bounded number of
+#: files and a step's extent table stops growing once every row has moved)
+MAX_SOURCES = 8
+MAX_PIECES = 2048
 
 
 class _Base:
@@ -71,13 +77,17 @@ class _Base:
         #: on this machine: a changed chunk is compared with the base's bytes (page cache)
         #: rather than hashed; at a URL it is hashed first (a read there is a download)
         self.local = not is_url(path)
-        self.starts = ex.ext["loff"].tolist()
-        self.lens = ex.ext["length"].tolist()
-        self.sources = ex.ext["source"].tolist()
-        self.soffs = ex.ext["soff"].tolist()
+        self.starts = ex.ext["loff"].astype(np.int64)
+        self.ends = self.starts + ex.ext["length"].astype(np.int64)
+        self.sources = ex.ext["source"].astype(np.int64)
+        self.soffs = ex.ext["soff"].astype(np.int64)
         me = RefFile(os.path.basename(path), ex.size, ex.step)
         self.files = [me, *ex.refs]  # base source k -> the file it names
         self.ref_id: dict[str, int] = {}
+        self._scratch: np.ndarray | None = None
+        self._neq: np.ndarray | None = None  # (the comparison's word flags, reused too)
+        #: base source k -> this file's source for it (-1: not referenced yet)
+        self.src_map = np.full(len(self.files), -1, dtype=np.int64)
 
     def _new_source(self, base_source: int) -> int:
         r = self.files[base_source]
@@ -87,18 +97,29 @@ class _Base:
             k = self.ref_id[r.file] = len(self.new_refs)
         return k
 
-    def resolve(self, loff: int, length: int, rel: int) -> list[Piece]:
-        """Pieces (for a chunk, from ``rel`` in it) referencing the stored bytes that hold
-        the base's logical bytes ``loff .. loff + length``."""
-        out: list[Piece] = []
-        k = bisect.bisect_right(self.starts, loff) - 1
-        end = loff + length
-        while loff < end:
-            start, ln = self.starts[k], self.lens[k]
-            stop = min(end, start + ln)
-            out.append((rel, stop - loff, self._new_source(self.sources[k]), self.soffs[k] + loff - start))
-            rel += stop - loff
-            loff, k = stop, k + 1
+    def resolve(self, loff: Any, length: Any, rel: Any) -> np.ndarray:
+        """Pieces (int64 rows: offset in the chunk, length, source, offset there) referencing
+        the stored bytes that hold the base's logical bytes ``loff[i] .. loff[i] + length[i]``,
+        for chunk offsets ``rel[i]`` (arrays, or one of each): each range cut where the
+        base's extents are, in one vectorised pass."""
+        lo, n, r = (np.atleast_1d(np.asarray(x, dtype=np.int64)) for x in (loff, length, rel))
+        hi = lo + n
+        k0 = np.searchsorted(self.starts, lo, side="right") - 1
+        k1 = np.searchsorted(self.starts, hi, side="left")
+        cnt = k1 - k0
+        total = int(cnt.sum())
+        at = np.repeat(np.cumsum(cnt) - cnt, cnt)
+        k = np.repeat(k0, cnt) + (np.arange(total) - at)
+        plo = np.maximum(self.starts[k], np.repeat(lo, cnt))
+        phi = np.minimum(self.ends[k], np.repeat(hi, cnt))
+        src = self.sources[k]
+        for b in np.unique(src[self.src_map[src] < 0]).tolist():
+            self.src_map[b] = self._new_source(b)
+        out = np.empty((total, 4), dtype=np.int64)
+        out[:, 0] = np.repeat(r - lo, cnt) + plo
+        out[:, 1] = phi - plo
+        out[:, 2] = self.src_map[src]
+        out[:, 3] = self.soffs[k] + plo - self.starts[k]
         return out
 
     def same_segment(self, name: str, j: int, length: int) -> int | None:
@@ -119,7 +140,12 @@ class _Base:
         return hit[1] if hit is not None and hit[0] == length else None
 
     def read(self, loff: int, length: int) -> np.ndarray:
-        buf = np.empty(length, dtype=np.uint8)
+        """The base's logical bytes ``loff .. loff + length``, in a buffer reused from chunk
+        to chunk (a fresh 4 MiB one per chunk cost a page fault per 4 KiB): valid until the
+        next call."""
+        if self._scratch is None or len(self._scratch) < length:
+            self._scratch = np.empty(length, dtype=np.uint8)
+        buf = self._scratch[:length]
         self.src.read_into([memoryview(buf.data)], loff)
         return buf
 
@@ -143,10 +169,11 @@ def _open_base(base: str | None, path: str, refs: list[RefFile]) -> _Base | None
     return _Base(base, ranged, ranged.src, refs)
 
 
-def _diff(base: _Base, old_at: int, data: memoryview) -> list[Piece] | None:
+def _diff(base: _Base, old_at: int, data: memoryview) -> np.ndarray | None:
     """``data`` against the base's logical bytes at ``old_at``, in units of ``DIFF_UNIT``:
-    equal runs become references, changed ones are stored; None when more than ``DIFF_MAX``
-    of it changed."""
+    equal runs become references, changed ones are stored (pieces as int64 rows, in order);
+    None when more than ``DIFF_MAX`` of it changed. Vectorised: the units compared as rows
+    of words, runs found where the changed flag flips."""
     n = data.nbytes
     old = base.read(old_at, n)
     new = np.frombuffer(data, dtype=np.uint8)
@@ -154,47 +181,60 @@ def _diff(base: _Base, old_at: int, data: memoryview) -> list[Piece] | None:
     whole = n // DIFF_UNIT * DIFF_UNIT
     changed = np.empty(units, dtype=bool)
     words = DIFF_UNIT // 8
-    changed[: whole // DIFF_UNIT] = np.any(
-        new[:whole].view(np.uint64).reshape(-1, words) != old[:whole].view(np.uint64).reshape(-1, words), axis=1)
+    if base._neq is None or len(base._neq) < whole // 8:
+        base._neq = np.empty(whole // 8, dtype=bool)
+    neq = base._neq[: whole // 8].reshape(-1, words)  # (reused: no fresh pages per chunk)
+    np.not_equal(new[:whole].view(np.uint64).reshape(-1, words), old[:whole].view(np.uint64).reshape(-1, words), out=neq)
+    changed[: whole // DIFF_UNIT] = neq.any(axis=1)
     if whole < n:
         changed[-1] = not np.array_equal(new[whole:], old[whole:])
     if not changed.any():
         return base.resolve(old_at, n, 0)
     if changed.mean() > DIFF_MAX:
         return None
-    edges = np.flatnonzero(np.diff(changed.astype(np.int8))) + 1
-    bounds = [0, *edges.tolist(), units]
-    out: list[Piece] = []
-    for a, b in zip(bounds, bounds[1:]):
-        lo, hi = a * DIFF_UNIT, min(b * DIFF_UNIT, n)
-        if changed[a]:
-            out.append((lo, hi - lo, 0, 0))
-        else:
-            out.extend(base.resolve(old_at + lo, hi - lo, lo))
-    return out
+    bounds = np.concatenate([[0], np.flatnonzero(changed[1:] != changed[:-1]) + 1, [units]])
+    lo = bounds[:-1] * DIFF_UNIT
+    hi = np.minimum(bounds[1:] * DIFF_UNIT, n)
+    mine = changed[bounds[:-1]]
+    kept = np.zeros((int(mine.sum()), 4), dtype=np.int64)
+    kept[:, 0], kept[:, 1] = lo[mine], (hi - lo)[mine]
+    refs = base.resolve(old_at + lo[~mine], (hi - lo)[~mine], lo[~mine])
+    out = np.concatenate([kept, refs])
+    return out[np.argsort(out[:, 0], kind="stable")]
+
+
+def _sources(pieces: np.ndarray) -> int:
+    """How many older files ``pieces`` take bytes from."""
+    refs = pieces[:, 2][pieces[:, 2] != 0]
+    return len(np.unique(refs)) if len(refs) else 0
 
 
 def _pieces(base: _Base | None, counterpart: dict[int, int], loff: int,
-            data: memoryview) -> tuple[list[Piece], bytes | None]:
+            data: memoryview) -> tuple[Any, bytes | None]:
     """How chunk ``data`` at logical ``loff`` is written, and its digest (see the module doc)."""
     n = data.nbytes
+    whole = [(0, n, 0, 0)]
     if base is None:
-        return [(0, n, 0, 0)], digest(data)
+        return whole, digest(data)
     old_at = counterpart.get(loff)
     if old_at is not None and base.local:  # the base's bytes are at hand: compare, no hashing
         pieces = _diff(base, old_at, data)
         if pieces is not None:
-            same = len(pieces) and all(p[2] for p in pieces)
+            if _sources(pieces) > MAX_SOURCES or len(pieces) > MAX_PIECES:
+                return whole, digest(data)  # compaction: the chunk is stored again, whole
+            same = len(pieces) and bool(np.all(pieces[:, 2] != 0))
             return pieces, (base.digest_at(old_at, n) if same else None)
     dig = digest(data)
     hit = base.by_digest.get(dig)
     if hit is not None and hit[1] == n:
-        return base.resolve(hit[0], n, 0), dig
+        pieces = base.resolve(hit[0], n, 0)
+        if _sources(pieces) <= MAX_SOURCES and len(pieces) <= MAX_PIECES:
+            return pieces, dig
     if old_at is not None and not base.local:
         pieces = _diff(base, old_at, data)
-        if pieces is not None:
+        if pieces is not None and _sources(pieces) <= MAX_SOURCES and len(pieces) <= MAX_PIECES:
             return pieces, dig
-    return [(0, n, 0, 0)], dig
+    return whole, dig
 
 
 def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, base: str | None = None,
@@ -239,7 +279,7 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
             inner.abort()
             raise
         with committed(out):
-            crcs = write_data(out, plan, algorithm)
+            crcs = write_data(out, plan, algorithm, chunk=CHUNK_BYTES)
             nseg = len(plan.segs)
             plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
             plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0

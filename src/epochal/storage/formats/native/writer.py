@@ -302,7 +302,7 @@ def plan_groups(lengths: np.ndarray, padded: np.ndarray, coded: Any = ()) -> np.
     return groups
 
 
-def write_data(out: ByteSink, plan: Plan, algorithm: str) -> list[int]:
+def write_data(out: ByteSink, plan: Plan, algorithm: str, *, chunk: int = 0) -> list[int]:
     """Stream the superblock placeholder and every segment (with its padding) to ``out``;
     return the segment checksums, then the group checksums
     (:func:`~epochal.storage.formats.stream.stream_segments`: ``writev`` batches of about
@@ -310,7 +310,9 @@ def write_data(out: ByteSink, plan: Plan, algorithm: str) -> list[int]:
     thread while the kernel copies each batch). When the views already lie in memory laid
     out as the data area (a background save's snapshot arena) and ``out`` writes from
     callers' memory (``O_DIRECT``), the data area is written from there without a copy
-    (:mod:`.image`; off with the ``zero_copy`` knob, :mod:`epochal.knobs`); the bytes are the same."""
+    (:mod:`.image`; off with the ``zero_copy`` knob, :mod:`epochal.knobs`); the bytes are the same.
+    ``chunk``: the pieces of a big segment (default tuning.CHUNK; an incremental save passes
+    its content chunk, so that each piece is one chunk and is matched without a copy)."""
     g = plan.groups
     groups = list(zip(g["seg_first"].tolist(), g["seg_count"].tolist()))
     fn = checksum_function(algorithm)
@@ -323,7 +325,7 @@ def write_data(out: ByteSink, plan: Plan, algorithm: str) -> list[int]:
     return stream_segments(
         out, fn, plan.views, plan.segs["length"].tolist(),
         batch_bytes=tuning.BATCH_BYTES, pads=plan.segs["pad"].tolist(), head=[_ZEROS],
-        big=tuning.BIG_SEGMENT, chunk=tuning.CHUNK, groups=groups,
+        big=tuning.BIG_SEGMENT, chunk=chunk or tuning.CHUNK, groups=groups,
     )
 
 
