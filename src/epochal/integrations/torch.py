@@ -464,9 +464,6 @@ for _codec in (TorchDtypeCodec(), TorchDeviceCodec(), GeneratorCodec(), TensorCo
 _tree.register_inplace_stateful(_inplace_stateful)
 _tree.register_fixed_shapes(lambda obj: isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)))
 
-from .torch_chunks import ChunkedTensorCodec  # noqa: E402  (a sharded JAX array, read whole)
 from .torch_data import ResumableSampler  # noqa: E402  (epochal.integrations.torch.ResumableSampler)
-
-register_codec(ChunkedTensorCodec())
 
 __all__ += ["ResumableSampler"]

@@ -4,8 +4,8 @@ array saved shard by shard, :mod:`epochal.storage.encoding.chunks`) as one whole
 Each segment (a row block of a chunk, checked by the format before decode sees it) is
 copied into its place: into the live tensor of the load when there is one (a state dict
 held in the state: restored in place, any device), else into a new CPU tensor moved where
-the saved device resolves to (:func:`~.torch.resolve_device`). Registered by
-:mod:`epochal.integrations.torch` on import.
+the saved device resolves to (:func:`~.torch.resolve_device`). Registers its codec when
+imported: the codec registry imports it for its kind (``storage/encoding/codecs.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..storage.encoding.chunks import KIND, Chunk, chunk_layout
-from ..storage.encoding.codecs import Encoded
+from ..storage.encoding.codecs import Encoded, register_codec
 from .torch import TensorCodec, _bytes_of, dtype_from_name, resolve_device
 
 __all__ = ["ChunkedTensorCodec"]
@@ -72,3 +72,6 @@ class ChunkedTensorCodec:
             return existing
         dev = resolve_device(str(meta.get("device", "cpu")))
         return out if dev.type == "cpu" or math.prod(shape) == 0 else out.to(dev)
+
+
+register_codec(ChunkedTensorCodec())

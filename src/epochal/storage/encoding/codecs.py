@@ -362,6 +362,8 @@ class LazyCodecs:
 #: blob kind prefix -> the module registering those codecs
 _lazy: dict[str, LazyCodecs] = {
     "torch.": LazyCodecs("epochal.integrations.torch", "pip install 'epochal[torch]'", "torch"),
+    # a sharded array saved chunk by chunk (storage/encoding/chunks.py), read into torch
+    "torch.chunked_tensor": LazyCodecs("epochal.integrations.torch_chunks", "pip install 'epochal[torch]'"),
 }
 
 
@@ -420,7 +422,7 @@ def codec_for_kind(kind: str) -> Codec:
     """The codec that reads ``kind``; ValueError if no codec (or lazy integration) knows it."""
     codec = _by_kind.get(kind)
     if codec is None:
-        for prefix, entry in _lazy.items():
+        for prefix, entry in sorted(_lazy.items(), key=lambda kv: -len(kv[0])):  # the longest first
             if kind.startswith(prefix):
                 try:
                     importlib.import_module(entry.module)
