@@ -34,6 +34,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_TENSORS = 8
@@ -52,10 +53,12 @@ def worker(a: argparse.Namespace) -> None:
 
     import epochal
 
+    t_imported = time.perf_counter()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    t_group = time.perf_counter()
     rows = max(world, int(a.mib * world * (1 << 20) / 4 / N_TENSORS / 1024) // world * world)
     g = torch.Generator().manual_seed(rank)
     # each rank's own shard, made in place (a resume's shards are overwritten by the restore)
@@ -97,15 +100,18 @@ def worker(a: argparse.Namespace) -> None:
             ck.wait()
             out.update(blocked=statistics.median(blocked), memcpy=statistics.median(copies),
                        ratio=statistics.median(b / c for b, c in zip(blocked, copies)), digest=digest(),
-                       step=a.steps)
+                       step=a.steps, pairs=list(zip(blocked, copies)))
         else:
+            t_open = time.perf_counter()
             step = ck.restore(state)
-            t0 = time.perf_counter()
+            t_restored = time.perf_counter()
             out["digest"] = digest()  # (its time is not counted)
-            checked = time.perf_counter() - t0
+            checked = time.perf_counter() - t_restored
             step_()  # the first training step
             out.update(resume_s=time.perf_counter() - T_START - checked, step=step,
-                       source=ck.last_restore.source if ck.last_restore else None)
+                       source=ck.last_restore.source if ck.last_restore else None,
+                       imported_s=t_imported - T_START, group_s=t_group - T_START, opened_s=t_open - T_START,
+                       restore_call_s=t_restored - t_open, through_restore_s=t_restored - T_START)
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(a.dir, f"{a.phase}.{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -139,6 +145,45 @@ def evict_tree(path: str) -> None:
             evict(os.path.join(d, f))
 
 
+def report(a: argparse.Namespace, store: str, train: list[dict[str, Any]],
+           results: dict[str, list[list[dict[str, Any]]]], local_bytes: list[int]) -> None:
+    """Print every figure: each step's pair, each round's resume, the medians and ratios."""
+    med = statistics.median
+    print(f"bench_tiers.py: {a.ranks} ranks (gloo), {a.mib:g} MiB of state per rank, a save every step "
+          f"of {a.step_s:g} s (async, replicas=1), every {a.persist}th to the store ({store}); "
+          f"load {os.getloadavg()[0]:.1f}, {a.rounds} resume rounds")
+    for g in train:
+        pairs = " ".join(f"{b * 1e3:.0f}/{c * 1e3:.0f}" for b, c in g["pairs"])
+        print(f"  rank {g['rank']}: blocked per local save {g['blocked'] * 1e3:.1f} ms, memcpy of the state "
+              f"{g['memcpy'] * 1e3:.1f} ms: ratio {g['ratio']:.2f}x (median of paired steps; ms blocked/memcpy "
+              f"per step: {pairs})")
+    keys = ("imported_s", "group_s", "opened_s", "through_restore_s", "restore_call_s", "resume_s")
+    for name, rounds in results.items():
+        for i, got in enumerate(rounds):
+            per = "; ".join(f"rank {g['rank']} ({g['source']}): " + " ".join(f"{g[k]:.2f}" for k in keys)
+                            for g in got)
+            print(f"  resume {name} round {i + 1} [import, group, opened, through restore, restore call, "
+                  f"first step] s: {per}")
+    slowest = {n: [max(g["resume_s"] for g in got) for got in rounds] for n, rounds in results.items()}
+    call = {n: [max(g["restore_call_s"] for g in got) for got in rounds] for n, rounds in results.items()}
+    floor = {n: [max(g["opened_s"] for g in got) for got in rounds] for n, rounds in results.items()}
+    for n in results:
+        print(f"  {n}: first line to first step {med(slowest[n]):.2f} s, the restore call {med(call[n]):.2f} s, "
+              f"before it (interpreter, imports, group, Checkpointer) {med(floor[n]):.2f} s (medians, slowest rank)")
+    for n in ("local", "peer"):
+        whole = [x / y for x, y in zip(slowest[n], slowest["durable"])]
+        alone = [x / y for x, y in zip(call[n], call["durable"])]
+        print(f"  {n}/durable: first line to first step {med(whole):.2f}x [{min(whole):.2f}-{max(whole):.2f}], "
+              f"the restore call {med(alone):.2f}x [{min(alone):.2f}-{max(alone):.2f}] (medians of paired rounds)")
+    state = a.mib * (1 << 20)
+    for r, g in enumerate(train):
+        print(f"  rank {r}: peak RSS {g['peak_rss'] / (1 << 20):.0f} MiB; local dir {local_bytes[r] / (1 << 20):.0f}"
+              f" MiB = {local_bytes[r] / state:.2f}x the state (docs: (local_keep + replicas*local_keep) = 4x)")
+    for name, rounds in results.items():
+        rss = ", ".join(f"{g['peak_rss'] / (1 << 20):.0f}" for g in rounds[0])
+        print(f"  peak RSS of a resume from {name} (MiB, per rank): {rss}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -149,6 +194,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm/bench_tiers")
     ap.add_argument("--store", default="", help="the store's directory (default: <dir>/store, on /dev/shm "
                                                 "only when --dir is; give a disk path for disk figures)")
+    ap.add_argument("--rounds", type=int, default=3, help="resume rounds (each: local, durable, peer, rotated)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--phase", default="train")
     a = ap.parse_args()
@@ -177,28 +223,16 @@ def main() -> None:
                     shutil.copytree(os.path.join(keep, f"node{r}"), os.path.join(a.dir, f"node{r}"))
             evict_tree(store)
 
-        results = {}
-        for name, wipe in (("local", []), ("durable", list(range(a.ranks))), ("peer", [1])):
-            reset(wipe)
-            got = ranks(a, "resume")
-            assert all(g["step"] == a.steps for g in got), got
-            assert all(g["digest"] == saved[g["rank"]] for g in got), f"{name}: not bit-identical"
-            results[name] = got
-        print(f"bench_tiers.py: {a.ranks} ranks (gloo), {a.mib:g} MiB of state per rank, a save every step "
-              f"of {a.step_s:g} s (async, replicas=1), every {a.persist}th to the store ({store}); load {os.getloadavg()[0]:.1f}")
-        for g in train:
-            print(f"  rank {g['rank']}: blocked per local save {g['blocked'] * 1e3:.1f} ms, memcpy of the state "
-                  f"{g['memcpy'] * 1e3:.1f} ms: ratio {g['ratio']:.2f}x (median of paired steps)")
-        for name, got in results.items():
-            per = ", ".join(f"rank {g['rank']} {g['resume_s']:.2f} s from {g['source']}" for g in got)
-            print(f"  resume ({name}): {per}; bit-identical")
-        worst = {n: max(g["resume_s"] for g in got) for n, got in results.items()}
-        print(f"  resume ratios (slowest rank): local/durable {worst['local'] / worst['durable']:.2f}x, "
-              f"peer/durable {worst['peer'] / worst['durable']:.2f}x")
-        state = a.mib * (1 << 20)
-        for r, g in enumerate(train):
-            print(f"  rank {r}: peak RSS {g['peak_rss'] / (1 << 20):.0f} MiB; local dir {local_bytes[r] / (1 << 20):.0f}"
-                  f" MiB = {local_bytes[r] / state:.2f}x the state (docs: (local_keep + replicas*local_keep) = 4x)")
+        cases = [("local", []), ("durable", list(range(a.ranks))), ("peer", [1])]
+        results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name, _ in cases}
+        for rnd in range(a.rounds):  # the order rotates from round to round
+            for name, wipe in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
+                reset(wipe)
+                got = ranks(a, "resume")
+                assert all(g["step"] == a.steps for g in got), got
+                assert all(g["digest"] == saved[g["rank"]] for g in got), f"{name}: not bit-identical"
+                results[name].append(got)
+        report(a, store, train, results, local_bytes)
     finally:
         shutil.rmtree(a.dir, ignore_errors=True)
         if a.store:
