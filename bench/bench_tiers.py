@@ -44,6 +44,37 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def profiled() -> dict[str, list[float]]:
+    """Time the parts of a save (``--profile``): on the training thread, the state dict
+    (``dcp_state``), the wait for the previous save (``wait``), the snapshot
+    (``snapshot``); on the tier's thread, the local write (``write``) and the copies to the
+    peers (``replicate``). Returns {part: [seconds per call]}."""
+    import functools
+
+    from epochal.integrations.dcp.staging import HostStaging
+    from epochal.integrations.distributed import checkpointer as dc
+    from epochal.integrations.distributed import tier as rt
+
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def run(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+        return run
+
+    dc.dcp_state = timed("dcp_state", dc.dcp_state)
+    dc.DistributedCheckpointer.wait = timed("wait", dc.DistributedCheckpointer.wait)
+    HostStaging.snapshot_state = timed("snapshot", HostStaging.snapshot_state)
+    rt.dcp_save = timed("write", rt.dcp_save)
+    rt.RankTier._exchange = timed("replicate", rt.RankTier._exchange)
+    return times
+
+
 def worker(a: argparse.Namespace) -> None:
     """One rank: ``--phase train`` (save every step) or ``--phase resume`` (restore, one step)."""
     import torch
@@ -68,6 +99,7 @@ def worker(a: argparse.Namespace) -> None:
                                 for i in range(N_TENSORS)}
     locals_ = [t.to_local() for t in state.values()]  # type: ignore[attr-defined]
     out: dict[str, object] = {"rank": rank}
+    parts = profiled() if a.profile and a.phase == "train" else None
 
     def digest() -> str:
         h = hashlib.sha256()
@@ -101,6 +133,8 @@ def worker(a: argparse.Namespace) -> None:
             out.update(blocked=statistics.median(blocked), memcpy=statistics.median(copies),
                        ratio=statistics.median(b / c for b, c in zip(blocked, copies)), digest=digest(),
                        step=a.steps, pairs=list(zip(blocked, copies)))
+            if parts is not None:
+                out["parts"] = parts
         else:
             t_open = time.perf_counter()
             step = ck.restore(state)
@@ -128,7 +162,7 @@ def ranks(a: argparse.Namespace, phase: str) -> list[dict[str, object]]:
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--phase", phase, "--dir", a.dir,
                                        "--mib", str(a.mib), "--steps", str(a.steps), "--persist", str(a.persist),
-                                       "--step-s", str(a.step_s)],
+                                       "--step-s", str(a.step_s)] + (["--profile"] if a.profile else []),
                                       env=env))
     for p in procs:
         if p.wait(timeout=1800):
@@ -195,6 +229,8 @@ def main() -> None:
     ap.add_argument("--store", default="", help="the store's directory (default: <dir>/store, on /dev/shm "
                                                 "only when --dir is; give a disk path for disk figures)")
     ap.add_argument("--rounds", type=int, default=3, help="resume rounds (each: local, durable, peer, rotated)")
+    ap.add_argument("--profile", action="store_true", help="time the parts of each save (see profiled())")
+    ap.add_argument("--train-only", action="store_true", help="the saves only, no resume")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--phase", default="train")
     a = ap.parse_args()
@@ -210,6 +246,14 @@ def main() -> None:
         os.makedirs(store)
     try:
         train = ranks(a, "train")
+        if a.train_only:
+            for g in train:
+                pairs = " ".join(f"{b * 1e3:.0f}/{c * 1e3:.0f}" for b, c in g["pairs"])
+                print(f"rank {g['rank']}: blocked {g['blocked'] * 1e3:.0f} ms, memcpy {g['memcpy'] * 1e3:.0f} ms, "
+                      f"ratio {g['ratio']:.2f}x; per step {pairs}; peak RSS {g['peak_rss'] >> 20} MiB")
+                for name, ts in g.get("parts", {}).items():
+                    print(f"    {name}: " + " ".join(f"{t * 1e3:.0f}" for t in ts) + " ms")
+            return
         saved = {r["rank"]: r["digest"] for r in train}
         local_bytes = [dir_bytes(os.path.join(a.dir, f"node{r}")) for r in range(a.ranks)]
         keep = os.path.join(a.dir, "keep")
