@@ -16,7 +16,12 @@ with its own local directory (``<dir>/node<r>``, standing for its own machine's 
 3. peak RSS of each rank and the bytes in the local directories, against what docs/tiers.md
    states.
 
-    python bench/bench_tiers.py --mib 64
+The restart's parts are listed too (the imports, the process group, the Checkpointer opened,
+the restore call), and ``--rounds`` resume rounds rotate the order of the three. ``--profile``
+times the parts of each save (the snapshot, the wait for the previous save, the local write,
+the copies to the peers); ``--train-only`` stops after the saves.
+
+    python bench/bench_tiers.py --mib 512 --dir /dev/shm/bt --store /tmp/bt_store --rounds 3
 """
 
 from __future__ import annotations
