@@ -16,7 +16,12 @@ with its own local directory (``<dir>/node<r>``, standing for its own machine's 
 3. peak RSS of each rank and the bytes in the local directories, against what docs/tiers.md
    states.
 
-    python bench/bench_tiers.py --mib 64
+The restart's parts are listed too (the imports, the process group, the Checkpointer opened,
+the restore call), and ``--rounds`` resume rounds rotate the order of the three. ``--profile``
+times the parts of each save (the snapshot, the wait for the previous save, the local write,
+the copies to the peers); ``--train-only`` stops after the saves.
+
+    python bench/bench_tiers.py --mib 512 --dir /dev/shm/bt --store /tmp/bt_store --rounds 3
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_TENSORS = 8
@@ -41,6 +47,37 @@ N_TENSORS = 8
 
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def profiled() -> dict[str, list[float]]:
+    """Time the parts of a save (``--profile``): on the training thread, the state dict
+    (``dcp_state``), the wait for the previous save (``wait``), the snapshot
+    (``snapshot``); on the tier's thread, the local write (``write``) and the copies to the
+    peers (``replicate``). Returns {part: [seconds per call]}."""
+    import functools
+
+    from epochal.integrations.dcp.staging import HostStaging
+    from epochal.integrations.distributed import checkpointer as dc
+    from epochal.integrations.distributed import tier as rt
+
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def run(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+        return run
+
+    dc.dcp_state = timed("dcp_state", dc.dcp_state)
+    dc.DistributedCheckpointer.wait = timed("wait", dc.DistributedCheckpointer.wait)
+    HostStaging.snapshot_state = timed("snapshot", HostStaging.snapshot_state)
+    rt.dcp_save = timed("write", rt.dcp_save)
+    rt.RankTier._exchange = timed("replicate", rt.RankTier._exchange)
+    return times
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -52,10 +89,12 @@ def worker(a: argparse.Namespace) -> None:
 
     import epochal
 
+    t_imported = time.perf_counter()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    t_group = time.perf_counter()
     rows = max(world, int(a.mib * world * (1 << 20) / 4 / N_TENSORS / 1024) // world * world)
     g = torch.Generator().manual_seed(rank)
     # each rank's own shard, made in place (a resume's shards are overwritten by the restore)
@@ -65,6 +104,7 @@ def worker(a: argparse.Namespace) -> None:
                                 for i in range(N_TENSORS)}
     locals_ = [t.to_local() for t in state.values()]  # type: ignore[attr-defined]
     out: dict[str, object] = {"rank": rank}
+    parts = profiled() if a.profile and a.phase == "train" else None
 
     def digest() -> str:
         h = hashlib.sha256()
@@ -97,15 +137,20 @@ def worker(a: argparse.Namespace) -> None:
             ck.wait()
             out.update(blocked=statistics.median(blocked), memcpy=statistics.median(copies),
                        ratio=statistics.median(b / c for b, c in zip(blocked, copies)), digest=digest(),
-                       step=a.steps)
+                       step=a.steps, pairs=list(zip(blocked, copies)))
+            if parts is not None:
+                out["parts"] = parts
         else:
+            t_open = time.perf_counter()
             step = ck.restore(state)
-            t0 = time.perf_counter()
+            t_restored = time.perf_counter()
             out["digest"] = digest()  # (its time is not counted)
-            checked = time.perf_counter() - t0
+            checked = time.perf_counter() - t_restored
             step_()  # the first training step
             out.update(resume_s=time.perf_counter() - T_START - checked, step=step,
-                       source=ck.last_restore.source if ck.last_restore else None)
+                       source=ck.last_restore.source if ck.last_restore else None,
+                       imported_s=t_imported - T_START, group_s=t_group - T_START, opened_s=t_open - T_START,
+                       restore_call_s=t_restored - t_open, through_restore_s=t_restored - T_START)
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(a.dir, f"{a.phase}.{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -122,7 +167,7 @@ def ranks(a: argparse.Namespace, phase: str) -> list[dict[str, object]]:
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--phase", phase, "--dir", a.dir,
                                        "--mib", str(a.mib), "--steps", str(a.steps), "--persist", str(a.persist),
-                                       "--step-s", str(a.step_s)],
+                                       "--step-s", str(a.step_s)] + (["--profile"] if a.profile else []),
                                       env=env))
     for p in procs:
         if p.wait(timeout=1800):
@@ -139,6 +184,45 @@ def evict_tree(path: str) -> None:
             evict(os.path.join(d, f))
 
 
+def report(a: argparse.Namespace, store: str, train: list[dict[str, Any]],
+           results: dict[str, list[list[dict[str, Any]]]], local_bytes: list[int]) -> None:
+    """Print every figure: each step's pair, each round's resume, the medians and ratios."""
+    med = statistics.median
+    print(f"bench_tiers.py: {a.ranks} ranks (gloo), {a.mib:g} MiB of state per rank, a save every step "
+          f"of {a.step_s:g} s (async, replicas=1), every {a.persist}th to the store ({store}); "
+          f"load {os.getloadavg()[0]:.1f}, {a.rounds} resume rounds")
+    for g in train:
+        pairs = " ".join(f"{b * 1e3:.0f}/{c * 1e3:.0f}" for b, c in g["pairs"])
+        print(f"  rank {g['rank']}: blocked per local save {g['blocked'] * 1e3:.1f} ms, memcpy of the state "
+              f"{g['memcpy'] * 1e3:.1f} ms: ratio {g['ratio']:.2f}x (median of paired steps; ms blocked/memcpy "
+              f"per step: {pairs})")
+    keys = ("imported_s", "group_s", "opened_s", "through_restore_s", "restore_call_s", "resume_s")
+    for name, rounds in results.items():
+        for i, got in enumerate(rounds):
+            per = "; ".join(f"rank {g['rank']} ({g['source']}): " + " ".join(f"{g[k]:.2f}" for k in keys)
+                            for g in got)
+            print(f"  resume {name} round {i + 1} [import, group, opened, through restore, restore call, "
+                  f"first step] s: {per}")
+    slowest = {n: [max(g["resume_s"] for g in got) for got in rounds] for n, rounds in results.items()}
+    call = {n: [max(g["restore_call_s"] for g in got) for got in rounds] for n, rounds in results.items()}
+    floor = {n: [max(g["opened_s"] for g in got) for got in rounds] for n, rounds in results.items()}
+    for n in results:
+        print(f"  {n}: first line to first step {med(slowest[n]):.2f} s, the restore call {med(call[n]):.2f} s, "
+              f"before it (interpreter, imports, group, Checkpointer) {med(floor[n]):.2f} s (medians, slowest rank)")
+    for n in ("local", "peer"):
+        whole = [x / y for x, y in zip(slowest[n], slowest["durable"])]
+        alone = [x / y for x, y in zip(call[n], call["durable"])]
+        print(f"  {n}/durable: first line to first step {med(whole):.2f}x [{min(whole):.2f}-{max(whole):.2f}], "
+              f"the restore call {med(alone):.2f}x [{min(alone):.2f}-{max(alone):.2f}] (medians of paired rounds)")
+    state = a.mib * (1 << 20)
+    for r, g in enumerate(train):
+        print(f"  rank {r}: peak RSS {g['peak_rss'] / (1 << 20):.0f} MiB; local dir {local_bytes[r] / (1 << 20):.0f}"
+              f" MiB = {local_bytes[r] / state:.2f}x the state (docs: (local_keep + replicas*local_keep) = 4x)")
+    for name, rounds in results.items():
+        rss = ", ".join(f"{g['peak_rss'] / (1 << 20):.0f}" for g in rounds[0])
+        print(f"  peak RSS of a resume from {name} (MiB, per rank): {rss}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -149,6 +233,9 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm/bench_tiers")
     ap.add_argument("--store", default="", help="the store's directory (default: <dir>/store, on /dev/shm "
                                                 "only when --dir is; give a disk path for disk figures)")
+    ap.add_argument("--rounds", type=int, default=3, help="resume rounds (each: local, durable, peer, rotated)")
+    ap.add_argument("--profile", action="store_true", help="time the parts of each save (see profiled())")
+    ap.add_argument("--train-only", action="store_true", help="the saves only, no resume")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--phase", default="train")
     a = ap.parse_args()
@@ -164,6 +251,14 @@ def main() -> None:
         os.makedirs(store)
     try:
         train = ranks(a, "train")
+        if a.train_only:
+            for g in train:
+                pairs = " ".join(f"{b * 1e3:.0f}/{c * 1e3:.0f}" for b, c in g["pairs"])
+                print(f"rank {g['rank']}: blocked {g['blocked'] * 1e3:.0f} ms, memcpy {g['memcpy'] * 1e3:.0f} ms, "
+                      f"ratio {g['ratio']:.2f}x; per step {pairs}; peak RSS {g['peak_rss'] >> 20} MiB")
+                for name, ts in g.get("parts", {}).items():
+                    print(f"    {name}: " + " ".join(f"{t * 1e3:.0f}" for t in ts) + " ms")
+            return
         saved = {r["rank"]: r["digest"] for r in train}
         local_bytes = [dir_bytes(os.path.join(a.dir, f"node{r}")) for r in range(a.ranks)]
         keep = os.path.join(a.dir, "keep")
@@ -177,28 +272,16 @@ def main() -> None:
                     shutil.copytree(os.path.join(keep, f"node{r}"), os.path.join(a.dir, f"node{r}"))
             evict_tree(store)
 
-        results = {}
-        for name, wipe in (("local", []), ("durable", list(range(a.ranks))), ("peer", [1])):
-            reset(wipe)
-            got = ranks(a, "resume")
-            assert all(g["step"] == a.steps for g in got), got
-            assert all(g["digest"] == saved[g["rank"]] for g in got), f"{name}: not bit-identical"
-            results[name] = got
-        print(f"bench_tiers.py: {a.ranks} ranks (gloo), {a.mib:g} MiB of state per rank, a save every step "
-              f"of {a.step_s:g} s (async, replicas=1), every {a.persist}th to the store ({store}); load {os.getloadavg()[0]:.1f}")
-        for g in train:
-            print(f"  rank {g['rank']}: blocked per local save {g['blocked'] * 1e3:.1f} ms, memcpy of the state "
-                  f"{g['memcpy'] * 1e3:.1f} ms: ratio {g['ratio']:.2f}x (median of paired steps)")
-        for name, got in results.items():
-            per = ", ".join(f"rank {g['rank']} {g['resume_s']:.2f} s from {g['source']}" for g in got)
-            print(f"  resume ({name}): {per}; bit-identical")
-        worst = {n: max(g["resume_s"] for g in got) for n, got in results.items()}
-        print(f"  resume ratios (slowest rank): local/durable {worst['local'] / worst['durable']:.2f}x, "
-              f"peer/durable {worst['peer'] / worst['durable']:.2f}x")
-        state = a.mib * (1 << 20)
-        for r, g in enumerate(train):
-            print(f"  rank {r}: peak RSS {g['peak_rss'] / (1 << 20):.0f} MiB; local dir {local_bytes[r] / (1 << 20):.0f}"
-                  f" MiB = {local_bytes[r] / state:.2f}x the state (docs: (local_keep + replicas*local_keep) = 4x)")
+        cases = [("local", []), ("durable", list(range(a.ranks))), ("peer", [1])]
+        results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name, _ in cases}
+        for rnd in range(a.rounds):  # the order rotates from round to round
+            for name, wipe in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
+                reset(wipe)
+                got = ranks(a, "resume")
+                assert all(g["step"] == a.steps for g in got), got
+                assert all(g["digest"] == saved[g["rank"]] for g in got), f"{name}: not bit-identical"
+                results[name].append(got)
+        report(a, store, train, results, local_bytes)
     finally:
         shutil.rmtree(a.dir, ignore_errors=True)
         if a.store:

@@ -182,3 +182,38 @@ def test_torchrun_restarts_a_killed_ranks_group_from_the_local_tiers(
     assert "failed (exitcode: -9) local_rank: 1" in text, text[-4000:]  # the kill torchrun saw
     assert listed(tmp_path / "store") == [3]  # (the restarted processes count their saves anew)
     assert final(tmp_path, "a") == reference
+
+
+def test_a_step_for_both_places_is_snapshotted_once(tmp_path: Path) -> None:
+    """One process, no process group, ``async_save``: a step that goes to the local tier and to
+    the store is copied into host memory once (the tier's reused buffer; the store's own staging
+    is never used) and the buffer comes back only after both writes; every step restores
+    bit-equal to the state at its save, from either place."""
+    from epochal.integrations.distributed import DistributedCheckpointer
+    from epochal.integrations.distributed.tier import RankTier
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    at = {}
+    with DistributedCheckpointer(tmp_path / "store", async_save=True) as ck:
+        ck.tier = RankTier(tmp_path / "local", ranks=ck.ranks, keep=2, persist_every=2, replicas=0, stride=None,
+                           per_rank=ck.per_rank, async_save=True)
+        for step in (1, 2, 3, 4):
+            at[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            ck.save(step, {"model": model, "step": step})
+            with torch.no_grad():
+                model.weight.add_(1.0)
+        ck.wait()
+        tier, own = ck.tier._staging, ck._staging
+    assert (own.allocated, own.reused) == (0, 0)  # the store's saves wrote the tier's snapshot
+    assert (tier.allocated, tier.reused) == (1, 3)  # one buffer: each step's writes gave it back
+    assert CheckpointDirectory(str(tmp_path / "store")).committed_epochs() == [2, 4]
+    assert CheckpointDirectory(str(tmp_path / "local" / "rank0")).committed_epochs() == [3, 4]
+    for where, step in ((tmp_path / "store", 2), (tmp_path / "store", 4), (tmp_path / "local" / "rank0", 4)):
+        fresh = torch.nn.Linear(64, 32)
+        state = {"model": fresh, "step": 0}
+        with DistributedCheckpointer(where) as ck:
+            ck._load(step, state)
+        assert state["step"] == step
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, at[step][k]), (where, step, k)

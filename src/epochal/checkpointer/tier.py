@@ -22,67 +22,24 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.engine import CheckpointEngine, Done, Results
-from ..checkpoint.handler.directory import DirectoryMetadataHandler
 from ..checkpoint.tasks.background import BackgroundSaver
-from ..checkpoint.tasks.handler_calls import HandlerLink
-from ..checkpoint.tasks.steps import JoinSave, SaveBlobs, SnapshotAndSave, StepResult, db_digest
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..storage.io.seam import committed, is_url, local_path, store_for
+from ..checkpoint.tasks.copy import copy_db as _copy_db
+from ..checkpoint.tasks.steps import JoinSave, SaveBlobs, SnapshotAndSave, StepResult
+from ..checkpoint.tier import LocalPlace, Source, check_args
+from ..errors import CheckpointError
 from .parts import DB_TYPE, NODE
 
-__all__ = ["LocalTier", "Source", "copy_db"]
+__all__ = ["LocalTier", "Source", "check_args", "copy_db"]
 
 logger = logging.getLogger("epochal")
 
-#: bytes per read/write of a copy from the local tier to the store
-COPY_CHUNK = 8 << 20
-
 
 def copy_db(src: str, dst: str, storage_options: dict[str, Any] | None = None) -> StepResult:
-    """Copy the db ``src`` to ``dst`` (a path or URL) atomically (a temp file committed under
-    its final name, or the object store's single put) and return what the store's commit
-    records: its size and digest, the digest read back from ``dst`` and checked against the
-    source's (CheckpointCorruptError naming both files when they differ)."""
-    import time
-
-    start = time.perf_counter_ns()
-    want = db_digest(DB_TYPE, src)
-    source = store_for(src).open_read(src)
-    try:
-        size = source.size()
-        if not is_url(dst):
-            os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
-        with committed(store_for(dst, storage_options).create(dst, size)) as sink:
-            offset = 0
-            while offset < size:
-                chunk = source.read(min(COPY_CHUNK, size - offset), offset)
-                if not chunk:
-                    raise CheckpointCorruptError(src, f"ended at byte {offset} of {size} while copied to {dst}")
-                sink.write(chunk)
-                offset += len(chunk)
-    finally:
-        source.close()
-    got = db_digest(DB_TYPE, dst)
-    if got != want:
-        raise CheckpointCorruptError(dst, f"its digest {got} differs from its source {src} ({want}) after the copy")
-    return StepResult(dst, size, time.perf_counter_ns() - start, got)
-
-
-def check_args(directory: str | os.PathLike[str], keep: int, persist_every: int | None) -> str:
-    """The local directory's path; ValueError naming the argument at fault (before anything opens)."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"local_keep must be an int >= 1, got {keep!r}")
-    if persist_every is not None and (isinstance(persist_every, bool) or not isinstance(persist_every, int)
-                                      or persist_every < 1):
-        raise ValueError(f"persist_every must be an int >= 1 or None, got {persist_every!r}")
-    path = local_path(directory)
-    if is_url(path):
-        raise ValueError(f"local={path!r}: the local tier is a directory of this machine, not a URL")
-    return path
+    """:func:`epochal.checkpoint.tasks.copy.copy_db` of a Checkpointer's (native) db."""
+    return _copy_db(src, dst, DB_TYPE, storage_options)
 
 
 def rank_tier(dc: Any, local: str | os.PathLike[str], *, keep: int, persist_every: int | None, replicas: int,
@@ -104,19 +61,7 @@ class _Part:
         return {NODE: self.future.result()}
 
 
-@dataclass(frozen=True)
-class Source:
-    """A place a step can be restored from: its name (``"local"``, ``"durable"``), its
-    handler (which steps are committed, and their checks), its engine (the load) and the
-    db of a step there."""
-
-    name: str
-    handler: DirectoryMetadataHandler
-    engine: CheckpointEngine
-    db_path: Callable[[int], str]
-
-
-class LocalTier:
+class LocalTier(LocalPlace):
     """The node-local directory of a Checkpointer (see the module doc). ``durable``: the
     Checkpointer's own engine (the store at ``path``), which commits the copies;
     ``durable_db``: the db of a step there; ``saver``: the Checkpointer's background saver
@@ -125,55 +70,16 @@ class LocalTier:
     def __init__(self, directory: str | os.PathLike[str], *, keep: int, persist_every: int | None,
                  durable: CheckpointEngine, durable_db: Callable[[int], str],
                  durable_options: dict[str, Any] | None, saver: BackgroundSaver) -> None:
-        self.directory = check_args(directory, keep, persist_every)
-        os.makedirs(self.directory, exist_ok=True)
-        self.persist_every = persist_every
-        self.handler = DirectoryMetadataHandler(keep_last=keep)
-        self.handler.set_params(db_prefix=self.directory, db_type=DB_TYPE, node_names=[NODE],
-                                path_prefix=None, path_type=None)
-        assert self.handler.directory is not None
-        self._dir = self.handler.directory
-        self.engine = CheckpointEngine(HandlerLink(self.handler, self.directory, DB_TYPE, [NODE]),
-                                       max_failed_saves=1, word="step", own_error=True)
-        self.engine.open()  # one writer per local directory, until close()
+        super().__init__(directory, keep=keep, persist_every=persist_every, db_type=DB_TYPE, nodes=[NODE])
         self.durable, self.durable_db, self._options = durable, durable_db, durable_options
         self.saver = saver
         self.saves = 0  # saves by this process (the cadence of the copies to the store)
         self._copier: threading.Thread | None = None
 
-    def db_path(self, step: int) -> str:
-        """The local db of ``step``."""
-        return self._dir.db_path(NODE, int(step))
-
-    def steps(self) -> list[int]:
-        """The steps committed in the local directory, oldest first."""
-        return self.handler.committed_epochs()
-
-    def source(self) -> Source:
-        return Source("local", self.handler, self.engine, self.db_path)
-
     def last_step(self, durable_last: int | None) -> int | None:
         """The newest step committed (or restored) in either place."""
         known = [s for s in (durable_last, self.engine.last_committed) if s is not None]
         return max(known) if known else None
-
-    def restore(self, step: int | None, committed: list[int], durable: Source,
-                load: Callable[[Source, int], None]) -> int | None:
-        """Load the newest step intact in either place (``step``: that one), the local copy
-        first; None when neither holds a step. ``committed``: the steps of both, for errors."""
-        sources = [self.source(), durable]
-        order = restore_order(sources)
-        if step is not None:
-            order = [(s, src) for s, src in order if s == step]
-            if not order:
-                raise CheckpointNotFoundError(
-                    f"step {step} is committed neither in {self.directory} nor in {durable.db_path(step)} "
-                    f"(committed steps: {', '.join(map(str, committed)) or 'none'})")
-        found = try_sources(order, load)
-        if found is None:
-            return None
-        self.engine.last_committed = found[0]
-        return found[0]
 
     def due(self, preempted: bool) -> bool:
         """Whether this save also goes to the store: every ``persist_every``-th, or after a SIGTERM."""
@@ -248,37 +154,9 @@ class LocalTier:
         self.durable.save(step, lambda: Done({NODE: copy_db(db, self.durable_db(step), self._options)}))
         return step
 
-    def close(self) -> None:
+    def close(self, *, flush: bool = True) -> None:
+        """Wait for the copy in flight, then let the local directory's lock go."""
         if self._copier is not None:
             self._copier.join()
-        self.engine.close()
+        super().close(flush=flush)
 
-
-def restore_order(sources: list[Source]) -> list[tuple[int, Source]]:
-    """Every (step, source) to try, newest step first, the nearer source first for a step."""
-    held: dict[int, list[Source]] = {}
-    for src in sources:
-        for step in src.handler.committed_epochs():
-            held.setdefault(step, []).append(src)
-    return [(step, src) for step in sorted(held, reverse=True) for src in held[step]]
-
-
-def try_sources(order: list[tuple[int, Source]], load: Callable[[Source, int], None]) -> tuple[int, Source] | None:
-    """Load the first (step, source) of ``order`` that is intact; a damaged copy is named in a
-    warning and the next one tried. None when ``order`` is empty; the last error when every
-    copy is damaged."""
-    last: Exception | None = None
-    for i, (step, src) in enumerate(order):
-        try:
-            src.handler.resume_epoch(step)  # its dbs against its manifest (size, digest)
-            load(src, step)
-        except (CheckpointCorruptError, CheckpointNotFoundError) as ex:
-            after = f"the {order[i + 1][1].name} copy of step {order[i + 1][0]}" if i + 1 < len(order) else "none"
-            logger.warning("The %s copy of step %d (%s) is damaged: %s; restoring from %s instead", src.name,
-                           step, src.db_path(step), ex, after)
-            last = ex
-            continue
-        return step, src
-    if last is not None:
-        raise last
-    return None

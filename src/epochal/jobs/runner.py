@@ -27,34 +27,20 @@ from .. import knobs
 from ..checkpoint.engine import FATAL_SAVE_ERRORS, CheckpointEngine, LoadPlan, Results
 from ..checkpoint.tasks.background import close_process_saver
 from ..checkpoint.tasks.handler_calls import NO_RECORDS
-from ..checkpoint.tasks.handles import (
-    CheckpointManagerLike,
-    CheckpointRun,
-    PartialLoads,
-    SessionSave,
-)
+from ..checkpoint.tasks.handles import CheckpointManagerLike, PartialLoads, SessionSave
+from ..checkpoint.tier import Source, check_args
 from ..errors import NodeLostError, Preempted
-from ..execution.task import Task, TaskGroup, TaskOutput
+from .blobs import metric_output, metric_values, output_names, warn_added_blobs, warn_untracked
 from .cadence import Cadence
 from .events import DEFAULT_DISPLAY, CheckpointEvent, RunListener, auto_progress
 from .job import Job
 from .preemption import SignalGuard
 from .recovery import RecoveryPolicy
+from .tier import RunnerTier
 
 logger = logging.getLogger("epochal")
 
 __all__ = ["DEFAULT_DISPLAY", "FATAL_SAVE_ERRORS", "JobRunner"]
-
-
-def _metric_output(job: Job, name: str, output: Any) -> TaskOutput:
-    """A metric's TaskOutput; a blob name becomes an output of the epoch group (as a stop
-    condition's does)."""
-    if isinstance(output, TaskOutput):
-        return output
-    if isinstance(output, str) and isinstance(job.epoch_group, TaskGroup):
-        nodes = job.epoch_group.used_nodes()
-        return Task(outputs=[output], group=job.epoch_group, node=nodes[0] if nodes else None).outputs()[0]
-    raise TypeError(f"metric {name!r}: give a TaskOutput or a blob name, not {output!r}")
 
 
 class JobRunner:
@@ -87,6 +73,11 @@ class JobRunner:
       runs; it is committed once durable, at the next save. The cost: a snapshot copy of the
       blobs in memory, and a crash during epoch N+1 may lose epoch N too, since N is not
       committed yet. The final epoch is always saved synchronously.
+    - ``local``: a node-local directory (RAM-backed, e.g. ``/dev/shm/run``) that every save
+      goes to, keeping ``local_keep`` epochs; the epochs that are multiples of
+      ``persist_every`` (None: none), the final one and a preempted one are also copied to the
+      manager's directory; a resume takes the newest intact epoch of either, the local copy
+      first (:mod:`epochal.jobs.tier`, docs/tiers.md). Needs a DirectoryMetadataHandler.
     """
 
     def __init__(
@@ -107,6 +98,9 @@ class JobRunner:
         max_failures: int = 0,
         recovery_timeout: float = 300.0,
         metrics: Mapping[str, Any] | None = None,
+        local: str | None = None,
+        persist_every: int | None = 1,
+        local_keep: int = 2,
     ) -> None:
         self.job = job
         self.checkpoint_manager = checkpoint_manager
@@ -128,7 +122,14 @@ class JobRunner:
         if max_failures and async_save:
             raise ValueError("max_failures > 0 with async_save=True is not supported yet: "
                              "a lost node takes its background save with it")
-        self.metrics = {str(k): _metric_output(job, k, v) for k, v in (metrics or {}).items()}
+        self.metrics = {str(k): metric_output(job, k, v) for k, v in (metrics or {}).items()}
+        if local is not None:
+            check_args(local, local_keep, persist_every)
+            if max_failures:
+                raise ValueError("max_failures > 0 with local=... is not supported yet: a lost node's local "
+                                 "directory may be gone with it")
+        self._local = (local, local_keep, persist_every)
+        self._tier: RunnerTier | None = None  # the local tier of the run in progress
         #: save, commit, resume and the failure policy, shared with the Checkpointer
         self._engine = CheckpointEngine(NO_RECORDS, max_failed_saves=max_failed_saves, events=self)
         self._final: int | None = None  # the epoch committed as the job's last, in this run
@@ -137,7 +138,9 @@ class JobRunner:
 
     @property
     def last_committed(self) -> int | None:
-        """The newest epoch committed (or resumed from) in this run."""
+        """The newest epoch committed (or resumed from) in this run (in either place, with ``local``)."""
+        if self._tier is not None and self._tier.engine.last_committed is not None:
+            return max(self._tier.engine.last_committed, self._engine.last_committed or 0)
         return self._engine.last_committed
 
     @last_committed.setter
@@ -204,23 +207,14 @@ class JobRunner:
                 if manager:
                     self._engine.close(flush=flush)
             finally:
+                if self._tier is not None:
+                    self._tier.close(flush=flush)
+                    self._tier = None
                 for listener in self._active:
                     listener.close()
         if self.preempted_by is not None and self.raise_on_preempt:
             raise Preempted(epoch, self.preempted_by, self.last_committed, self._where())
         return epoch
-
-    def _output_names(self) -> list[str]:
-        """Blob names of every task output of the job (recomputed values, not state)."""
-        job = self.job
-        names: set[str] = set()
-        for group in (job.init_group, job.epoch_group, job.download_group, job.exit_group):
-            tasks = group.tasks() if hasattr(group, "tasks") and callable(group.tasks) else []
-            for task in tasks:
-                names.update(getattr(task, "output_names", lambda: [])())
-        for out in job.stop_conditions:
-            names.update(out.names)
-        return sorted(names)
 
     def _start(self) -> tuple[int | None, bool]:
         """Fix the nodes, take the lock, choose the resume epoch; (resume, finished)."""
@@ -230,6 +224,11 @@ class JobRunner:
             return self.resume_from_epoch, False
         manager.set_params(nodes=job.nodes_to_checkpoint())
         self._engine.open()
+        local, keep, persist_every = self._local
+        if local is not None:  # the resume is chosen by RunnerTier.resume, among both places
+            self._tier = RunnerTier(local, keep=keep, persist_every=persist_every, manager=manager,
+                                    durable=self._engine, events=self, max_failed_saves=self.max_failed_saves)
+            return None, False
         if manager.metadata_handler is None and user_epoch is None:
             found = manager.existing_epochs()
             if found:
@@ -242,8 +241,9 @@ class JobRunner:
         resume = manager.resume_epoch(self.resume_from_epoch)
         return resume, self._chosen(resume, user_epoch)
 
-    def _chosen(self, resume: int | None, user_epoch: int | None) -> bool:
-        """Record the resume epoch and say it; whether the job had finished there."""
+    def _chosen(self, resume: int | None, user_epoch: int | None, where: str | None = None) -> bool:
+        """Record the resume epoch and say it (``where``: the place it is in, when not the
+        manager's); whether the job had finished there."""
         self.resume_from_epoch = self.last_committed = resume
         limit = self.job.epoch_limit
         if resume is None:
@@ -251,11 +251,12 @@ class JobRunner:
         elif limit is not None:  # the limit in the code now decides, not the saved one
             finished = resume >= limit
         else:
-            finished = user_epoch is None and self._mgr().is_final(resume)
+            finished = user_epoch is None and (self._mgr().is_final(resume) or (
+                self._tier is not None and self._tier.is_final(resume)))
         if resume is None:
             self._say(f"starting a new job in {self._where()}")
         else:
-            self._say(f"resuming from epoch {resume} in {self._where()}")
+            self._say(f"resuming from epoch {resume} in {where or self._where()}")
         return finished
 
     def _train(self, session: Any, guard: SignalGuard) -> int:
@@ -264,7 +265,7 @@ class JobRunner:
         resume, finished = self._start()
         self._emit("on_train_start", self.resume_from_epoch, list(job.nodes_to_checkpoint()))
         if manager:
-            self._outputs = set(self._output_names())  # once per run: read at every save
+            self._outputs = set(output_names(job))  # once per run: read at every save
 
         def chosen(epoch: int | None) -> None:
             nonlocal finished
@@ -272,8 +273,11 @@ class JobRunner:
 
         # the load finds a damaged epoch before touching any live object: the handler skips
         # it and the previous committed epoch is loaded instead (not one the user chose)
-        resume = self._engine.resume(resume, lambda e: self._restore(session, e),
-                                     fallback=bool(manager) and user_epoch is None, chosen=chosen)
+        if self._tier is not None:
+            resume, finished = self._tier.resume(user_epoch, self._chosen, lambda e, src: self._restore(session, e, src))
+        else:
+            resume = self._engine.resume(resume, lambda e: self._restore(session, e),
+                                         fallback=bool(manager) and user_epoch is None, chosen=chosen)
         logger.info("Finished initializing")
         if resume is not None and not finished:  # (a new job's were prepared before its init save)
             self._prepare_saves(session)
@@ -299,11 +303,11 @@ class JobRunner:
         job = self.job
         try:
             epoch = self._epochs(session, guard, epoch, finished)
-            self._engine.finish_pending()
+            self._finish_pending()
         except NodeLostError:
             raise
         except Exception:
-            self._engine.finish_pending(raise_errors=False)  # commit what is durable, then fail
+            self._finish_pending(raise_errors=False)  # commit what is durable, then fail
             raise
         if self.preempted_by is not None:
             logger.warning("Preempted after epoch %d: skipping the rest of the job", epoch)
@@ -328,8 +332,16 @@ class JobRunner:
         session.run(manager.reinit(epoch))
         self._load(session, epoch)
 
-    def _restore(self, session: Any, resume: int | None) -> None:
-        """Initialize the job (``resume`` None) or the checkpoints of ``resume`` and load it."""
+    def _finish_pending(self, *, raise_errors: bool = True) -> None:
+        """Commit the background save in flight (with ``local``: its local write, then its copy)."""
+        if self._tier is not None:
+            self._tier.finish_pending(raise_errors=raise_errors)
+        else:
+            self._engine.finish_pending(raise_errors=raise_errors)
+
+    def _restore(self, session: Any, resume: int | None, source: Source | None = None) -> None:
+        """Initialize the job (``resume`` None) or the checkpoints of ``resume`` and load it
+        (from ``source``: a local tier's or the manager's directory; None: the manager's)."""
         job, manager = self.job, self.checkpoint_manager
         if resume is None:
             session.run(job.init_group)
@@ -337,14 +349,15 @@ class JobRunner:
             return
         logger.info("Preparing checkpoints ...")
         nodes = job.nodes_to_checkpoint()
-        session.run(manager.init(nodes, retrieve_from_epoch=resume, exclude=sorted(self._outputs)))
+        prefix = source.path_prefix if source is not None else None
+        session.run(manager.init(nodes, retrieve_from_epoch=resume, path_prefix=prefix, exclude=sorted(self._outputs)))
         if resume is None:
             self._prepare_saves(session)
             self.save_checkpoints(0, session, wait=not self.async_save)
             return
-        self._warn_added_blobs(resume)
+        warn_added_blobs(self._mgr(), resume)
         logger.info("Loading checkpoints for epoch %d ...", resume)
-        self._load(session, resume)
+        self._load(session, resume, source)
         logger.info("Checkpoint loaded")
 
     def _prepare_saves(self, session: Any) -> None:
@@ -353,23 +366,25 @@ class JobRunner:
         :meth:`CheckpointEngine.prepare_saves`), so the first snapshot copies into warm memory."""
         prepare = getattr(self.checkpoint_manager, "prepare_saves", None)
         if self.async_save and prepare is not None:
-            self._engine.prepare_saves(lambda: session.run(prepare()))
+            prefix = self._tier.prefix if self._tier is not None else None
+            self._engine.prepare_saves(lambda: session.run(prepare(prefix) if prefix else prepare()))
 
-    def _load(self, session: Any, epoch: int) -> None:
+    def _load(self, session: Any, epoch: int, source: Source | None = None) -> None:
         """Load every node's checkpoint of ``epoch`` through the engine's :class:`LoadPlan`:
         every node's dbs and live objects are checked (a task on each node) before any
         node loads, so a misfit anywhere leaves every node untouched."""
         manager = self.checkpoint_manager
         assert manager is not None
+        prefix = source.path_prefix if source is not None else None
 
         def write() -> Results:
-            task = manager.load(epoch)
+            task = manager.load(epoch, path_prefix=prefix)
             session.run(task)
             return task.results()
 
-        plan = LoadPlan(check=lambda: session.run(manager.check_live(epoch)), write=write,
+        plan = LoadPlan(check=lambda: session.run(manager.check_live(epoch, path_prefix=prefix)), write=write,
                         nodes=[str(n) for n in self.job.nodes_to_checkpoint()])
-        self._engine.load("checkpoint_load", epoch, plan)
+        (source.engine if source is not None else self._engine).load("checkpoint_load", epoch, plan)
 
     def _epochs(self, session: Any, guard: SignalGuard, epoch: int, finished: bool) -> int:
         """The epoch loop; returns the last epoch run (``preempted_by`` set if a signal
@@ -389,15 +404,19 @@ class JobRunner:
             saved = False
             must = stop or guard.signum is not None
             if manager and (must or self.cadence.due(epoch)):
-                self._engine.finish_pending()
+                self._finish_pending()
                 if stop:  # lets a handler commit "final" in the same write as the epoch
                     manager.expect_final(epoch)
+                    if self._tier is not None:
+                        self._tier.handler.expect_final(epoch)
                 wait = not self.async_save or must
-                saved = self.save_checkpoints(epoch, session, wait=wait)
+                saved = self.save_checkpoints(epoch, session, wait=wait, persist=must)
             if stop:
                 logger.info("Stopping")
                 if saved:
                     self._mgr().mark_final(epoch)
+                    if self._tier is not None:
+                        self._tier.handler.mark_final(epoch)
                     self._final = epoch
                 break
             if guard.signum is not None:
@@ -430,7 +449,7 @@ class JobRunner:
         self._engine.load("checkpoint_partial_load", epoch, LoadPlan(check=lambda: None, write=write, nodes=[]))
         return found[0]
 
-    def save_checkpoints(self, epoch: int, session: Any, *, wait: bool = True) -> bool:
+    def save_checkpoints(self, epoch: int, session: Any, *, wait: bool = True, persist: bool = False) -> bool:
         """Save and commit every node's checkpoint of ``epoch``; True when committed.
 
         A storage failure logs a warning and returns False (the seed's policy), until
@@ -439,56 +458,30 @@ class JobRunner:
 
         With ``async_save`` and ``wait=False`` the save only snapshots the blobs; the write
         goes on in the background and is committed at the next save or at the end (False is
-        returned: nothing is committed yet)."""
+        returned: nothing is committed yet).
+
+        With ``local``, the save goes to the local directory, and to the manager's when
+        ``epoch`` is a multiple of ``persist_every`` or ``persist`` is True."""
         manager = self.checkpoint_manager
         if not manager:
             raise ValueError("Checkpoint manager is None")
         background = self.async_save and not wait
         self._engine.records = manager
-        self._engine.finish_pending()
+        self._finish_pending()
         self.cadence.saved()
+        tier = self._tier
+        prefix = tier.prefix if tier is not None else None
 
         def start() -> SessionSave:
-            task = manager.save(epoch, background=background)
+            task = manager.save(epoch, background=background, path_prefix=prefix) if prefix else \
+                manager.save(epoch, background=background)
             session.run(task)
-            self._warn_untracked(task)
-            return SessionSave(session, manager, epoch, task, background)
+            warn_untracked(task, self._outputs or set(output_names(self.job)), self._warned)
+            return SessionSave(session, manager, epoch, task, background, prefix)
 
-        return self._engine.save(epoch, start, background=background, metrics=self._metric_values())
-
-    def _metric_values(self) -> dict[str, Any] | None:
-        """The ``metrics`` outputs now (fetched from their nodes; one whose task has not run
-        yet, as before the first epoch, is left out)."""
-        out = {}
-        for name, output in self.metrics.items():
-            try:
-                value = output.fetch()
-            except RuntimeError:
-                continue
-            if value is not None:
-                out[name] = value.item() if hasattr(value, "item") else value
-        return out or None
-
-    # -- blobs outside the checkpoint
-    def _warn_added_blobs(self, epoch: int) -> None:
-        for node, names in self._mgr().added_blobs().items():
-            if names:
-                logger.warning(
-                    "Node %r holds blobs that the checkpoint of epoch %d lacks: %s. They keep "
-                    "their current values and are saved from now on", node, epoch, ", ".join(names),
-                )
-
-    def _warn_untracked(self, task: CheckpointRun) -> None:
-        """Warn once per run about each global blob a save left out (not in the blob list)."""
-        outputs = self._outputs or set(self._output_names())  # save_checkpoints outside train
-        for node, names in task.untracked().items():
-            new = [n for n in names if n not in outputs and (node, n) not in self._warned]
-            if new:
-                self._warned.update((node, n) for n in new)
-                logger.warning(
-                    "Node %r has blobs in its global workspace that are not checkpointed: %s "
-                    "(the blob list was fixed after init; put state there in init_group, or "
-                    "before train() when resuming)", node, ", ".join(new),
-                )
+        if tier is not None:
+            return tier.save(epoch, session, start, background=background, persist=tier.due(epoch, persist),
+                             metrics=metric_values(self.metrics))
+        return self._engine.save(epoch, start, background=background, metrics=metric_values(self.metrics))
 
     __call__ = train

@@ -150,16 +150,17 @@ class CheckpointManagerLike(Protocol):
 
     def added_blobs(self) -> dict[str, list[str]]: ...
 
-    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None) -> Task | TaskGroup: ...
+    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None,
+                   path_prefix: str | None = None) -> Task | TaskGroup: ...
 
     def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> CheckpointRun: ...
 
     # save and commit
     def cp_accessible(self, epoch: int | None = None) -> bool: ...
 
-    def save(self, epoch: int, background: bool = False) -> CheckpointRun: ...
+    def save(self, epoch: int, background: bool = False, *, path_prefix: str | None = None) -> CheckpointRun: ...
 
-    def join_save(self, epoch: int) -> CheckpointRun: ...
+    def join_save(self, epoch: int, *, path_prefix: str | None = None) -> CheckpointRun: ...
 
     def expect_final(self, epoch: int) -> None: ...
 
@@ -182,17 +183,20 @@ class PartialLoads(Protocol):
 @dataclass
 class SessionSave:
     """A save the runner started on the nodes (the engine's SaveHandle): a synchronous one's
-    results are its task's; a background one is joined by a join task on every node."""
+    results are its task's; a background one is joined by a join task on every node.
+    ``path_prefix``: where the dbs were written (a local tier's directory; None: the manager's)."""
 
     session: Any
     manager: CheckpointManagerLike
     epoch: int
     task: CheckpointRun
     background: bool
+    path_prefix: str | None = None
 
     def join(self) -> dict[str, StepResult]:
         if not self.background:
             return self.task.results()
-        join = self.manager.join_save(self.epoch)
+        join = (self.manager.join_save(self.epoch, path_prefix=self.path_prefix) if self.path_prefix
+                else self.manager.join_save(self.epoch))
         self.session.run(join)
         return join.results()

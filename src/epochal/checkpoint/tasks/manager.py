@@ -21,6 +21,7 @@ from ...storage.io.seam import local_path
 from ..handler.metadata import DbReport, MetadataHandler, PushTarget
 from ..location.naming import check_node_name, db_name
 from ..location.view import CheckpointDirectory
+from .copy import CopyDb
 from .handler_calls import HandlerCalls
 from .handles import CheckpointTask
 from .steps import (
@@ -97,8 +98,8 @@ class CheckpointManager(HandlerCalls):
         self._untracked_output: TaskOutput | None = None
         self._path_prefix: str | None = None
         self._path_type: str | None = None
-        #: {epoch: db} of the saves started (a background save's join reports that db)
-        self._saving: dict[int, str] = {}
+        #: {(epoch, path prefix): db} of the saves started (a background save's join reports that db)
+        self._saving: dict[tuple[int, str], str] = {}
         #: the timed task built last: only the seed's calls that name none read it
         #: (collect_checkpoint_stats, write_checkpoint_metadata); the runner uses the task's own
         self._last: CheckpointTask | None = None
@@ -244,12 +245,15 @@ class CheckpointManager(HandlerCalls):
         logger.info("Loading checkpoints from = %s", step.db)
         return self._timed_task("checkpoint_load", step, step.db)
 
-    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None) -> Task:
+    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None,
+                   path_prefix: str | None = None) -> Task:
         """A Task that checks, writing nothing, that the db of ``epoch`` fits the node's live
         objects (what :meth:`load`, or with ``blob_names`` :meth:`load_blobs_from_checkpoint`,
         would load): a load of several nodes runs it on every node first, so a misfit on one
-        node leaves every node untouched (BlobMismatchError naming each blob)."""
-        step = self._load_step(epoch) if blob_names is None else self._partial_step(blob_names, epoch)
+        node leaves every node untouched (BlobMismatchError naming each blob). ``path_prefix``:
+        the db is read there (as :meth:`load`'s)."""
+        step = (self._load_step(epoch, path_prefix) if blob_names is None
+                else self._partial_step(blob_names, epoch))
         return Task(step=CheckLive(step), node=self._node_name, name="checkpoint_check")
 
     def load_blobs_from_checkpoint(self, blob_names: Sequence[str], epoch: int) -> CheckpointTask:
@@ -274,7 +278,7 @@ class CheckpointManager(HandlerCalls):
         return self._handler.node_push_target()
 
     def save(self, epoch: int, background: bool = False, *, push: PushTarget | None = None,
-             incremental: tuple[bool, int | None] | None = None) -> CheckpointTask:
+             incremental: tuple[bool, int | None] | None = None, path_prefix: str | None = None) -> CheckpointTask:
         """A timed Task saving the blob list, in order, to the db of ``epoch``; after it ran,
         its :meth:`~.handles.CheckpointTask.results` hold the db's size, digest and time.
 
@@ -283,10 +287,15 @@ class CheckpointManager(HandlerCalls):
         With a handler whose ``incremental`` is set (or ``incremental``: (True, base epoch),
         from a multi-node manager), the db holds only the bytes the base epoch's db of this
         node lacks (docs/format.md, "Incremental db files").
+
+        ``path_prefix``: the db is written there instead (a local tier's directory, on the
+        node's own disk: whole, never pushed to a mirror; see :meth:`copy`).
         """
-        db = self._new_db(epoch)
+        db = db_name(epoch, self._node_name, self._db_prefix, path_prefix) if path_prefix else self._new_db(epoch)
+        if path_prefix:
+            push, incremental = None, (False, None)
         if background:
-            self._saving[int(epoch)] = db
+            self._saving[(int(epoch), path_prefix or "")] = db
         logger.info("Saving to %s%s", db, " (background)" if background else "")
         step = SnapshotAndSave if background else SaveBlobs
         untracked = f"{INTERNAL_PREFIX}{self._node_name}/untracked_blobs"
@@ -296,7 +305,8 @@ class CheckpointManager(HandlerCalls):
         save = step(
             db, self._db_type, self.blob_list(), node=self._node_name, epoch=epoch,
             untracked_output=untracked, digest_output=digest,
-            storage_options=self._storage_options, push=None if background else self._push_target(push),
+            storage_options=None if path_prefix else self._storage_options,
+            push=None if background or path_prefix else self._push_target(push),
             pushed_output=pushed,
         )
         on, older = self.incremental_base(epoch) if incremental is None else incremental
@@ -306,25 +316,44 @@ class CheckpointManager(HandlerCalls):
         self._untracked_output = task.untracked_output = task.add_output(untracked)
         return task
 
-    def prepare_saves(self) -> Task:
-        """A Task that prepares the node's background saves of the blob list as a run with
-        ``async_save`` starts (:class:`~.steps.PrepareSaves`: snapshot memory faulted in on a
-        thread of the node's process, so the first snapshot copies into warm memory)."""
-        step = PrepareSaves(db_name(0, self._node_name, self._db_prefix), self.blob_list(), node=self._node_name)
+    def prepare_saves(self, path_prefix: str | None = None) -> Task:
+        """A Task that prepares the node's background saves of the blob list (to the dbs at
+        ``path_prefix``, when given) as a run with ``async_save`` starts
+        (:class:`~.steps.PrepareSaves`: snapshot memory faulted in on a thread of the node's
+        process, so the first snapshot copies into warm memory)."""
+        step = PrepareSaves(db_name(0, self._node_name, self._db_prefix, path_prefix), self.blob_list(),
+                            node=self._node_name)
         return Task(step=step, node=self._node_name, name="checkpoint_prepare")
 
-    def join_save(self, epoch: int, *, push: PushTarget | None = None) -> CheckpointTask:
-        """A Task waiting for the background save of ``epoch``; it re-raises the save's error,
-        and its results are the whole save's (snapshot until the file is durable)."""
-        db = self._saving.pop(int(epoch), None) or db_name(epoch, self._node_name, self._db_prefix)
+    def join_save(self, epoch: int, *, push: PushTarget | None = None,
+                  path_prefix: str | None = None) -> CheckpointTask:
+        """A Task waiting for the background save of ``epoch`` (at ``path_prefix``, when
+        given); it re-raises the save's error, and its results are the whole save's (snapshot
+        until the file is durable)."""
+        db = (self._saving.pop((int(epoch), path_prefix or ""), None)
+              or db_name(epoch, self._node_name, self._db_prefix, path_prefix))
+        if path_prefix:
+            push = None
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_save"
         task = CheckpointTask(step=JoinSave(db, f"{base}.ns", f"{base}.bytes",
                                             db_type=self._db_type, digest_output=f"{base}.digest",
                                             push=self._push_target(push), pushed_output=f"{base}.pushed",
-                                            storage_options=self._storage_options),
+                                            storage_options=None if path_prefix else self._storage_options),
                               node=self._node_name, name="checkpoint_join")
         self._last = task.outputs_of(db, f"{base}.ns", f"{base}.bytes", f"{base}.digest", f"{base}.pushed")
         return task
+
+    def copy(self, epoch: int, path_prefix: str) -> CheckpointTask:
+        """A timed Task copying the node's db of ``epoch`` at ``path_prefix`` (a local tier's
+        directory) to this manager's directory, byte for byte, where the node lives
+        (:class:`~.copy.CopyDb`: atomic, its digest checked against the source's); its
+        :meth:`~.handles.CheckpointTask.results` are what the commit records."""
+        src, db = self._db(epoch, path_prefix), self._new_db(epoch)  # (at a URL: a writer token)
+        base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_copy"
+        step = CopyDb(src, db, self._db_type, digest_output=f"{base}.digest", storage_options=self._storage_options)
+        task = CheckpointTask(step=Timed(step, f"{base}.ns", f"{base}.bytes"), node=self._node_name,
+                              name="checkpoint_copy")
+        return task.outputs_of(db, f"{base}.ns", f"{base}.bytes", f"{base}.digest")
 
     def db_reports(self) -> dict[str, DbReport]:
         return self._last.db_reports() if self._last is not None else {}

@@ -126,21 +126,30 @@ class MultiNodeCheckpointManager(HandlerCalls):
     def load(self, epoch: int, path_prefix: str | None = None, path_type: str | None = None) -> CheckpointGroup:
         return self._task_group(CheckpointManager.load, epoch, path_prefix=path_prefix, path_type=path_type)
 
-    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None) -> CheckpointGroup:
+    def check_live(self, epoch: int, blob_names: Sequence[str] | None = None,
+                   path_prefix: str | None = None) -> CheckpointGroup:
         """Every node's :meth:`CheckpointManager.check_live` (run before a load of all nodes)."""
-        return self._task_group(CheckpointManager.check_live, epoch, blob_names)
+        return self._task_group(CheckpointManager.check_live, epoch, blob_names, path_prefix)
 
-    def save(self, epoch: int, background: bool = False) -> CheckpointGroup:
+    def save(self, epoch: int, background: bool = False, *, path_prefix: str | None = None) -> CheckpointGroup:
+        """Every node's :meth:`CheckpointManager.save` (``path_prefix``: to a local tier)."""
+        if path_prefix:
+            return self._task_group(CheckpointManager.save, epoch, background=background, path_prefix=path_prefix)
         push = self._handler.node_push_target() if self._handler is not None else None
         return self._task_group(CheckpointManager.save, epoch, background=background, push=push,
                                 incremental=self.incremental_base(epoch))
 
-    def prepare_saves(self) -> CheckpointGroup:
-        return self._task_group(CheckpointManager.prepare_saves)
+    def prepare_saves(self, path_prefix: str | None = None) -> CheckpointGroup:
+        return self._task_group(CheckpointManager.prepare_saves, path_prefix)
 
-    def join_save(self, epoch: int) -> CheckpointGroup:
-        push = self._handler.node_push_target() if self._handler is not None else None
-        return self._task_group(CheckpointManager.join_save, epoch, push=push)
+    def join_save(self, epoch: int, *, path_prefix: str | None = None) -> CheckpointGroup:
+        push = self._handler.node_push_target() if self._handler is not None and not path_prefix else None
+        return self._task_group(CheckpointManager.join_save, epoch, push=push, path_prefix=path_prefix)
+
+    def copy(self, epoch: int, path_prefix: str) -> CheckpointGroup:
+        """Every node's :meth:`CheckpointManager.copy` (its db of ``epoch`` at ``path_prefix``
+        to the manager's directory, in the node's own process)."""
+        return self._task_group(CheckpointManager.copy, epoch, path_prefix)
 
     def partial_load(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int,
                      session: Any) -> tuple[dict[str, StepResult], bool]:

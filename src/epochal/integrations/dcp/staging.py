@@ -5,7 +5,8 @@ device-to-host copies run at full speed) sized for the rank's tensors, and hands
 at the next save when their sizes are the same (a training state's are, from step to step),
 as :class:`~epochal.checkpoint.tasks.background.SnapshotPool` does for one process: fresh
 memory costs a page fault per page on first touch, and pinning it costs more. The buffer is
-leased to the write that uses it and comes back when that write ended. ``max_host_bytes``
+leased to the write that uses it and comes back when that write ended (writes of the same
+snapshot to two places each hold it: :meth:`HostStaging.hold`). ``max_host_bytes``
 bounds what is kept between saves (None: one state's worth); a snapshot larger than the
 bound gets memory of its own, freed once written.
 """
@@ -35,7 +36,7 @@ class HostStaging:
         self.max_host_bytes = max_host_bytes
         self._buffer: torch.Tensor | None = None
         self._layout: tuple[Any, ...] = ()
-        self._busy = False
+        self._holders = 0  # writes that still read the pooled buffer
         self._lock = threading.Lock()
         self.allocated = 0
         self.reused = 0
@@ -44,21 +45,27 @@ class HostStaging:
         """A buffer of ``nbytes`` and whether it is the pooled one (to release after)."""
         with self._lock:
             buf = self._buffer
-            if buf is not None and not self._busy and self._layout == layout:
-                self._busy = True
+            if buf is not None and not self._holders and self._layout == layout:
+                self._holders = 1
                 self.reused += 1
                 return buf, True
             self.allocated += 1
             fresh = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-            keep = not self._busy and (self.max_host_bytes is None or nbytes <= self.max_host_bytes)
+            keep = not self._holders and (self.max_host_bytes is None or nbytes <= self.max_host_bytes)
             if keep:
-                self._buffer, self._layout, self._busy = fresh, layout, True
+                self._buffer, self._layout, self._holders = fresh, layout, 1
             return fresh, keep
 
-    def release(self) -> None:
-        """The write of the pooled buffer ended: it may be handed out again."""
+    def hold(self) -> None:
+        """One more write reads the pooled snapshot (a second place it goes to): the buffer is
+        handed out again only after a :meth:`release` for each."""
         with self._lock:
-            self._busy = False
+            self._holders += 1
+
+    def release(self) -> None:
+        """A write of the pooled buffer ended: once every one has, it may be handed out again."""
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
 
     def snapshot(self, blobs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """A copy of ``blobs`` in host memory the live objects can change after: tensors

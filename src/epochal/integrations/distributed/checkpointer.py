@@ -183,9 +183,12 @@ class DistributedCheckpointer:
         start = time.perf_counter_ns()
         sd, _ = dcp_state(state, self.rank, self.per_rank, None, self.directory)
         self.wait()  # the previous background save is committed (or has failed) first
+        shared: tuple[dict[str, Any], bool] | None = None
         if self.tier is not None:
-            self.tier.save(step, sd)
-            if not self.tier.due(self.preempted):  # this step stays in the local tiers only
+            persist = self.tier.due(self.preempted)
+            # a step that goes to the store too is snapshotted once, for both writes
+            shared = self.tier.save(step, sd, share=persist and self.async_save)
+            if not persist:  # this step stays in the local tiers only
                 self.last_step = step
                 return
 
@@ -200,9 +203,11 @@ class DistributedCheckpointer:
             self._committed(step, start)
             return
         problem: BaseException | None = None
-        snap: tuple[dict[str, Any], bool] | None = None
+        snap: tuple[dict[str, Any], bool] | None = shared
+        staging = self.tier.staging if shared is not None and self.tier is not None else self._staging
         try:
-            snap = self._staging.snapshot_state(sd)
+            if snap is None:
+                snap = self._staging.snapshot_state(sd)
         except Exception as ex:
             problem = ex
         if snap is None and problem is None:  # CUDA tensors: planned here, staged as written
@@ -211,19 +216,20 @@ class DistributedCheckpointer:
             job: Callable[[], None] = w.write_deferred
         else:
             w = writer()
-            job = functools.partial(self._write_snapshot, step, snap, w, problem)
+            job = functools.partial(self._write_snapshot, step, snap, w, problem, staging)
         self._pending = Pending(step, w, start, self._bg, job)
         self._worker.submit(functools.partial(contextvars.copy_context().run, self._pending.run))
 
     def _write_snapshot(self, step: int, snap: tuple[dict[str, Any], bool] | None, writer: EpochalStorageWriter,
-                        problem: BaseException | None) -> None:
+                        problem: BaseException | None, staging: HostStaging) -> None:
         """The background part of an async save of a snapshot (``problem``: this rank's
-        failure to take it): collective on the background group."""
+        failure to take it; ``staging``: whose buffer it is in, released once written):
+        collective on the background group."""
         try:
             self._write(step, {} if snap is None else snap[0], writer, self._bg, problem)
         finally:
             if snap is not None and snap[1]:
-                self._staging.release()
+                staging.release()
 
     def _write(self, step: int, sd: dict[str, Any], writer: EpochalStorageWriter, ranks: RankGroup,
                problem: BaseException | None = None) -> None:

@@ -104,17 +104,23 @@ class RankTier:
         return preempted or (self.persist_every is not None and self.saves % self.persist_every == 0)
 
     # -- save
-    def save(self, step: int, sd: dict[str, Any]) -> None:
+    def save(self, step: int, sd: dict[str, Any], *, share: bool = False) -> tuple[dict[str, Any], bool] | None:
         """Save this rank's part ``sd`` of ``step`` locally, then copy it to the peers (with
-        ``async_save`` both on a thread: ``sd`` is snapshotted first). Collective with replicas."""
+        ``async_save`` both on a thread: ``sd`` is snapshotted first). Collective with replicas.
+        ``share``: the snapshot is also written to the store; it is returned (None: none was
+        taken) with a hold on its buffer for that write (:meth:`HostStaging.hold`; the caller
+        releases it through :attr:`staging` once written), so a step that goes to both places
+        is copied once."""
         self.wait()
         if not self.async_save:
             self._write(step, sd)
-            return
+            return None
         snap = self._staging.snapshot_state(sd)
         if snap is None:  # CUDA tensors: written here (a DTensor cannot be rebuilt off its device)
             self._write(step, sd)
-            return
+            return None
+        if share and snap[1]:
+            self._staging.hold()
 
         def run() -> None:
             try:
@@ -127,6 +133,12 @@ class RankTier:
 
         self._thread = threading.Thread(target=run, name="epochal-rank-tier", daemon=True)
         self._thread.start()
+        return snap if share else None
+
+    @property
+    def staging(self) -> HostStaging:
+        """The host memory of this rank's snapshots (see :meth:`save`'s ``share``)."""
+        return self._staging
 
     def _write(self, step: int, sd: dict[str, Any], group: RankGroup | None = None) -> None:
         problem: BaseException | None = None
@@ -366,25 +378,38 @@ def _stream(group: Any, dst: int | None, out: list[tuple[str, int]], src: int | 
     send_plan, recv_plan = chunks(out), chunks(incoming)
     sinks: dict[int, Any] = {}
     sources: dict[int, Any] = {}
+    # one buffer each way, reused for every chunk (a send is waited for before the next
+    # chunk is read into it): fresh 4 MiB buffers per chunk cost a page fault per page
+    sendbuf = torch.empty(CHUNK if send_plan else 0, dtype=torch.uint8)
+    recvbuf = torch.empty(CHUNK if recv_plan else 0, dtype=torch.uint8)
+    send_head, recv_head = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
     try:
         for k in range(max(len(send_plan), len(recv_plan))):
-            pending, keep = [], None
+            pending = []
             if k < len(send_plan):
                 i, off, n = send_plan[k]
-                f = sources.get(i) or sources.setdefault(i, open(out[i][0], "rb"))
+                f = sources.get(i) or sources.setdefault(i, open(out[i][0], "rb", buffering=0))
                 f.seek(off)
-                buf = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8)
-                head = torch.tensor([n, checksum(buf.numpy(), "crc32c")], dtype=torch.int64)
-                pending += [dist.isend(head, dst, group=group), dist.isend(buf, dst, group=group)]
-                keep = (head, buf)
+                buf = sendbuf[:n]
+                view = buf.numpy().data
+                got = 0
+                while got < n:
+                    r = f.readinto(view[got:])
+                    if not r:
+                        raise CheckpointCorruptError(out[i][0], f"ended at byte {off + got} while sent to rank {dst}")
+                    got += r
+                send_head[0], send_head[1] = n, checksum(buf.numpy(), "crc32c")
+                pending += [dist.isend(send_head, dst, group=group), dist.isend(buf, dst, group=group)]
             if k < len(recv_plan):
                 i, off, n = recv_plan[k]
-                head = torch.zeros(2, dtype=torch.int64)
-                dist.recv(head, src, group=group)
-                buf = torch.zeros(int(head[0]), dtype=torch.uint8)
-                dist.recv(buf, src, group=group)
+                dist.recv(recv_head, src, group=group)
                 name = incoming[i][0]
-                if int(head[0]) != n or checksum(buf.numpy(), "crc32c") != int(head[1]):
+                if int(recv_head[0]) != n:
+                    raise CheckpointCorruptError(os.path.join(into, name), f"chunk at byte {off} of step {step} "
+                                                 f"from rank {src} has {int(recv_head[0])} bytes, not {n}")
+                buf = recvbuf[:n]
+                dist.recv(buf, src, group=group)
+                if checksum(buf.numpy(), "crc32c") != int(recv_head[1]):
                     raise CheckpointCorruptError(os.path.join(into, name), f"chunk at byte {off} of step {step} "
                                                  f"from rank {src} failed its CRC-32C check on rank {rank}")
                 if i not in sinks:
@@ -398,7 +423,6 @@ def _stream(group: Any, dst: int | None, out: list[tuple[str, int]], src: int | 
             for p in pending:
                 if p is not None:
                     p.wait()
-            del keep
         for name, size in incoming:  # (an empty file has no chunk)
             if not size:
                 with committed(disk_store().create(os.path.join(into, name), 0)):

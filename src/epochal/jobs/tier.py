@@ -1,0 +1,143 @@
+"""The local tier of a JobRunner: every epoch's save to a node-local directory, some to the store.
+
+``JobRunner(job, manager, local="/dev/shm/run", persist_every=K, local_keep=2)``: each node's
+db of every saved epoch is written to ``local`` (``<local>/<node>.<epoch>``), committed there
+as an ordinary epochal location (:class:`~epochal.checkpoint.tier.LocalPlace`: its own
+manifest, writer lock and retention keeping ``local_keep`` epochs). The epochs that are
+multiples of ``persist_every`` (the init save, epoch 0, included), the job's final epoch and
+the epoch saved after a SIGTERM also go to the manager's directory: each node copies its local
+db there, byte for byte, in its own process (:meth:`CheckpointManager.copy`), and the runner's
+own engine commits it through the manager's handler (its retention, stats, mirror and lock as
+always). With ``async_save`` the local write runs in the background as usual, and a copy is
+made when that write is joined (at the next save, or at the end).
+
+A resume takes the newest epoch intact in either place, the local copy first
+(:func:`~epochal.checkpoint.tier.try_sources`): a damaged local copy is named in a warning and
+the next one is used — the store's copy of that epoch, else the next older epoch of either.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..checkpoint.engine import CheckpointEngine, EngineEvents, Results, SaveHandle
+from ..checkpoint.tasks.handles import CheckpointManagerLike
+from ..checkpoint.tier import LocalPlace, Source
+from ..errors import CheckpointError
+
+__all__ = ["RunnerTier"]
+
+
+class _Later:
+    """A save whose work happens when it is joined (the engine's SaveHandle)."""
+
+    def __init__(self, work: Callable[[], Results]) -> None:
+        self.work = work
+
+    def join(self) -> Results:
+        return self.work()
+
+
+class RunnerTier(LocalPlace):
+    """The local directory of a JobRunner's run (see the module doc). ``manager``: the
+    runner's checkpoint manager, whose handler must be a directory handler (one that lists
+    its committed epochs); ``durable``: the runner's engine, which commits the copies in the
+    manager's directory; ``events``, ``max_failed_saves``: the runner's, for the local saves too."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int, persist_every: int | None,
+                 manager: CheckpointManagerLike, durable: CheckpointEngine, events: EngineEvents,
+                 max_failed_saves: int | None) -> None:
+        handler = manager.metadata_handler
+        if handler is None or not callable(getattr(handler, "committed_epochs", None)):
+            raise CheckpointError(
+                f"JobRunner(local=...): the manager's metadata handler {handler!r} does not list its committed "
+                "epochs; give the manager a DirectoryMetadataHandler()")
+        if getattr(handler, "incremental", False):
+            raise CheckpointError("JobRunner(local=...) with DirectoryMetadataHandler(incremental=True): a local "
+                                  "tier's epochs are written whole")
+        if not callable(getattr(manager, "copy", None)):
+            raise CheckpointError(f"JobRunner(local=...): {type(manager).__name__} cannot copy a node's db to "
+                                  "its directory (no copy()); use a CheckpointManager or MultiNodeCheckpointManager")
+        named: Any = manager  # (both managers have db_type and node_names; the protocol does not say)
+        super().__init__(directory, keep=keep, persist_every=persist_every, db_type=named.db_type,
+                         nodes=[str(n) for n in named.node_names()], word="epoch",
+                         max_failed_saves=max_failed_saves, own_error=False, events=events)
+        #: the seed's ``path_prefix`` of the local dbs (prefix + file name)
+        self.prefix = self.path_prefix = os.path.join(self.directory, "")
+        self.manager, self.durable = manager, durable
+
+    def due(self, epoch: int, force: bool) -> bool:
+        """Whether the save of ``epoch`` also goes to the store: ``force`` (the final epoch, a
+        preempted one), or ``epoch`` a multiple of ``persist_every``."""
+        return force or (self.persist_every is not None and epoch % self.persist_every == 0)
+
+    def durable_source(self) -> Source:
+        """The manager's directory, as a place to restore from."""
+        handler: Any = self.manager.metadata_handler
+        manager: Any = self.manager
+
+        def dbs(epoch: int) -> str:
+            return ", ".join(str(manager.get_ckpt_db_name(n, epoch)) for n in self.nodes)
+
+        return Source("durable", handler, self.durable, dbs)
+
+    def all_steps(self) -> list[int]:
+        """The epochs committed in either place, oldest first."""
+        handler: Any = self.manager.metadata_handler
+        return sorted(set(self.steps()) | set(handler.committed_epochs()))
+
+    def resume(self, user_epoch: int | None, chosen: Callable[[int | None, int | None, str | None], bool],
+               restore: Callable[[int | None, Source | None], None]) -> tuple[int | None, bool]:
+        """The runner's resume: load ``user_epoch`` (None: the newest intact epoch) from the
+        nearest place holding it intact (see the module doc), else start the job afresh;
+        (epoch, finished). ``chosen``: the runner's record of the epoch it resumes (with the
+        user's epoch and the place), which says whether the job had finished there;
+        ``restore``: its initialization and load of an epoch (None: a new job) from a source."""
+        finished = False
+
+        def load(source: Source, epoch: int) -> None:
+            nonlocal finished
+            finished = chosen(epoch, user_epoch, self.directory if source.name == "local" else None)
+            restore(epoch, source)
+
+        found = self.restore(user_epoch, self.all_steps(), self.durable_source(), load)
+        if found is None:
+            finished = chosen(None, user_epoch, None)
+            restore(None, None)
+        return found, finished
+
+    def is_final(self, epoch: int) -> bool:
+        """Whether ``epoch`` was a finished job's last, as the local manifest says."""
+        return self.handler.is_final(epoch)
+
+    def save(self, epoch: int, session: Any, start: Callable[[], SaveHandle], *, background: bool, persist: bool,
+             metrics: Mapping[str, Any] | None) -> bool:
+        """Save ``epoch`` to the local directory with ``start`` (the runner's save task, at
+        :attr:`prefix`) and with ``persist`` copy it to the store once its local write is
+        committed; True when the local save was committed (False: in the background, or failed)."""
+        self.finish_pending()
+        saved = self.engine.save(epoch, start, background=background, metrics=metrics)
+        if persist and (saved or self.engine.pending_epoch == epoch):
+            self.durable.save(epoch, lambda: self._copy(epoch, session), background=background, metrics=metrics)
+        return saved
+
+    def _copy(self, epoch: int, session: Any) -> SaveHandle:
+        """The copy of ``epoch`` to the store, made when joined: at once for a synchronous save,
+        else when the engine commits the background one (at the next save, or the end)."""
+        def work() -> Results:
+            self.engine.finish_pending()  # the local write first (a background one is joined here)
+            if self.engine.last_committed != epoch:
+                raise CheckpointError(f"epoch {epoch} was not copied to {self.manager.location()}: its local save "
+                                      f"in {self.directory} was not committed")
+            task = self.manager.copy(epoch, self.prefix)  # type: ignore[attr-defined]
+            session.run(task)
+            return task.results()  # type: ignore[no-any-return]
+
+        return _Later(work)
+
+    def finish_pending(self, *, raise_errors: bool = True) -> None:
+        """Commit the local save in flight, then its copy to the store."""
+        self.durable.finish_pending(raise_errors=raise_errors)  # (joins its local save first)
+        self.engine.finish_pending(raise_errors=raise_errors)
