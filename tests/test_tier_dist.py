@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import _fresh  # noqa: E402
 from _dist_workers import free_port  # noqa: E402
 
 from epochal.checkpoint.location.view import CheckpointDirectory  # noqa: E402
@@ -38,9 +39,10 @@ def ranks(tmp: Path, out: str, *args: str, rc: int | tuple[int | set[int], int |
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
-        procs.append(subprocess.Popen([sys.executable, JOB, str(tmp / "store"), str(tmp / "base"), str(tmp / out),
-                                       *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(_fresh.Fresh(JOB, [str(tmp / "store"), str(tmp / "base"), str(tmp / out), *args], env, None,
+                                  apart=True))
     done = [p.communicate(timeout=180) for p in procs]
+    done = [(o, e or "") for o, e in done]
     got: dict[int, tuple[int, str]] = {}
     for rank, (p, (stdout, stderr)) in enumerate(zip(procs, done)):
         assert p.returncode in want[rank], (rank, p.returncode, stdout, stderr[-3000:], done[1 - rank][1][-3000:])
