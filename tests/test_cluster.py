@@ -245,7 +245,11 @@ def test_a_machine_lost_mid_run_is_recovered_in_the_same_train(
         assert last == 6
         assert rj.state(s.fetch_blob) == expected
         assert np.asarray(s.fetch_blob("trainer_1", "log1")).tolist() == [1, 2, 3, 4, 5, 6]
-        assert _s3_exists(s3, f"ckpts/{run}/trainer_1.6") and _s3_exists(s3, f"ckpts/{run}/.epochal/manifest.6.json")
+        assert _s3_exists(s3, f"ckpts/{run}/.epochal/manifest.6.json")
+        from epochal import CheckpointDirectory
+
+        db = CheckpointDirectory(f"s3://ckpts/{run}", storage_options=s3).db_path("trainer_1", 6)
+        assert db.split("/")[-1].startswith("trainer_1.6.") and _s3_exists(s3, db.replace("s3://", ""))  # its token
     finally:
         s.close()
 
