@@ -8,6 +8,7 @@ in this process and ``jax.distributed`` over ``127.0.0.1:PORT`` (process PID); w
 * ``restore``: restore STEP (``-``: the newest) onto the specs, then onto other ones (every
   spec transposed: each shard then read from pieces of several processes' dbs), comparing
   every addressable shard bit for bit with the values of SEED;
+* ``differ``: a save of STEP whose plain value differs between the processes;
 * ``die``: a save of STEP in which process 1 exits (code 17) once its db is written, before
   the processes agree to commit.
 
@@ -109,6 +110,11 @@ def main() -> None:
     elif ACTION == "restore":
         shards = [compare(ej.restore(DIR, tree(seed, flip, True), step), seed) for flip in (False, True)]
         print(json.dumps({"shards": shards, "process": jax.process_index()}))
+    elif ACTION == "differ":
+        assert step is not None
+        t = tree(seed, False, False)
+        t["count"] += jax.process_index()
+        ej.save(DIR, step, t)
     elif ACTION == "die":
         from epochal.jax import multiprocess
 

@@ -139,6 +139,18 @@ def test_a_process_dying_before_the_commit_leaves_the_previous_step_newest(tmp_p
 
 
 @pytest.mark.system
+def test_plain_values_that_differ_between_processes_are_refused_on_every_process(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    job("save", d, 2, "5", 0)
+    procs = start("differ", d, 2, "6", 0)
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 1 and "ValueError" in err and "plain values of the pytree" in err, err[-3000:]
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.5", "proc1.5"]  # nothing written
+    assert CheckpointDirectory(d).committed_epochs() == [5]
+
+
+@pytest.mark.system
 def test_a_step_of_several_processes_restores_into_numpy_and_torch_in_one_process(tmp_path: Any) -> None:
     d = str(tmp_path)
     job("save", d, 2, "5", 0)
