@@ -105,6 +105,16 @@ def test_two_processes_save_one_step_of_a_db_each_and_restore_on_two_and_on_one(
     # transposes (each shard then spans chunks of both processes' dbs), every shard compared
     assert job("restore", d, 2, "5", 0) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
     assert job("restore", d, 1, "-", 0) == [{"shards": [25, 25], "process": 0}]
+    # a flipped byte in process 1's shards (the db's first data segment) is found before use
+    with open(os.path.join(d, "proc1.5"), "r+b") as f:
+        f.seek(64)
+        b = f.read(1)
+        f.seek(64)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = subprocess.run([sys.executable, BITS, "restore", d, "1", "0", "0", "5", "0"], capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 1 and "CheckpointCorruptError" in out.stderr and "proc1.5" in out.stderr, \
+        out.stderr[-3000:]
 
 
 @pytest.mark.system

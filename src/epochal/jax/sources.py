@@ -183,11 +183,12 @@ class ProcessesSource(Source):
         one = self._one(key, label)
         parts = [one] if one is not None else self.stored[key]
         pieces: list[Piece] = []
+        boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # every part's chunks
         first: tuple[np.dtype, tuple[int, ...]] | None = None
         for node, s in parts:
             where = self.files[node].path
             try:
-                dt, shape, mine = chunked_layout(s, node, partial=one is None)
+                dt, shape, mine = chunked_layout(s, node, partial=one is None, boxes=boxes)
             except ValueError as e:
                 raise corrupt(where, f"leaf {label}: {e}", s.blob) from None
             if first is not None and first != (dt, shape):
@@ -198,7 +199,7 @@ class ProcessesSource(Source):
         assert first is not None
         if one is None:
             try:
-                check_cover(first[1], [(p.offsets, p.shape) for p in pieces])
+                check_cover(first[1], boxes)
             except ValueError as e:
                 raise corrupt(self.path, f"leaf {label}: the processes' parts, together: {e}",
                               parts[0][1].blob) from None
