@@ -2,8 +2,10 @@
 
 A save is a Checkpointer save of the pytree as nested dicts (:mod:`.names`) of host tensors
 (:mod:`.host`), so retention, async saves, URLs and the commit protocol are the
-Checkpointer's. A restore opens the step's one db, or for a step ``dcp.save`` wrote its
-rank dbs and DCP's metadata (:mod:`.sources`; committed, size and digest checked against its
+Checkpointer's; in a job of several processes each writes its own shards into a db of its
+own and process 0 commits the step (:mod:`.multiprocess`). A restore opens the step's one
+db, or the dbs of every process that saved it, or for a step ``dcp.save`` wrote its rank dbs
+and DCP's metadata (:mod:`.sources`; committed, size and digest checked against its
 manifest), and builds each array leaf with ``jax.make_array_from_callback`` for
 the abstract leaf's sharding, each shard's region read and checked by :mod:`.reads`; the
 distinct regions of one leaf are read by a few threads at once. Nothing is returned unless
