@@ -7,7 +7,9 @@ the float8s too, same bits; a sharded array as its shards, each written once fro
 buffer), so a PyTorch :class:`~epochal.Checkpointer` restores what JAX saved and the
 reverse, without a mapping. A restore reads only the byte ranges of
 the shards each device needs (resharding freely), checks every range's checksum before use,
-and bounds its scratch memory by ``chunk_bytes``. ``epochal.jax.orbax`` holds
+and bounds its scratch memory by ``chunk_bytes``. In a job of several processes each
+writes its own shards into a db of its own and one step is committed for all
+(:mod:`.multiprocess`). ``epochal.jax.orbax`` holds
 an Orbax ``CheckpointManager`` handler, ``epochal.jax.orbax_v1`` an Orbax v1 one. Needs ``pip install 'epochal[jax]'``.
 """
 

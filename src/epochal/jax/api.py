@@ -2,8 +2,10 @@
 
 A save is a Checkpointer save of the pytree as nested dicts (:mod:`.names`) of host tensors
 (:mod:`.host`), so retention, async saves, URLs and the commit protocol are the
-Checkpointer's. A restore opens the step's one db, or for a step ``dcp.save`` wrote its
-rank dbs and DCP's metadata (:mod:`.sources`; committed, size and digest checked against its
+Checkpointer's; in a job of several processes each writes its own shards into a db of its
+own and process 0 commits the step (:mod:`.multiprocess`). A restore opens the step's one
+db, or the dbs of every process that saved it, or for a step ``dcp.save`` wrote its rank dbs
+and DCP's metadata (:mod:`.sources`; committed, size and digest checked against its
 manifest), and builds each array leaf with ``jax.make_array_from_callback`` for
 the abstract leaf's sharding, each shard's region read and checked by :mod:`.reads`; the
 distinct regions of one leaf are read by a few threads at once. Nothing is returned unless
@@ -27,9 +29,10 @@ from ..errors import BlobMismatchError, CheckpointNotFoundError, MissingBlobErro
 from .dcp import is_dcp_step
 from .host import HostChunks, HostTensor, to_host
 from .mapping import NameMap, Target, map_leaves
+from .multiprocess import plain_digest, process_nodes, save_processes
 from .names import Leaf, flat_leaves, leaf_label, nest
 from .reads import DEFAULT_CHUNK, Task, aligned_empty
-from .sources import DcpSource, LocalSource, Source
+from .sources import DcpSource, LocalSource, ProcessesSource, Source
 
 __all__ = ["DEFAULT_CHUNK", "host_state", "restore", "save"]
 
@@ -58,13 +61,17 @@ def stored_as(leaves: list[Leaf], targets: list[Target]) -> list[Leaf]:
     return out
 
 
-def host_state(pytree: Any, names: NameMap | None = None, *, copy: bool = False) -> dict[str, Any]:
+def host_state(pytree: Any, names: NameMap | None = None, *, copy: bool = False,
+               process: tuple[int, int] | None = None) -> dict[str, Any]:
     """The state a Checkpointer saves for ``pytree``: nested dicts of the stored names
     (``names``: :mod:`.mapping`), arrays on host (:func:`~.host.to_host`; ``copy``: none
-    sharing memory with a live buffer, for a write after the caller goes on)."""
+    sharing memory with a live buffer, for a write after the caller goes on; ``process``:
+    ``(i, n)``, only process ``i``'s part of a save of ``n`` processes)."""
     leaves = flat_leaves(pytree)
     targets = map_leaves(leaves, keystrs(pytree), names)
-    return nest(stored_as(to_host(leaves, copy=copy), targets))
+    hosted = to_host(leaves, copy=copy, process=process)  # (a process's part: some leaves left out)
+    at = {n: t for (n, _), t in zip(leaves, targets)}
+    return nest(stored_as(hosted, [at[n] for n, _ in hosted]))
 
 
 def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int, pytree: Any, *,
@@ -73,7 +80,19 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
     are written once, from their host views, never assembled (:mod:`.host`). ``names``:
-    the stored name of each leaf (:mod:`.mapping`; default: the pytree's own)."""
+    the stored name of each leaf (:mod:`.mapping`; default: the pytree's own).
+
+    In a job of several processes (``jax.process_count() > 1``) every process calls it with
+    the same directory and step: each writes its own shards into a db of its own and
+    process 0 commits the step once every db is durable (:mod:`.multiprocess`)."""
+    if jax.process_count() > 1:
+        if isinstance(path_or_checkpointer, Checkpointer):
+            raise ValueError("epochal.jax.save in a job of several processes takes the directory (every process "
+                             "the same), not a Checkpointer: a Checkpointer holds its directory for one process")
+        i, n = jax.process_index(), jax.process_count()
+        save_processes(path_or_checkpointer, step, lambda: host_state(pytree, names, process=(i, n)),
+                       plain_digest(flat_leaves(pytree)), metrics=metrics)
+        return
     state = host_state(pytree, names)
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
@@ -101,6 +120,10 @@ def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, st
         raise CheckpointNotFoundError(f"{directory}: step {step} is not committed")
     if is_dcp_step(view, step):
         return DcpSource(directory, step), step
+    nodes = process_nodes(view.read_manifest(step).nodes)
+    if nodes:  # a save of several processes: a db each
+        view.require_intact(step, "quick", nodes=nodes, word="step")
+        return ProcessesSource({n: view.db_path(n, step) for n in nodes}), step
     view.require_intact(step, "quick", nodes=[NODE], word="step")
     return LocalSource(view.db_path(NODE, step)), step
 
@@ -139,7 +162,7 @@ def _fit(t: Target, want: Any, src: Source, step: int) -> str:
 
 def _sharding(want: Any) -> jax.sharding.Sharding:
     sh = getattr(want, "sharding", None)
-    return sh if isinstance(sh, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return sh if isinstance(sh, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _regions(src: Source, t: Target, ndim: int, indices: list[tuple[Any, ...]], chunk: int,
@@ -201,7 +224,7 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
     """The pytree of ``abstract_pytree``'s structure restored from ``step`` (None: the newest
     committed one) of a Checkpointer's directory: each ``jax.ShapeDtypeStruct`` or
     ``jax.Array`` leaf as a ``jax.Array`` of its shape, dtype and sharding (a struct without
-    one: on the first device), each numpy array leaf as a numpy array, each other leaf as the
+    one: on this process's first device), each numpy array leaf as a numpy array, each other leaf as the
     stored plain value. Only the byte ranges of each shard are read, every range checked
     before use, with at most ``chunk_bytes`` (or one row) of scratch memory per reading
     thread (:data:`READ_THREADS`) beyond the arrays returned: on CPU devices the arrays

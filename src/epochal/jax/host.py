@@ -16,11 +16,11 @@ from there:
   row blocks of about :data:`BLOCK_BYTES`, each block a segment with its own checksum.
 
 So a save adds no copy of the data on CPU devices, and on an accelerator only the host
-copies of the shards (each byte once). A process must address every shard of an array
-(one process: always; arrays with shards in other processes raise). The chunks name
-their place in the whole array, not the process that wrote them, so a save of several
-processes can write each process's shards into its own db (node ``local`` and one per
-other process); what it lacks is committing those dbs as one step.
+copies of the shards (each byte once). In a job of several processes (``process=(i, n)``)
+each process takes only what it holds: of an array with shards in other processes, its own
+replica-0 shards (a :class:`HostChunks` marked as process ``i``'s part unless they cover
+the array; nothing when it holds none); every other leaf (an array one process holds
+whole, a numpy array, a plain value) is process 0's alone (:mod:`.multiprocess`).
 """
 
 from __future__ import annotations
@@ -88,15 +88,18 @@ class HostChunks:
     dtype: np.dtype
     chunks: list[tuple[tuple[int, ...], np.ndarray]]
     label: str
+    #: ``(i, n)``: the chunks are process ``i``'s part of the array (``n`` processes saved it)
+    part: tuple[int, int] | None = None
 
     def encoded(self) -> Encoded:
-        meta, segments = encode_chunks(dtype_name(self.dtype, self.label), self.shape, self.chunks, BLOCK_BYTES)
+        meta, segments = encode_chunks(dtype_name(self.dtype, self.label), self.shape, self.chunks, BLOCK_BYTES,
+                                       self.part)
         return Encoded(CHUNKED_KIND, meta, segments)
 
     def transposed(self, label: str) -> HostChunks:
         """The transpose (every axis reversed), each chunk transposed in a copy."""
         return HostChunks(self.shape[::-1], self.dtype,
-                          [(o[::-1], np.ascontiguousarray(a.T)) for o, a in self.chunks], label)
+                          [(o[::-1], np.ascontiguousarray(a.T)) for o, a in self.chunks], label, self.part)
 
 
 class HostTensorCodec:
@@ -122,13 +125,17 @@ class HostTensorCodec:
 register_codec(HostTensorCodec())
 
 
-def _host(x: jax.Array, label: str, copy: bool) -> HostTensor | HostChunks:
-    """``x``'s shards of replica 0, each taken once as its host view (copied only with
-    ``copy``): one shard covering the array as a :class:`HostTensor`, else the chunks."""
-    if not x.is_fully_addressable:
-        raise NotImplementedError(f"leaf {label}: an array with shards in other processes "
-                                  "(multi-process saves are not supported yet)")
+def _host(x: jax.Array, label: str, copy: bool, part: tuple[int, int] | None = None
+          ) -> HostTensor | HostChunks | None:
+    """``x``'s addressable shards of replica 0, each taken once as its host view (copied
+    only with ``copy``): one shard covering the array as a :class:`HostTensor`, else the
+    chunks (``part``: marked as that process's part when they do not cover the array);
+    None when this process holds none."""
+    if not x.is_fully_addressable and part is None:
+        raise ValueError(f"leaf {label}: an array with shards in other processes, in a save of one process")
     shards = [s for s in x.addressable_shards if s.replica_id == 0]
+    if (not shards and x.size) or (x.size == 0 and part is not None and part[0]):
+        return None
     if x.size == 0 or (len(shards) == 1 and tuple(shards[0].data.shape) == tuple(x.shape)):
         whole = np.asarray(shards[0].data) if x.size else np.empty(x.shape, dtype=x.dtype)
         return HostTensor(whole.copy() if copy else whole, label)
@@ -142,14 +149,18 @@ def _host(x: jax.Array, label: str, copy: bool) -> HostTensor | HostChunks:
             host = np.array(host, order="C", copy=True)
         chunks.append((offsets, host))
     chunks.sort(key=lambda c: c[0])
-    return HostChunks(tuple(x.shape), np.dtype(x.dtype), chunks, label)
+    held = sum(a.size for _, a in chunks)
+    return HostChunks(tuple(x.shape), np.dtype(x.dtype), chunks, label, part if held < x.size else None)
 
 
-def to_host(leaves: Sequence[Leaf], *, copy: bool = False) -> list[Leaf]:
+def to_host(leaves: Sequence[Leaf], *, copy: bool = False, process: tuple[int, int] | None = None) -> list[Leaf]:
     """Each leaf as a value the Checkpointer stores: arrays as :class:`HostTensor` or
     :class:`HostChunks`, plain values (Python scalars, str, numpy scalars) as they are.
     ``copy``: no array may share memory with a live buffer (for a write that runs after the
-    caller goes on)."""
+    caller goes on). ``process``: ``(i, n)``, this process's part of a save of ``n``
+    processes (see the module doc): the leaves it has nothing of are left out."""
+    if process is not None and process[0] != 0:  # the rest is process 0's alone
+        leaves = [(n, v) for n, v in leaves if isinstance(v, jax.Array) and not v.is_fully_addressable]
     for _, v in leaves:
         if isinstance(v, jax.Array):
             v.copy_to_host_async()
@@ -157,7 +168,9 @@ def to_host(leaves: Sequence[Leaf], *, copy: bool = False) -> list[Leaf]:
     for names, v in leaves:
         label = leaf_label(names)
         if isinstance(v, jax.Array):
-            out.append((names, _host(v, label, copy)))
+            got = _host(v, label, copy, process)
+            if got is not None:
+                out.append((names, got))
         elif isinstance(v, np.ndarray):
             out.append((names, HostTensor(v.copy() if copy else v, label)))
         else:

@@ -42,19 +42,26 @@ class Piece:
     shape: tuple[int, ...]
 
 
-def chunked_layout(s: Stored) -> tuple[np.dtype, tuple[int, ...], list[Piece]]:
-    """The dtype, shape and pieces (one per segment, in db ``""``) of a
-    ``torch.chunked_tensor`` record; ValueError for meta that does not fit its segments."""
+def chunked_layout(s: Stored, db: str = "", *, partial: bool = False,
+                   boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+                   ) -> tuple[np.dtype, tuple[int, ...], list[Piece]]:
+    """The dtype, shape and pieces (one per segment, in db ``db``) of a
+    ``torch.chunked_tensor`` record; ValueError for meta that does not fit its segments.
+    ``partial``: the record may hold one process's chunks only (the caller checks that the
+    records of all the processes cover the array together, from the chunks' offsets and
+    shapes, appended to ``boxes``)."""
     dt = dtype_by_name(s.meta.get("dtype"))
     if dt is None:
         raise ValueError(f"dtype {s.meta.get('dtype')!r} has no numpy equivalent")
-    shape, chunks = chunk_layout(s.meta, [n for _, n, _ in s.segs], dt.itemsize)
+    shape, chunks = chunk_layout(s.meta, [n for _, n, _ in s.segs], dt.itemsize, partial=partial)
+    if boxes is not None:
+        boxes.extend((c.offsets, c.shape) for c in chunks)
     pieces = []
     for c in chunks:
         for k, (r0, r1) in enumerate(c.blocks()):
             pshape = (r1 - r0, *c.shape[1:])
             meta = {"dtype": s.meta["dtype"], "shape": list(pshape)}
-            pieces.append(Piece("", Stored(s.blob, "torch.tensor", meta, [s.segs[c.first + k]]),
+            pieces.append(Piece(db, Stored(s.blob, "torch.tensor", meta, [s.segs[c.first + k]]),
                                 (c.offsets[0] + r0, *c.offsets[1:]), pshape))
     return dt, shape, pieces
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..storage.encoding.chunks import KIND as CHUNKED_KIND
+from ..storage.encoding.chunks import check_cover, part_of
 from ..storage.formats.native.layout import corrupt
 from ..storage.formats.native.reads.ranges import RangedFile
 from .dcp import DcpLeaf, open_dcp, read_dcp_regions
@@ -27,7 +28,7 @@ from .names import leaf_label
 from .pieces import Piece, chunked_layout, read_pieces
 from .reads import Stored, Task, array_layout, read_plain, read_regions, stored_leaves
 
-__all__ = ["DcpSource", "LocalSource", "Source"]
+__all__ = ["DcpSource", "LocalSource", "ProcessesSource", "Source"]
 
 Key = tuple[str, ...]
 
@@ -130,6 +131,111 @@ class LocalSource(Source):
 
     def close(self) -> None:
         self.f.close()
+
+
+class ProcessesSource(Source):
+    """A step saved by several JAX processes (:mod:`.multiprocess`): a db per process
+    (``dbs``: node -> path, each checked against the manifest by the caller). A leaf lies
+    whole in one db (an array one process held whole, a plain value: process 0's), or as
+    the chunk records of the processes that held its shards (each marked as a part), read
+    together as one array's pieces, checked to cover it exactly once."""
+
+    def __init__(self, dbs: dict[str, str]) -> None:
+        self.files: dict[str, RangedFile] = {}
+        self.path = next(iter(dbs.values()))
+        #: each leaf's records: (node, record), in the order of ``dbs``
+        self.stored: dict[Key, list[tuple[str, Stored]]] = {}
+        self.chunked: dict[Key, tuple[np.dtype, tuple[int, ...], list[Piece]]] = {}
+        try:
+            for node, path in dbs.items():
+                f = self.files[node] = RangedFile(path)
+                for key, s in stored_leaves(f).items():
+                    self.stored.setdefault(key, []).append((node, s))
+        except BaseException:
+            self.close()
+            raise
+
+    def keys(self) -> list[Key]:
+        return list(self.stored)
+
+    def kind(self, key: Key) -> str:
+        return self.stored[key][0][1].kind
+
+    def _one(self, key: Key, label: str) -> tuple[str, Stored] | None:
+        """The leaf's one whole record (None: it is stored as parts)."""
+        got = self.stored[key]
+        node, s = got[0]
+        try:
+            part = part_of(s.meta) if s.kind == CHUNKED_KIND else None
+        except ValueError as e:
+            raise corrupt(self.files[node].path, f"leaf {label}: {e}", s.blob) from None
+        if len(got) == 1 and part is None:
+            return node, s
+        if part is None or any(k != CHUNKED_KIND for k in (x.kind for _, x in got)):
+            raise corrupt(self.files[node].path, f"leaf {label}: stored in the dbs of "
+                          f"{', '.join(n for n, _ in got)}, not as the parts of one array", s.blob)
+        return None
+
+    def _chunked(self, key: Key, label: str) -> tuple[np.dtype, tuple[int, ...], list[Piece]]:
+        got = self.chunked.get(key)
+        if got is not None:
+            return got
+        one = self._one(key, label)
+        parts = [one] if one is not None else self.stored[key]
+        pieces: list[Piece] = []
+        boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # every part's chunks
+        first: tuple[np.dtype, tuple[int, ...]] | None = None
+        for node, s in parts:
+            where = self.files[node].path
+            try:
+                dt, shape, mine = chunked_layout(s, node, partial=one is None, boxes=boxes)
+            except ValueError as e:
+                raise corrupt(where, f"leaf {label}: {e}", s.blob) from None
+            if first is not None and first != (dt, shape):
+                raise corrupt(where, f"leaf {label}: this db's part is {dt} {shape}, another's {first[0]} "
+                                     f"{first[1]}", s.blob)
+            first = (dt, shape)
+            pieces.extend(mine)
+        assert first is not None
+        if one is None:
+            try:
+                check_cover(first[1], boxes)
+            except ValueError as e:
+                raise corrupt(self.path, f"leaf {label}: the processes' parts, together: {e}",
+                              parts[0][1].blob) from None
+        got = self.chunked[key] = (first[0], first[1], pieces)
+        return got
+
+    def layout(self, key: Key, label: str) -> tuple[np.dtype, tuple[int, ...]] | None:
+        one = self._one(key, label)
+        if one is None or one[1].kind == CHUNKED_KIND:
+            return self._chunked(key, label)[:2]
+        try:
+            return array_layout(one[1])
+        except ValueError as e:
+            raise corrupt(self.files[one[0]].path, f"leaf {label}: {e}", one[1].blob) from None
+
+    def regions(self, key: Key, label: str, indices: list[tuple[Any, ...]], chunk: int,
+                run: Callable[[list[Task]], None]) -> list[np.ndarray]:
+        one = self._one(key, label)
+        if one is None or one[1].kind == CHUNKED_KIND:
+            dt, shape, pieces = self._chunked(key, label)
+            return read_pieces(self.files, pieces, dt, shape, label, self.stored[key][0][1].blob, indices, chunk, run)
+        return read_regions(self.files[one[0]], one[1], label, indices, chunk, run=run)
+
+    def plain(self, key: Key, label: str) -> Any:
+        one = self._one(key, label)
+        assert one is not None  # (a plain value is one record: _one refuses parts of other kinds)
+        return _plain(self.files[one[0]], one[1], label)
+
+    def prefetch(self, keys: list[Key]) -> None:
+        for node, f in self.files.items():
+            f.prefetch([(off, n) for k in keys for nd, s in self.stored[k] if nd == node for off, n, _ in s.segs])
+
+    def close(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for f in self.files.values():
+                stack.callback(f.close)
 
 
 class DcpSource(Source):

@@ -1,0 +1,154 @@
+"""A save of a JAX job of several processes: a db per process, one commit.
+
+Every process calls :func:`save_processes` with the same directory and step. Each writes
+what it holds (:func:`~.host.to_host` with ``process=(i, n)``: its replica-0 shards of
+the arrays spread over processes, and on process 0 everything else) into a db of its own,
+node ``proc<i>`` (``<dir>/proc<i>.<step>``: the way ranks of ``torch.distributed`` write
+``rank<r>.<step>``). The processes agree over the JAX job itself, by
+``multihost_utils.process_allgather`` of a few integers (no transport of their own):
+
+1. before anything is written: every process could take its part, all save the same step,
+   it is not committed yet, and the plain values are the same everywhere (their digests);
+2. after the writes: every db is written, fsynced and in place;
+3. process 0 then commits the step: one manifest naming every process's db with its size and
+   digest (under the directory's writer lock), and all learn whether it did.
+
+A failure at any point raises on every process (the failing one its own error, the others
+CheckpointError naming the processes that failed) and leaves the step uncommitted; a process
+that dies leaves the others waiting in the next agreement, so nothing is committed and the
+previous step stays the newest. A restore reads every process's db together
+(:class:`~.sources.ProcessesSource`), on any number of processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ..checkpoint.handler.directory import DirectoryMetadataHandler
+from ..checkpoint.handler.metadata import DbReport
+from ..checkpoint.location.view import CheckpointDirectory
+from ..errors import CheckpointError
+from ..storage.formats.native.reader import stat_native
+from ..storage.formats.native.writer import write_native
+from ..storage.io.seam import is_url, local_path
+from .names import Leaf
+
+__all__ = ["PROCESS_NODE", "plain_digest", "process_nodes", "save_processes"]
+
+#: the node of process ``i``'s db: ``proc<i>``
+PROCESS_NODE = "proc{}"
+_NODE_RE = re.compile(r"proc(\d+)")
+_LOW = (1 << 31) - 1
+
+
+def process_nodes(nodes: Iterable[str]) -> list[str]:
+    """The nodes of a step saved by several processes (``proc0``, ``proc1``, ..., by process
+    index), or [] when ``nodes`` are not all of that kind."""
+    nodes = list(nodes)
+    if not nodes or not all(_NODE_RE.fullmatch(n) for n in nodes):
+        return []
+    return sorted(nodes, key=lambda n: int(n[4:]))
+
+
+def _gather(values: list[int]) -> np.ndarray:
+    """Every process's ``values`` (non-negative ints below 2**62), one row per process: each
+    sent as two int32 halves (JAX's default integers are 32 bits)."""
+    halves = np.array([[v >> 31, v & _LOW] for v in values], dtype=np.int32).reshape(-1)
+    got = np.asarray(multihost_utils.process_allgather(halves)).reshape(jax.process_count(), len(values), 2)
+    return (got[..., 0].astype(np.int64) << 31) | got[..., 1].astype(np.int64)
+
+
+def _settle(flags: np.ndarray, problem: BaseException | None, directory: str, step: int, what: str) -> None:
+    """Raise on every process when any failed ``what``: the failing one its own error, the
+    others CheckpointError naming the processes that failed."""
+    if problem is not None:
+        raise problem
+    bad = [int(p) for p in np.nonzero(flags)[0]]
+    if bad:
+        raise CheckpointError(f"{directory}: step {step} was not saved: process(es) {bad} failed to {what} "
+                              "(the step is not committed; earlier steps are untouched)")
+
+
+def plain_digest(leaves: Iterable[Leaf]) -> int:
+    """A CRC-32 of the names and values (their repr) of the plain leaves (not arrays): the
+    same on every process when they hold the same values."""
+    plain = [(names, repr(v)) for names, v in leaves if not isinstance(v, (jax.Array, np.ndarray))]
+    return zlib.crc32(repr(plain).encode("utf-8", "backslashreplace"))
+
+
+def save_processes(directory: str | os.PathLike[str], step: int, build: Callable[[], dict[str, Any]], plain: int,
+                   *, metrics: Mapping[str, float] | None = None) -> None:
+    """Save step ``step`` in ``directory`` from every process of the job (collective; see the
+    module doc). ``build``: this process's part of the state (nested dicts of host values);
+    ``plain``: the :func:`plain_digest` of its pytree's plain values (saved once, process
+    0's: ValueError on every process when they differ)."""
+    i, n = jax.process_index(), jax.process_count()
+    path = local_path(directory)
+    problem: BaseException | None = None
+    state: dict[str, Any] = {}
+    try:
+        if is_url(path):
+            raise ValueError(f"{path}: a save of several JAX processes goes to a directory every process sees "
+                             "(a shared file system), not a URL")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        os.makedirs(path, exist_ok=True)
+        if i == 0 and CheckpointDirectory(path).is_committed(step):
+            raise CheckpointError(f"{path}: step {step} is already committed (a save never replaces one)")
+        state = build()
+    except Exception as ex:
+        problem = ex
+    sent = step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < (1 << 62) else 0
+    got = _gather([int(problem is not None), sent, plain])
+    _settle(got[:, 0], problem, path, step, "prepare their part")
+    if len(set(got[:, 1].tolist())) > 1:
+        raise CheckpointError(f"{path}: the processes passed different steps to save ({got[:, 1].tolist()}, by "
+                              "process); every process must save the same step (nothing was written)")
+    if len(set(got[:, 2].tolist())) > 1:
+        raise ValueError(f"{path}: step {step}: the plain values of the pytree (not arrays) differ between "
+                         "processes; they are saved once, as process 0's: make them the same on every process "
+                         "(nothing was written)")
+    d = CheckpointDirectory(path)
+    node = PROCESS_NODE.format(i)
+    try:
+        write_native(d.plain_db_path(node, step), state)  # temp file, fsync, rename, directory fsync
+    except Exception as ex:
+        problem = ex
+    finally:
+        state.clear()  # the host views of the shards are let go
+    _settle(_gather([int(problem is not None)])[:, 0], problem, path, step, "write their db")
+    if i == 0:
+        try:
+            _commit(d, path, step, [PROCESS_NODE.format(r) for r in range(n)], metrics)
+        except Exception as ex:
+            problem = ex
+    _settle(_gather([int(problem is not None)])[:, 0], problem, path, step, "commit the step")
+
+
+def _commit(d: CheckpointDirectory, path: str, step: int, nodes: list[str],
+            metrics: Mapping[str, float] | None) -> None:
+    """Process 0: the manifest of ``step`` naming every process's db (each db's size and
+    digest read from its header), under the directory's writer lock."""
+    reports = {}
+    for node in nodes:
+        db = d.plain_db_path(node, step)
+        st = stat_native(db)
+        reports[node] = DbReport(st.file_bytes, st.digest, file=os.path.basename(db))
+    h = DirectoryMetadataHandler()
+    h.set_params(db_prefix=path, db_type="native", node_names=nodes, path_prefix=None, path_type=None)
+    h.acquire_lock()  # CheckpointLockedError naming the holder when another writer has it
+    try:
+        if d.is_committed(step):
+            raise CheckpointError(f"{path}: step {step} was committed by another writer while this save ran")
+        h.report_dbs(step, reports)
+        h.write(step, metrics=dict(metrics) if metrics else None)
+    finally:
+        h.release_lock()

@@ -1,0 +1,138 @@
+"""One process of a JAX job of NPROC processes for tests/test_jax_multiprocess.py.
+
+``python _jax_mp_bits.py ACTION DIR NPROC PID PORT STEP SEED``: with NPROC 2, 4 CPU devices
+in this process and ``jax.distributed`` over ``127.0.0.1:PORT`` (process PID); with NPROC 1,
+8 devices alone. Either way the global mesh is 2 x 4 (``x`` spans the processes).
+
+* ``save``: save the pytree of SEED (:func:`values`) as STEP, sharded by :func:`specs`;
+* ``restore``: restore STEP (``-``: the newest) onto the specs, then onto other ones (every
+  spec transposed: each shard then read from pieces of several processes' dbs), comparing
+  every addressable shard bit for bit with the values of SEED;
+* ``differ``: a save of STEP whose plain value differs between the processes;
+* ``die``: a save of STEP in which process 1 exits (code 17) once its db is written, before
+  the processes agree to commit.
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+ACTION, DIR, NPROC, PID, PORT, STEP, SEED = sys.argv[1:8]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // int(NPROC)}"
+os.environ.setdefault("EPOCHAL_QUIET", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+if int(NPROC) > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=int(NPROC),
+                               process_id=int(PID))
+
+import ml_dtypes  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import epochal.jax as ej  # noqa: E402
+
+
+def values(seed: int) -> dict[str, Any]:
+    """The pytree as numpy: fp32 from random bit patterns, bf16 bit patterns (NaN payloads,
+    -0.0, subnormals), a replicated fp32 vector, an array on one device of each process (no
+    sharding: restored onto this process's first device) and a plain scalar."""
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {"w": rng.integers(0, 1 << 32, size=(16, 32), dtype=np.uint32).view(np.float32),
+                   "e": rng.integers(0, 1 << 16, size=(8, 64), dtype=np.uint16).view(ml_dtypes.bfloat16)},
+        "b": np.arange(40, dtype=np.float32) * (seed + 1) - 7.5,
+        "one": np.arange(15, dtype=np.float32).reshape(3, 5) + seed,
+        "count": 7 + seed,
+    }
+
+
+def specs(flip: bool) -> dict[str, Any]:
+    xy = P("y", "x") if flip else P("x", "y")
+    return {"params": {"w": xy, "e": xy}, "b": P("y") if flip else P(), "count": None}
+
+
+def mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+
+
+def tree(seed: int, flip: bool, abstract: bool) -> dict[str, Any]:
+    m, want = mesh(), values(seed)
+    sp = specs(flip)
+
+    def leaf(v: Any, spec: Any) -> Any:
+        if spec is None:
+            return v
+        sh = NamedSharding(m, spec)
+        if abstract:
+            return jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
+        return jax.make_array_from_callback(v.shape, sh, lambda idx: v[idx])
+
+    one = (jax.ShapeDtypeStruct(want["one"].shape, want["one"].dtype) if abstract
+           else jax.device_put(want["one"], jax.local_devices()[0]))
+    return {"params": {k: leaf(v, sp["params"][k]) for k, v in want["params"].items()},
+            "b": leaf(want["b"], sp["b"]), "one": one, "count": want["count"]}
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
+
+
+def compare(got: dict[str, Any], seed: int) -> int:
+    """Every addressable shard of every array leaf against the values, bit for bit; the
+    number of shards compared."""
+    want, n = values(seed), 0
+    assert got["count"] == want["count"], got["count"]
+    for name, g, w in [("w", got["params"]["w"], want["params"]["w"]), ("e", got["params"]["e"], want["params"]["e"]),
+                       ("b", got["b"], want["b"]), ("one", got["one"], want["one"])]:
+        assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, g.shape)
+        for s in g.addressable_shards:
+            assert np.array_equal(bits(np.asarray(s.data)), bits(w[s.index])), (name, s.index)
+            n += 1
+    return n
+
+
+def main() -> None:
+    step = None if STEP == "-" else int(STEP)
+    seed = int(SEED)
+    if ACTION == "save":
+        assert step is not None
+        ej.save(DIR, step, tree(seed, False, False))
+        print(json.dumps({"saved": step, "process": jax.process_index()}))
+    elif ACTION == "restore":
+        shards = [compare(ej.restore(DIR, tree(seed, flip, True), step), seed) for flip in (False, True)]
+        print(json.dumps({"shards": shards, "process": jax.process_index()}))
+    elif ACTION == "differ":
+        assert step is not None
+        t = tree(seed, False, False)
+        t["count"] += jax.process_index()
+        ej.save(DIR, step, t)
+    elif ACTION == "die":
+        from epochal.jax import multiprocess
+
+        real = multiprocess.write_native
+
+        def write_then_die(path: str, blobs: Any) -> int:
+            size = real(path, blobs)
+            if jax.process_index() == 1:
+                os._exit(17)  # written, durable, never agreed to commit
+            return size
+
+        multiprocess.write_native = write_then_die  # type: ignore[assignment]
+        assert step is not None
+        ej.save(DIR, step, tree(seed, False, False))
+        print(json.dumps({"saved": step}))
+    else:
+        raise SystemExit(f"unknown action {ACTION}")
+
+
+if __name__ == "__main__":
+    main()
