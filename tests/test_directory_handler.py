@@ -457,3 +457,32 @@ def test_a_reused_handler_forgets_the_previous_runs_final_epoch(tmp_path):
     h.expect_final(1)
     h.write(1)
     assert h.is_final(1)
+
+
+def test_a_step_written_by_other_nodes_is_refused_naming_them_not_skipped(tmp_path):
+    """A step whose manifest lists none of this job's nodes (here: two JAX processes' dbs) is
+    not a damaged step to skip for an older one: the resume is refused, naming both node sets,
+    and nothing is restored."""
+    from epochal import Checkpointer
+
+    d = str(tmp_path / "ck")
+    with Checkpointer(d, progress=False) as ck:
+        ck.save(4, {"w": np.arange(4.0)})
+    mdir = os.path.join(d, ".epochal")
+    manifest = json.load(open(os.path.join(mdir, "manifest.4.json")))
+    entry = manifest["nodes"].pop("local")
+    for i in (0, 1):  # the same bytes under two process nodes, as a multi-process JAX save names them
+        with open(os.path.join(d, "local.4"), "rb") as src, open(os.path.join(d, f"proc{i}.5"), "wb") as dst:
+            dst.write(src.read())
+        manifest["nodes"][f"proc{i}"] = dict(entry, file=f"proc{i}.5")
+    manifest["epoch"] = 5
+    from epochal.checkpoint.location.manifest import encode_manifest
+
+    with open(os.path.join(mdir, "manifest.5.json"), "wb") as f:
+        f.write(encode_manifest(manifest))
+    live = {"w": np.zeros(4)}
+    with Checkpointer(d, progress=False) as ck, pytest.raises(epochal.CheckpointError) as err:
+        ck.restore(live)
+    text = str(err.value)
+    assert "manifest.5.json" in text and "proc0" in text and "proc1" in text and "local" in text
+    assert not live["w"].any()  # nothing restored, and not the older step 4 either

@@ -53,7 +53,6 @@ from .writer_lock import WriterLockHolder
 logger = logging.getLogger("epochal")
 
 
-
 def _utcnow() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
@@ -268,6 +267,7 @@ class DirectoryMetadataHandler(WriterLockHolder, MirrorSync, BaseMetadataHandler
                 skipped.append(epoch)
                 continue
             problems = self._problems(epoch, level)
+            self._refuse_foreign(epoch, problems)
             if not problems:
                 if skipped:
                     logger.warning(
@@ -445,6 +445,21 @@ class DirectoryMetadataHandler(WriterLockHolder, MirrorSync, BaseMetadataHandler
                 mpath = d.manifest_path(epoch)
                 return [EpochProblem(epoch, mpath, f"{mpath}: written with db_type {db_type!r}, this job uses {self.db_type!r}")]
         return []
+
+    def _refuse_foreign(self, epoch: int, problems: list[EpochProblem]) -> None:
+        """An epoch listing none of this job's nodes (written by JAX processes, by ranks...) is
+        refused naming both node sets: it is not a damaged epoch to skip for an older one."""
+        if not problems or not self.node_names:
+            return
+        try:
+            listed = self._dir().read_manifest(epoch).nodes
+        except CheckpointError:  # a damaged manifest: skipped as damaged
+            return
+        if listed and not set(listed) & set(self.node_names):
+            raise CheckpointError(
+                f"{self._dir().manifest_path(epoch)}: epoch {epoch} was written by nodes {sorted(listed)}, "
+                f"not by this job's {sorted(self.node_names)}: restore it with what wrote it ('proc<i>' "
+                "dbs: epochal.jax.restore; 'rank<i>' dbs: the Checkpointer under torch.distributed)")
 
     def _space_needed(self) -> tuple[int, int]:
         """(bytes needed for the next checkpoint, epoch the estimate is based on); (0, -1) when
