@@ -48,6 +48,9 @@ def _run(script: str, argv: list[str], env: dict[str, str], cwd: str | None, out
     os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
+    if env.get("PYTHONUNBUFFERED"):  # read by the interpreter at its start: done here
+        for f in (sys.stdout, sys.stderr):
+            f.reconfigure(write_through=True)  # type: ignore[attr-defined]
     code = 0
     try:
         import runpy

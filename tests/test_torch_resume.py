@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,8 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch extra (torch==2.13.0) is not installed")
+
+import _fresh  # noqa: E402
 
 import epochal  # noqa: E402
 from epochal import (  # noqa: E402
@@ -31,15 +31,12 @@ EXAMPLE = ROOT / "examples" / "torch_mlp.py"
 EPOCHS = 8
 
 
-def run_example(ckpt: Path, *extra: str) -> subprocess.Popen[str]:
+def run_example(ckpt: Path, *extra: str) -> Any:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--ckpt-dir", str(ckpt), "--epochs", str(EPOCHS), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    return _fresh.start(str(EXAMPLE), ["--ckpt-dir", str(ckpt), "--epochs", str(EPOCHS), *extra], env=env)
 
 
-def finish(p: subprocess.Popen[str]) -> str:
+def finish(p: Any) -> str:
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out
     return out
