@@ -31,6 +31,9 @@ MERGE_SPAN = 16 << 20
 #: the most buffers one read fills (under the kernel's IOV_MAX of 1024)
 MAX_PIECES_READ = 1000
 
+#: pieces are sorted by (source, offset there) packed in one int64: offsets below 2**47
+_SOFF_BITS = 47
+
 _libc: Any = None
 
 
@@ -93,8 +96,12 @@ def gather(dest: memoryview, offset: int, ext: tuple[np.ndarray, np.ndarray, np.
         rest = ~sel
     else:
         rest = np.ones(len(src), dtype=bool)
-    order = np.lexsort((soff[rest], src[rest]))
-    r_src, r_soff, r_dst, r_len = (x[rest][order] for x in (src, soff, dst, ln))
+    idx = np.flatnonzero(rest)
+    if len(idx) and int(soff.max()) < 1 << _SOFF_BITS:  # one key: a stable sort of nearly sorted keys
+        idx = idx[np.argsort((src[idx] << _SOFF_BITS) | soff[idx], kind="stable")]
+    else:
+        idx = idx[np.lexsort((soff[idx], src[idx]))]
+    r_src, r_soff, r_dst, r_len = src[idx], soff[idx], dst[idx], ln[idx]
     n = len(r_src)
     if not n:
         return
