@@ -113,3 +113,45 @@ def test_a_step_spanning_many_older_steps_restores_bit_exact_with_one_parse_and_
         bound = spans + windows + -(-bufs // MAX_PIECES_READ)
         assert 0 < got <= bound, (r.file, got, spans, pieces, windows)
         assert pieces < 50 or got * 10 <= pieces, (r.file, got, pieces)  # not a call per extent
+
+
+@pytest.mark.unit
+def test_short_reads_of_a_span_resume_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``preadv`` that returns fewer bytes than its buffers hold (a signal) is continued
+    from the first buffer it did not fill: the logical bytes read are the same."""
+    from epochal.storage.io import extent_reads
+
+    d = tmp_path / "ck"
+    with ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
+        for s in range(1, 4):
+            ck.save(s, {"emb": _table(s)})
+    path = str(d / "local.3")
+
+    def whole() -> bytes:
+        src = open_db(path)
+        try:
+            buf = bytearray(src.size())
+            for o in range(0, len(buf), 1 << 20):  # windows of 1 MiB
+                n = min(1 << 20, len(buf) - o)
+                assert src.read_into([memoryview(buf)[o:o + n]], o) == n
+            return bytes(buf)
+        finally:
+            src.close()
+
+    want = whole()
+    real, short = extent_reads.preadv_iov, [0]
+
+    def at_most_3000(fd: int, iov: np.ndarray, off: int) -> int:
+        cum = np.cumsum(iov[:, 1].astype(np.int64))
+        if cum[-1] <= 3000:
+            return real(fd, iov, off)
+        k = int(np.searchsorted(cum, 3000))  # the rows that hold the first 3000 bytes
+        part = iov[: k + 1].copy()
+        if cum[k] > 3000:
+            part[-1, 1] -= np.uint64(cum[k] - 3000)
+            short[0] += 1
+        return real(fd, part, off)
+
+    monkeypatch.setattr(extent_reads, "preadv_iov", at_most_3000)
+    assert whole() == want
+    assert short[0] > 10  # the short reads happened
