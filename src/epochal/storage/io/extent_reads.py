@@ -110,10 +110,11 @@ def gather(dest: memoryview, offset: int, ext: tuple[np.ndarray, np.ndarray, np.
     gap = np.zeros(n, dtype=np.int64)
     gap[1:] = r_soff[1:] - (r_soff + r_len)[:-1]
     cut[1:] = (r_src[1:] != r_src[:-1]) | (gap[1:] > MERGE_GAP) | (gap[1:] < 0)
-    first = np.flatnonzero(cut)
-    base = np.repeat(r_soff[first], np.diff(np.append(first, n)))
-    part = (r_soff - base) // MERGE_SPAN
-    cut[1:] |= part[1:] != part[:-1]
+    if int(r_soff.max()) - int(r_soff.min()) >= MERGE_SPAN:  # (else no span is that long)
+        first = np.flatnonzero(cut)
+        base = np.repeat(r_soff[first], np.diff(np.append(first, n)))
+        part = (r_soff - base) // MERGE_SPAN
+        cut[1:] |= part[1:] != part[:-1]
     gap[cut] = 0
     # the buffers of every span at once: piece k at row pos[k], a gap before it at pos[k] - 1
     has = gap > 0
@@ -139,7 +140,7 @@ def gather(dest: memoryview, offset: int, ext: tuple[np.ndarray, np.ndarray, np.
         for a in range(a0, b0, MAX_PIECES_READ):
             b = min(b0, a + MAX_PIECES_READ)
             total = int(cum[b] - cum[a])
-            if direct[s]:
+            if direct[s] and not dest.readonly:  # (a read-only buffer: refused below, as ever)
                 read_iov(s, iov[a:b], int(where[a]), total)
             else:  # (a remote file: a memoryview per buffer)
                 parts = [dest[d : d + m] if d >= 0 else junk[:m]
