@@ -31,12 +31,11 @@ run when the format's checksums of the logical bytes fail, names the older file 
 
 from __future__ import annotations
 
-import bisect
 import json
-import operator
 import os
 import posixpath
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointCorruptError
-from . import seam
+from . import extent_reads, seam
 from .checksum import ALGORITHM_NAMES, checksum_function
 
 __all__ = [
@@ -67,14 +66,6 @@ MAX_REFS_TEXT = 1 << 24
 #: version 2's extent columns: length, source, checksum, offset in the source less the logical one
 PACKED_COLUMNS = (("length", "<u8"), ("source", "<u4"), ("crc", "<u4"), ("rel", "<i8"))
 PACKED_ROW = sum(np.dtype(t).itemsize for _, t in PACKED_COLUMNS)
-#: a read takes the extents of one source in one span when they lie at most this far apart
-MERGE_GAP = 256 << 10
-#: ... and the span is at most this long
-MERGE_SPAN = 16 << 20
-#: the most pieces one read fills (with a buffer per gap: under the kernel's IOV_MAX of 1024)
-MAX_PIECES_READ = 500
-
-
 def pack_extents(ext: np.ndarray) -> bytes:
     """Version 2's extent table: the columns of ``ext`` (EXT_DTYPE) split into byte planes and
     zlib-compressed (delta-like columns compress well; a step's table is a few bytes per extent)."""
@@ -252,21 +243,19 @@ class ExtentSource:
         self.ex = ex
         self.remote = bool(getattr(own, "remote", False))
         self._srcs: list[seam.ByteSource] = [own]
-        self._starts = ex.ext["loff"].tolist()
-        self._lens = ex.ext["length"].tolist()
-        self._sources = ex.ext["source"].tolist()
-        self._soffs = ex.ext["soff"].tolist()
-        self._crcs = ex.ext["crc"].tolist()
-        self._loff = ex.ext["loff"].astype(np.int64)
-        self._lend = self._loff + ex.ext["length"].astype(np.int64)
-        self._src_np = ex.ext["source"].astype(np.int64)
-        self._soff_np = ex.ext["soff"].astype(np.int64)
+        loff = ex.ext["loff"].astype(np.int64)
+        #: the extents' logical starts, ends, sources and offsets there (the read plan's input)
+        self._ext = (loff, loff + ex.ext["length"].astype(np.int64),
+                     ex.ext["source"].astype(np.int64), ex.ext["soff"].astype(np.int64))
         self._fn = checksum_function(ex.algorithm)
         #: where the gaps between the pieces of one read go (never read back: shared by threads)
-        self._junk = memoryview(bytearray(MERGE_GAP))
+        self._junk = memoryview(bytearray(extent_reads.MERGE_GAP))
         try:
             for r in ex.refs:  # every referenced file, there and of its recorded size, now
                 self._srcs.append(self._open_ref(r))
+            #: sources read with an iovec array built by numpy (a local file's descriptor)
+            self._direct = [isinstance(getattr(x, "fd", None), int) and not getattr(x, "remote", False)
+                            for x in self._srcs]
         except BaseException:
             self.close()
             raise
@@ -319,58 +308,27 @@ class ExtentSource:
         return end - offset
 
     def _gather(self, dest: memoryview, offset: int) -> None:
-        end = offset + dest.nbytes
-        k0 = bisect.bisect_right(self._starts, offset) - 1
-        k1 = bisect.bisect_left(self._starts, end)
-        if k1 - k0 == 1:  # one extent: one read
-            self._fill(self._sources[k0], [dest], self._soffs[k0] + offset - self._starts[k0])
-            return
-        lo = np.maximum(self._loff[k0:k1], offset)
-        hi = np.minimum(self._lend[k0:k1], end)
-        src = self._src_np[k0:k1]
-        soff = self._soff_np[k0:k1] + (lo - self._loff[k0:k1])
-        dst = lo - offset
-        ln = hi - lo
-        counts = np.bincount(src, weights=ln, minlength=len(self._srcs))
-        bulk = int(np.argmax(counts))
-        sel = src == bulk
-        delta = soff[sel] - dst[sel]
-        if delta.min() == delta.max():  # in place: one span, the others then overwrite its gaps
-            a, b = int(dst[sel][0]), int(dst[sel][-1] + ln[sel][-1])
-            self._fill(bulk, [dest[a:b]], a + int(delta[0]))
-            rest = ~sel
-        else:
-            rest = np.ones(len(src), dtype=bool)
-        order = np.lexsort((soff[rest], src[rest]))
-        r_src, r_soff, r_dst, r_len = (x[rest][order] for x in (src, soff, dst, ln))
-        if not len(r_src):
-            return
-        # runs: the same source, gaps of at most MERGE_GAP, no overlap, cut every MERGE_SPAN
-        # bytes; each run is one read whose buffers are the pieces' places in ``dest`` (and
-        # a scratch buffer for each gap): the kernel copies every piece straight into place
-        cut = np.ones(len(r_src), dtype=bool)
-        gap = r_soff[1:] - (r_soff + r_len)[:-1]
-        cut[1:] = (r_src[1:] != r_src[:-1]) | (gap > MERGE_GAP) | (gap < 0)
-        first = np.flatnonzero(cut)
-        base = np.repeat(r_soff[first], np.diff(np.append(first, len(r_src))))
-        part = (r_soff - base) // MERGE_SPAN
-        cut[1:] |= part[1:] != part[:-1]
-        bounds = np.append(np.flatnonzero(cut), len(r_src)).tolist()
-        bufs = (dest, self._junk)
-        for i, j in zip(bounds, bounds[1:]):
-            for a in range(i, j, MAX_PIECES_READ):
-                b = min(j, a + MAX_PIECES_READ)
-                o, ln, d = r_soff[a:b], r_len[a:b], r_dst[a:b]
-                gap = np.concatenate([[0], o[1:] - (o + ln)[:-1]])
-                has = gap > 0
-                pos = np.arange(b - a) + np.cumsum(has)  # piece k's place among the buffers
-                starts = np.zeros(b - a + int(has.sum()), dtype=np.int64)
-                ends, which = starts.copy(), starts.copy()
-                starts[pos], ends[pos] = d, d + ln
-                ends[pos[has] - 1], which[pos[has] - 1] = gap[has], 1  # (a gap: scratch)
-                parts: list[memoryview] = list(map(operator.getitem, map(bufs.__getitem__, which.tolist()),  # type: ignore[arg-type]
-                                                   map(slice, starts.tolist(), ends.tolist())))
-                self._fill(int(r_src[a]), parts, int(o[0]), int(o[-1] + ln[-1] - o[0]))
+        extent_reads.gather(dest, offset, self._ext, self._junk, len(self._srcs), self._direct,
+                            self._fill_iov, self._fill)
+
+    def _fill_iov(self, source: int, iov: np.ndarray, off: int, total: int) -> None:
+        """Read the buffers of ``iov`` ((address, length) rows) in order from ``off`` of
+        local ``source``: one ``preadv``, more only after a short read."""
+        fd = self._srcs[source].fd  # type: ignore[attr-defined]
+        while True:
+            n = extent_reads.preadv_iov(fd, iov, off)
+            if n == total:
+                return
+            if n <= 0:
+                name = self.name if not source else self.ex.refs[source - 1].file
+                raise _corrupt(self.name, f"{name} is truncated at byte {off}")
+            cum = np.cumsum(iov[:, 1].astype(np.int64))
+            k = int(np.searchsorted(cum, n, side="right"))  # the first buffer not filled
+            iov = iov[k:].copy()
+            done = n - (int(cum[k - 1]) if k else 0)
+            iov[0, 0] += np.uint64(done)
+            iov[0, 1] -= np.uint64(done)
+            off, total = off + n, total - n
 
     def _fill(self, source: int, parts: list[memoryview], off: int, total: int = -1) -> None:
         """Read ``parts`` in order from ``off`` of ``source`` (``total``: their bytes, when
@@ -396,14 +354,15 @@ class ExtentSource:
         it (version 1: the reference's own; version 2: the referenced file's stored extent):
         CheckpointCorruptError naming the older file whose bytes are damaged (the format's own
         checksums name only this one)."""
+        loff, lend, srcs, soffs = self._ext
         for k, r in enumerate(self.ex.refs, 1):
-            sel = np.flatnonzero(self._src_np == k)
+            sel = np.flatnonzero(srcs == k)
             if not len(sel):
                 continue
             if self.ex.version == 1:
-                spans = [(self._soffs[i], self._lens[i], self._crcs[i]) for i in sel.tolist()]
+                spans = list(zip(soffs[sel].tolist(), (lend - loff)[sel].tolist(), self.ex.ext["crc"][sel].tolist()))
             else:
-                spans = self._covering(k, self._soff_np[sel], self._soff_np[sel] + self._lend[sel] - self._loff[sel])
+                spans = self._covering(k, soffs[sel], soffs[sel] + lend[sel] - loff[sel])
             for soff, ln, crc in spans:
                 buf = bytearray(ln)
                 self._fill(k, [memoryview(buf)], soff)
@@ -443,10 +402,45 @@ class ExtentSource:
         self._srcs = []
 
 
-def open_db(path: str, *, what: str = "db", whole: bool = False) -> seam.ByteSource:
+#: tables parsed by a header-only open, kept for the next open of the same file (a restore
+#: stats a step's db, then reads it: one parse): path -> (identity, tables); a few at most
+_KEPT: dict[str, tuple[tuple[int, ...], Extents]] = {}
+_KEPT_MAX = 4
+_kept_lock = threading.Lock()
+
+
+def _identity(src: seam.ByteSource) -> tuple[int, ...] | None:
+    """A local file's identity (device, inode, size, modification and change times: any
+    rewrite or replacement changes it); None elsewhere (nothing kept)."""
+    fd = getattr(src, "fd", None)
+    if not isinstance(fd, int) or getattr(src, "remote", False):
+        return None
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _tables(src: seam.ByteSource, path: str, keep: bool) -> Extents:
+    """The extent file's tables: those a header-only open of this very file kept (taken, so
+    they serve one later open), else parsed; kept again when ``keep``."""
+    ident = _identity(src)
+    key = os.path.abspath(path) if ident is not None else ""
+    with _kept_lock:
+        hit = _KEPT.pop(key, None) if ident is not None else None
+    ex = hit[1] if hit is not None and hit[0] == ident else read_extents(src, path)
+    if keep and ident is not None:
+        with _kept_lock:
+            _KEPT[key] = (ident, ex)
+            while len(_KEPT) > _KEPT_MAX:
+                del _KEPT[next(iter(_KEPT))]
+    return ex
+
+
+def open_db(path: str, *, what: str = "db", whole: bool = False, keep: bool = False) -> seam.ByteSource:
     """The db at ``path`` for reading: its bytes, or an incremental db's logical bytes
     (:class:`ExtentSource`). ``whole``: (nearly) every byte will be read: a remote source is
-    told so before the first read, and may fetch the whole object in one wave."""
+    told so before the first read, and may fetch the whole object in one wave. ``keep``: the
+    caller reads only the header (a stat before a load): an incremental db's parsed tables
+    are kept for the next open of the same unchanged file, which takes them."""
     src = seam.store_for(path).open_read(path, what=what)
     try:
         if whole and getattr(src, "remote", False):
@@ -455,7 +449,7 @@ def open_db(path: str, *, what: str = "db", whole: bool = False) -> seam.ByteSou
             return src
         head = src.read(HEAD_SIZE, 0)  # (a native db's superblock is as long: see _HeadKept)
         if is_extent_file(head):
-            return ExtentSource(path, src, read_extents(src, path))
+            return ExtentSource(path, src, _tables(src, path, keep))
     except BaseException:
         src.close()
         raise

@@ -460,7 +460,7 @@ def stat_native(path: str | os.PathLike[str]) -> NativeStat:
     algorithm, blob and segment counts, data/index/file sizes and the digest. Raises
     CheckpointCorruptError on a damaged superblock or a size mismatch (truncation)."""
     p = os.fspath(path)
-    src = _open(p)
+    src = open_db(p, what="native db", keep=True)  # (an incremental db's tables kept for a load)
     try:
         return NativeStat.of(p, _read_header(p, src))
     finally:
