@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import epochal as ep
-from epochal.storage.io.extent_reads import MAX_PIECES_READ, MERGE_GAP, MERGE_SPAN
 from epochal.storage.io.extents import ExtentSource, open_db
+from epochal.storage.io.extents.reads import MAX_PIECES_READ, MERGE_GAP, MERGE_SPAN
 
 ROWS, DIM, STEPS = 8192, 256, 6  # an 8 MiB float32 table of 1 KiB rows
 
@@ -34,7 +34,8 @@ RESTORE = textwrap.dedent("""
     import collections, json, os, sys
     import numpy as np
     import epochal as ep
-    from epochal.storage.io import extent_reads, extents, local
+    from epochal.storage.io import extents, local
+    from epochal.storage.io.extents import reads as extent_reads
 
     d, out = sys.argv[1], sys.argv[2]
     parses, calls, windows = [0], collections.Counter(), [0]
@@ -119,7 +120,7 @@ def test_a_step_spanning_many_older_steps_restores_bit_exact_with_one_parse_and_
 def test_short_reads_of_a_span_resume_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``preadv`` that returns fewer bytes than its buffers hold (a signal) is continued
     from the first buffer it did not fill: the logical bytes read are the same."""
-    from epochal.storage.io import extent_reads
+    from epochal.storage.io.extents import reads as extent_reads
 
     d = tmp_path / "ck"
     with ep.Checkpointer(str(d), incremental=True, progress=False) as ck:

@@ -2,7 +2,7 @@
 
 :func:`write_incremental` lays the file out exactly as :func:`~.writer.write_native` would (the
 same logical bytes: superblock, segments, index) and streams it into an
-:class:`~epochal.storage.io.extent_sink.ExtentSink`. Every segment of at least
+:class:`~epochal.storage.io.extents.sink.ExtentSink`. Every segment of at least
 ``MIN_CHUNKED`` bytes is cut into content chunks of ``CHUNK_BYTES`` (from the segment's
 start); each chunk is
 
@@ -38,8 +38,8 @@ import numpy as np
 
 from ....errors import CheckpointError
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
-from ...io.extent_sink import ExtentSink, digest
 from ...io.extents import ExtentSource, RefFile
+from ...io.extents.sink import ExtentSink, digest
 from ...io.seam import committed, is_url, store_for
 from .layout import SUPERBLOCK_SIZE, pack_superblock
 from .reads.ranges import RangedFile

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .checksum import ALGORITHM_IDS, checksum_function
-from .extents import (
+from ..checksum import ALGORITHM_IDS, checksum_function
+from ..seam import ByteSink
+from . import (
     CHUNK_DTYPE,
     EXT_DTYPE,
     EXTENT_MAGIC,
@@ -28,7 +29,6 @@ from .extents import (
     RefFile,
     pack_extents,
 )
-from .seam import ByteSink
 
 __all__ = ["ExtentSink", "Piece", "digest"]
 

@@ -6,7 +6,8 @@ reference to a stored range of an older step's file in the same folder (one leve
 :func:`open_db` opens any db: a plain file as it is, an extent file as an
 :class:`ExtentSource` of the logical bytes, so every format's read path reads it without
 knowing; the format's own checksums cover the logical bytes, so a damaged older file is
-found before any live byte is written.
+found before any live byte is written. The read plan of a range is :mod:`.reads`'s; the sink
+that writes an extent file, :mod:`.sink`'s.
 
 Layout (little-endian; docs/format.md, "Incremental db files")::
 
@@ -43,9 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointCorruptError
-from . import extent_reads, seam
-from .checksum import ALGORITHM_NAMES, checksum_function
+from ....errors import CheckpointCorruptError
+from .. import seam
+from ..checksum import ALGORITHM_NAMES, checksum_function
+from . import reads as extent_reads
 
 __all__ = [
     "CHUNK_DTYPE", "EXT_DTYPE", "EXTENT_MAGIC", "ExtentSource", "Extents", "RefFile", "blame_refs",
@@ -222,7 +224,7 @@ def _options_of(path: str) -> dict[str, Any] | None:
     records ``-o`` options for the one file it was given, not for its folder."""
     if not seam.is_url(path):
         return None
-    from .remote.fsspec_store import storage_options_for
+    from ..remote.fsspec_store import storage_options_for
 
     return storage_options_for(path) or None
 
