@@ -449,11 +449,11 @@ class DirectoryMetadataHandler(WriterLockHolder, MirrorSync, BaseMetadataHandler
     def _refuse_foreign(self, epoch: int, problems: list[EpochProblem]) -> None:
         """An epoch listing none of this job's nodes (written by JAX processes, by ranks...) is
         refused naming both node sets: it is not a damaged epoch to skip for an older one."""
-        if not problems or not self.node_names:
-            return
+        if not problems or not self.node_names or any(p.node is None for p in problems):
+            return  # (None: the manifest itself is at fault, a damaged epoch)
         try:
             listed = self._dir().read_manifest(epoch).nodes
-        except CheckpointError:  # a damaged manifest: skipped as damaged
+        except CheckpointError:  # (read a moment ago: a transient error, the epoch skipped)
             return
         if listed and not set(listed) & set(self.node_names):
             raise CheckpointError(
