@@ -1,4 +1,4 @@
-"""Helpers for the torch.distributed tests: start N gloo ranks on 127.0.0.1, and the rank
+"""What the torch.distributed tests share: start N gloo ranks on 127.0.0.1, and the rank
 functions they run (importable by name, as the start method needs).
 
 Ranks start from multiprocessing's fork server (tests/_fresh.py), which imports torch, DCP and

@@ -100,18 +100,11 @@ class _Output:
 
     def readline(self) -> str:
         while True:
+            ended = self._proc.poll() is not None  # (then all its output is in the file)
             self._part += self._f.readline()
-            if self._part.endswith("\n"):
+            if self._part.endswith("\n") or ended:
                 line, self._part = self._part, ""
                 return line
-            if self._proc.poll() is not None:
-                self._part += self._f.readline()
-                if self._part.endswith("\n") or not self._part:
-                    line, self._part = self._part, ""
-                    return line
-                rest = self._part + self._f.read()
-                self._part = ""
-                return rest
             time.sleep(0.005)
 
     def __iter__(self) -> Iterator[str]:
