@@ -20,6 +20,10 @@ cache, with O_DIRECT, so without this it would read from the disk what Orbax rea
 memory) or dropped from the page cache (``--cache cold``: ``posix_fadvise(DONTNEED)`` on
 each file, after an ``fsync``).
 Every restored value is compared with the saved one. Data under ``--dir`` is removed.
+
+``--gpu``: the same on one accelerator (JAX's default backend, a 1x1 mesh): the arrays live on
+the device, so a save copies them to the host and a restore copies them back; the peak RSS is
+then the host memory each library passes the bytes through.
 """
 
 from __future__ import annotations
@@ -78,8 +82,9 @@ def child(phase: str, lib: str, directory: str, mib: int, k: int) -> dict[str, A
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = Mesh(np.array(jax.devices()[:k]).reshape((4, 2) if k == 8 else (1, 2)), ("x", "y"))
-    spec = P("x", "y") if k == 8 else P(None, "y")
+    shape = {8: (4, 2), 2: (1, 2), 1: (1, 1)}[k]
+    mesh = Mesh(np.array(jax.devices()[:k]).reshape(shape), ("x", "y"))
+    spec = P(None, "y") if k == 2 else P("x", "y")
     sh = NamedSharding(mesh, spec)
     leaves = tree_spec(mib)
 
@@ -146,8 +151,12 @@ def set_cache(directory: str, how: str) -> None:
                 os.close(fd)
 
 
-def run(args: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "EPOCHAL_QUIET": "1"}
+def run(args: list[str], gpu: bool = False) -> dict[str, Any]:
+    env = {**os.environ, "EPOCHAL_QUIET": "1"}
+    if gpu:  # (JAX takes 75% of the device's memory at its start unless told not to)
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    else:
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
@@ -161,6 +170,7 @@ def _median(xs: list[float]) -> float:
 
 
 PHASES = (("save", 8), ("restore", 8), ("restore", 2))
+GPU_PHASES = (("save", 1), ("restore", 1))
 
 
 def main() -> None:
@@ -169,8 +179,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--cache", choices=("warm", "cold"), default="warm")
     ap.add_argument("--dir", default="/tmp/epochal_bench_jax")
+    ap.add_argument("--gpu", action="store_true", help="one accelerator device (see the module doc)")
     ap.add_argument("--child", nargs=5, metavar=("PHASE", "LIB", "DIR", "MIB", "K"))
     a = ap.parse_args()
+    phases = GPU_PHASES if a.gpu else PHASES
     if a.child:
         phase, lib, d, mib, k = a.child
         print(json.dumps(child(phase, lib, d, int(mib), int(k))))
@@ -188,11 +200,11 @@ def main() -> None:
         os.makedirs(d)
         order = ("orbax", "epochal") if rnd % 2 == 0 else ("epochal", "orbax")
         try:
-            for phase, k in PHASES:
+            for phase, k in phases:
                 for lib in order:
                     if phase == "restore":
                         set_cache(d, a.cache)
-                    r = run([phase, lib, d, str(a.mib), str(k)])
+                    r = run([phase, lib, d, str(a.mib), str(k)], a.gpu)
                     r["round"] = rnd
                     rows.append(r)
                     print(f"round {rnd}  {phase:8s} {k} dev  {lib:8s} {r['seconds']:8.3f} s  "
@@ -200,7 +212,7 @@ def main() -> None:
         finally:
             shutil.rmtree(d, ignore_errors=True)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
-    for phase, k in PHASES:
+    for phase, k in phases:
         def get(lib: str, rnd: int, phase: str = phase, k: int = k) -> dict[str, Any]:
             return next(r for r in rows if (r["phase"], r["devices"], r["lib"], r["round"]) == (phase, k, lib, rnd))
 

@@ -19,7 +19,10 @@ with its own local directory (``<dir>/node<r>``, standing for its own machine's 
 The restart's parts are listed too (the imports, the process group, the Checkpointer opened,
 the restore call), and ``--rounds`` resume rounds rotate the order of the three. ``--profile``
 times the parts of each save (the snapshot, the wait for the previous save, the local write,
-the copies to the peers); ``--train-only`` stops after the saves.
+the copies to the peers); ``--train-only`` stops after the saves. ``--device cuda``: the
+shards live on the GPU (every rank on ``cuda:<local rank % devices>``; the group is still gloo),
+a save's blocked time is then its device-to-host copy, measured against a copy of the same
+shards into pinned host memory.
 
     python bench/bench_tiers.py --mib 512 --dir /dev/shm/bt --store /tmp/bt_store --rounds 3
 """
@@ -93,13 +96,16 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = init_device_mesh(a.device, (world,))
     t_group = time.perf_counter()
     rows = max(world, int(a.mib * world * (1 << 20) / 4 / N_TENSORS / 1024) // world * world)
     g = torch.Generator().manual_seed(rank)
     # each rank's own shard, made in place (a resume's shards are overwritten by the restore)
-    shard = (lambda: torch.empty(rows // world, 1024)) if a.phase == "resume" else (
-        lambda: torch.rand(rows // world, 1024, generator=g))
+    shard = (lambda: torch.empty(rows // world, 1024, device=a.device)) if a.phase == "resume" else (
+        lambda: torch.rand(rows // world, 1024, generator=g).to(a.device))
     state: dict[str, object] = {f"t{i}": DTensor.from_local(shard(), mesh, [Shard(0)], run_check=False)
                                 for i in range(N_TENSORS)}
     locals_ = [t.to_local() for t in state.values()]  # type: ignore[attr-defined]
@@ -109,7 +115,7 @@ def worker(a: argparse.Namespace) -> None:
     def digest() -> str:
         h = hashlib.sha256()
         for t in state.values():
-            h.update(t.to_local().contiguous().view(torch.uint8).numpy().tobytes())  # type: ignore[attr-defined]
+            h.update(t.to_local().cpu().contiguous().view(torch.uint8).numpy().tobytes())  # type: ignore[attr-defined]
         return h.hexdigest()
 
     def step_() -> None:
@@ -120,17 +126,21 @@ def worker(a: argparse.Namespace) -> None:
                               persist_every=a.persist, local_keep=2, replicas=1, replica_stride=1,
                               async_save=True) as ck:
         if a.phase == "train":
-            into = [torch.empty_like(t) for t in locals_]
+            into = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in locals_]
             blocked, copies = [], []
             for step in range(1, a.steps + 1):
                 time.sleep(a.step_s)  # the step's compute (on an accelerator: no CPU)
                 step_()
+                if cuda:
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 ck.save(step, state)
                 dt = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 for src, dst in zip(locals_, into):
-                    dst.copy_(src)
+                    dst.copy_(src, non_blocking=cuda)
+                if cuda:
+                    torch.cuda.synchronize()
                 if step > 2 and step % a.persist:  # a save to the local tier only, in warm memory
                     blocked.append(dt)
                     copies.append(time.perf_counter() - t0)
@@ -167,7 +177,8 @@ def ranks(a: argparse.Namespace, phase: str) -> list[dict[str, object]]:
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--phase", phase, "--dir", a.dir,
                                        "--mib", str(a.mib), "--steps", str(a.steps), "--persist", str(a.persist),
-                                       "--step-s", str(a.step_s)] + (["--profile"] if a.profile else []),
+                                       "--step-s", str(a.step_s), "--device", a.device]
+                                      + (["--profile"] if a.profile else []),
                                       env=env))
     for p in procs:
         if p.wait(timeout=1800):
@@ -234,6 +245,7 @@ def main() -> None:
     ap.add_argument("--store", default="", help="the store's directory (default: <dir>/store, on /dev/shm "
                                                 "only when --dir is; give a disk path for disk figures)")
     ap.add_argument("--rounds", type=int, default=3, help="resume rounds (each: local, durable, peer, rotated)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the shards live")
     ap.add_argument("--profile", action="store_true", help="time the parts of each save (see profiled())")
     ap.add_argument("--train-only", action="store_true", help="the saves only, no resume")
     ap.add_argument("--worker", action="store_true")

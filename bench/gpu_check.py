@@ -10,8 +10,13 @@ with one CUDA GPU:
    bit-exact (the gathered full state compared);
 3. the time ``save`` blocks the caller with async_save (CUDA -> pinned host snapshot) vs a
    plain device-to-host copy of the same bytes (``.to("cpu")``), medians over ``--rounds``,
-   alternating order, and their ratio.
-Prints one line per check; exits non-zero when a bit differs.
+   alternating order, and their ratio;
+4. the local tier of one process (``Checkpointer(path, local=/dev/shm/..., async_save=True)``):
+   the time a save blocks against a copy of the same bytes into pinned host memory allocated
+   before (the floor: the device-to-host copy itself) and against ``.to("cpu")``, per round;
+   then a save every step of ``--step-ms`` of GPU work, the blocked time per step; and a
+   restore onto the device from the local tier and, the tier wiped, from the store, bit-exact.
+Prints one line per check; exits non-zero when a bit differs. ``--only`` runs some checks.
 """
 
 from __future__ import annotations
@@ -132,20 +137,115 @@ def blocked_time(root: str, mib: int, rounds: int) -> None:
           f"over {rounds} rounds", flush=True)
 
 
+def tier_case(root: str, mib: int, rounds: int, step_ms: float) -> None:
+    import torch
+
+    from epochal import Checkpointer
+
+    n = mib * (1 << 20) // 4 // 8
+    state = {f"t{i}": torch.randn(n, device="cuda") for i in range(8)}
+    store, local = os.path.join(root, "tier_store"), "/dev/shm/epochal_gpu_tier"
+    for d in (store, local):
+        shutil.rmtree(d, ignore_errors=True)
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in state.values()]
+    med = statistics.median
+    times: dict[str, list[float]] = {"save": [], "pinned": [], "to_cpu": []}
+    step = 0
+    with Checkpointer(store, local=local, persist_every=4, local_keep=2, async_save=True) as ck:
+        for r in range(rounds + 1):  # round 0 is a warm-up (the staging memory is made there)
+            order = ("save", "pinned", "to_cpu")[r % 3:] + ("save", "pinned", "to_cpu")[:r % 3]
+            for what in order:
+                ck.wait()  # (the previous write, not timed)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if what == "save":
+                    step += 1
+                    ck.save(step, state)
+                elif what == "pinned":
+                    for src, dst in zip(state.values(), pinned):
+                        dst.copy_(src, non_blocking=True)
+                    torch.cuda.synchronize()
+                else:
+                    host = [t.to("cpu") for t in state.values()]
+                    del host
+                dt = time.perf_counter() - t0
+                if r:
+                    times[what].append(dt)
+        r_pin = [a / b for a, b in zip(times["save"], times["pinned"])]
+        r_cpu = [a / b for a, b in zip(times["save"], times["to_cpu"])]
+        print(f"tier (one process, {mib} MiB): blocked per save {med(times['save']) * 1e3:.1f} ms, "
+              f"pinned copy {med(times['pinned']) * 1e3:.1f} ms, .to('cpu') {med(times['to_cpu']) * 1e3:.1f} ms; "
+              f"save/pinned {med(r_pin):.2f}x, save/to_cpu {med(r_cpu):.2f}x; rounds (ms save/pinned/to_cpu): "
+              + " ".join(f"{a * 1e3:.0f}/{b * 1e3:.0f}/{c * 1e3:.0f}"
+                         for a, b, c in zip(times["save"], times["pinned"], times["to_cpu"])), flush=True)
+        # a save every step of step_ms of GPU work: the whole time save() holds the step
+        a = torch.randn(4096, 4096, device="cuda")
+        per_mm = 0.0
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+        per_mm = (time.perf_counter() - t0) / 20
+        k = max(1, int(step_ms / 1e3 / per_mm))
+        blocked = []
+        for _ in range(rounds * 2):
+            for _ in range(k):
+                a @ a
+            for t in state.values():
+                t.add_(1.0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step += 1
+            ck.save(step, state)
+            blocked.append(time.perf_counter() - t0)
+        ck.wait()
+        want = {name: _bits(t) for name, t in state.items()}
+        print(f"tier, a save every step of {k * per_mm * 1e3:.0f} ms of GPU work: blocked per save median "
+              f"{med(blocked) * 1e3:.1f} ms (pinned copy {med(times['pinned']) * 1e3:.1f} ms); per step: "
+              + " ".join(f"{b * 1e3:.0f}" for b in blocked), flush=True)
+    for source in ("local", "durable"):
+        if source == "durable":
+            shutil.rmtree(local)
+        into = {name: torch.zeros_like(t) for name, t in state.items()}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with Checkpointer(store, local=local, persist_every=4) as ck:
+            got_step = ck.restore(into)
+            report = ck.last_restore
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        ok = ({name: _bits(t) for name, t in into.items()} == want and all(t.is_cuda for t in into.values())
+              and report is not None and report.source == source and got_step == step)
+        print(f"tier restore from {source} ({report.source if report else None}, step {got_step} of {step}): "
+              f"{dt * 1e3:.0f} ms, {'bit-exact' if ok else 'DIFFERENT'}", flush=True)
+        if not ok:
+            raise SystemExit(1)
+    shutil.rmtree(local, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/epochal_gpu")
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--step-ms", type=float, default=500.0, help="GPU work per step in the tier's save loop")
+    ap.add_argument("--only", default="tensors,fsdp,blocked,tier", help="which checks, comma-separated")
     args = ap.parse_args()
+    only = set(args.only.split(","))
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_check.py needs a CUDA device")
     os.makedirs(args.dir, exist_ok=True)
-    check_tensors(args.dir)
-    check_fsdp(args.dir)
-    blocked_time(args.dir, args.mib, args.rounds)
+    if "tensors" in only:
+        check_tensors(args.dir)
+    if "fsdp" in only:
+        check_fsdp(args.dir)
+    if "blocked" in only:
+        blocked_time(args.dir, args.mib, args.rounds)
+    if "tier" in only:
+        tier_case(args.dir, args.mib, args.rounds, args.step_ms)
 
 
 if __name__ == "__main__":

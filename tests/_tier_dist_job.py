@@ -11,7 +11,10 @@ in the middle of the copies between ranks of STEP, after committing FILES of the
 peer's copy it receives (a small chunk size, so that a file takes several messages).
 
     python _tier_dist_job.py STORE BASE OUT --steps 6 --persist 3 --replicas 1 [--async] [--kill-after 4]
-        [--kill-ranks 0,1] [--die-in-copy 5:0,1:1]
+        [--kill-ranks 0,1] [--die-in-copy 5:0,1:1] [--as-cuda]
+
+``--as-cuda``: the state is staged as a state of CUDA tensors is (planned on the training thread,
+each tensor copied into the staging buffer as written, the db written in the background).
 """
 
 from __future__ import annotations
@@ -84,7 +87,12 @@ def main() -> int:
     ap.add_argument("--kill-after", type=int, default=-1)
     ap.add_argument("--kill-ranks", default="0,1")
     ap.add_argument("--die-in-copy", default="")
+    ap.add_argument("--as-cuda", action="store_true")
     a = ap.parse_args()
+    if a.as_cuda:  # what a state holding a CUDA tensor gets
+        from epochal.integrations.dcp.staging import HostStaging
+
+        HostStaging.snapshot_state = lambda self, state_dict: None  # type: ignore[method-assign]
     torch.set_num_threads(1)
     init_group()
     rank = dist.get_rank()

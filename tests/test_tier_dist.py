@@ -82,7 +82,7 @@ def killed(tmp: Path, *mode: str) -> None:
         assert listed(tmp / "base" / f"node{r}" / "peer" / f"rank{peer}") == [3, 4]
 
 
-@pytest.mark.parametrize("mode", [[], ["--async"]], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", [[], ["--async"], ["--async", "--as-cuda"]], ids=["sync", "async", "async-as-cuda"])
 def test_killed_ranks_resume_from_their_local_tiers(tmp_path: Path, reference: list[dict[str, str]],
                                                    mode: list[str]) -> None:
     killed(tmp_path, *mode)
@@ -219,3 +219,58 @@ def test_a_step_for_both_places_is_snapshotted_once(tmp_path: Path) -> None:
         assert state["step"] == step
         for k, v in fresh.state_dict().items():
             assert torch.equal(v, at[step][k]), (where, step, k)
+
+
+def test_a_state_staged_as_cuda_tensors_is_written_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """A state of CUDA tensors cannot be snapshotted whole (a DTensor is not rebuilt off its
+    device): the tier plans it on the training thread and copies each tensor into its (pinned)
+    staging buffer, and ``save`` returns before the db is written: the write waits here on an
+    event while training changes the live tensors; the step restores bit-equal to the state at
+    its save, and the staging buffer is reused from save to save."""
+    import threading
+
+    from epochal.integrations.dcp import storage
+    from epochal.integrations.dcp.staging import HostStaging
+    from epochal.integrations.distributed import DistributedCheckpointer
+    from epochal.integrations.distributed.tier import RankTier
+
+    monkeypatch.setattr(HostStaging, "snapshot_state", lambda self, state_dict: None)
+    go = threading.Event()
+    written = []
+    write = storage.EpochalStorageWriter.write_deferred
+
+    def held(self):  # type: ignore[no-untyped-def]
+        assert go.wait(60)
+        written.append(self.pending_db)
+        return write(self)
+
+    monkeypatch.setattr(storage.EpochalStorageWriter, "write_deferred", held)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    at = {}
+    with DistributedCheckpointer(tmp_path / "store", async_save=True) as ck:
+        ck.tier = RankTier(tmp_path / "local", ranks=ck.ranks, keep=2, persist_every=None, replicas=0, stride=None,
+                           per_rank=ck.per_rank, async_save=True)
+        for step in (1, 2, 3):
+            at[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            ck.save(step, {"model": model, "step": step})
+            assert not ck.tier.steps() or ck.tier.steps()[-1] == step - 1  # not written yet
+            assert len(written) == step - 1
+            with torch.no_grad():  # training goes on while the write waits
+                model.weight.add_(1.0)
+                model.bias.mul_(-1.0)
+            go.set()
+            ck.tier.wait()
+            go.clear()
+        staged = ck.tier._staging
+    assert (staged.allocated, staged.reused) == (1, 2)
+    assert CheckpointDirectory(str(tmp_path / "local" / "rank0")).committed_epochs() == [2, 3]
+    for step in (2, 3):
+        fresh = torch.nn.Linear(64, 32)
+        state = {"model": fresh, "step": 0}
+        with DistributedCheckpointer(tmp_path / "local" / "rank0") as ck:
+            ck._load(step, state)
+        assert state["step"] == step
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, at[step][k]), (step, k)

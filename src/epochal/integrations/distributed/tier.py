@@ -116,20 +116,38 @@ class RankTier:
             self._write(step, sd)
             return None
         snap = self._staging.snapshot_state(sd)
-        if snap is None:  # CUDA tensors: written here (a DTensor cannot be rebuilt off its device)
-            self._write(step, sd)
-            return None
-        if share and snap[1]:
-            self._staging.hold()
-
-        def run() -> None:
+        if snap is None:
+            # CUDA tensors (a DTensor cannot be rebuilt off its device): planned here, each
+            # tensor copied into the pinned staging buffer, the db written in the background
+            deferred: EpochalStorageWriter | None = None
+            failed: BaseException | None = None
             try:
-                self._write(step, snap[0], self._bg)
-            except BaseException as ex:
-                self._error = ex
-            finally:
-                if snap[1]:
-                    self._staging.release()
+                deferred = self._writer(step, deferred=True)
+                with _quiet():
+                    dcp_save(sd, storage_writer=deferred, no_dist=True)
+            except Exception as ex:  # agreed on in the background, as a write's failure
+                failed = ex
+
+            def run() -> None:
+                try:
+                    self._write(step, {}, self._bg, deferred, failed)
+                except BaseException as ex:
+                    self._error = ex
+                finally:
+                    if deferred is not None:
+                        deferred.discard_deferred()  # (nothing is left after a written save)
+        else:
+            if share and snap[1]:
+                self._staging.hold()
+
+            def run() -> None:
+                try:
+                    self._write(step, snap[0], self._bg)
+                except BaseException as ex:
+                    self._error = ex
+                finally:
+                    if snap[1]:
+                        self._staging.release()
 
         self._thread = threading.Thread(target=run, name="epochal-rank-tier", daemon=True)
         self._thread.start()
@@ -140,14 +158,27 @@ class RankTier:
         """The host memory of this rank's snapshots (see :meth:`save`'s ``share``)."""
         return self._staging
 
-    def _write(self, step: int, sd: dict[str, Any], group: RankGroup | None = None) -> None:
-        problem: BaseException | None = None
+    def _writer(self, step: int, deferred: bool = False) -> EpochalStorageWriter:
+        if CheckpointDirectory(self.directory).is_committed(step):
+            raise CheckpointError(f"{self.directory}: step {step} is already committed (rank {self.rank})")
+        return EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
+                                    deferred=deferred, staging=self._staging if deferred else None)
+
+    def _write(self, step: int, sd: dict[str, Any], group: RankGroup | None = None,
+               deferred: EpochalStorageWriter | None = None, failed: BaseException | None = None) -> None:
+        """Write ``sd`` as this rank's ``step`` (or, given ``deferred``, the snapshot a deferred
+        writer took; ``failed``: this rank could not take it), then copy it to the peers
+        (collective with replicas)."""
+        problem: BaseException | None = failed
         try:
-            if CheckpointDirectory(self.directory).is_committed(step):
-                raise CheckpointError(f"{self.directory}: step {step} is already committed (rank {self.rank})")
-            writer = EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False)
-            with _quiet():
-                dcp_save(sd, storage_writer=writer, no_dist=True)
+            if failed is not None:
+                pass
+            elif deferred is not None:
+                deferred.write_deferred()
+                deferred.commit_deferred()
+            else:
+                with _quiet():
+                    dcp_save(sd, storage_writer=self._writer(step), no_dist=True)
         except BaseException as ex:
             problem = ex
         if not self.replicas:
