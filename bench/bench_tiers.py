@@ -136,6 +136,7 @@ def worker(a: argparse.Namespace) -> None:
         if a.phase == "train":
             into = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in locals_]
             blocked, copies = [], []
+            every: list[tuple[float, float]] = []  # every save from step 3 on, the K-th ones too
             for step in range(1, a.steps + 1):
                 time.sleep(a.step_s)  # the step's compute (on an accelerator: no CPU)
                 step_()
@@ -149,15 +150,19 @@ def worker(a: argparse.Namespace) -> None:
                     dst.copy_(src, non_blocking=cuda)
                 if cuda:
                     torch.cuda.synchronize()
-                if step > 2 and step % a.persist:  # a save to the local tier only, in warm memory
+                copied = time.perf_counter() - t0
+                if step > 2:  # (warm memory)
+                    every.append((dt, copied))
+                if step > 2 and step % a.persist:  # a save to the local tier only
                     blocked.append(dt)
-                    copies.append(time.perf_counter() - t0)
+                    copies.append(copied)
             ck.wait()
             out["skipped"] = list(ck.skipped)
             out.update(blocked=statistics.median(blocked), memcpy=statistics.median(copies),
                        ratio=statistics.median(b / c for b, c in zip(blocked, copies)),
                        total_ratio=sum(blocked) / sum(copies), digest=digest(),
-                       step=a.steps, pairs=list(zip(blocked, copies)))
+                       step=a.steps, pairs=list(zip(blocked, copies)),
+                       every_ratio=sum(b for b, _ in every) / sum(c for _, c in every), every=every)
             if parts is not None:
                 out["parts"] = parts
         else:
@@ -217,7 +222,8 @@ def report(a: argparse.Namespace, store: str, train: list[dict[str, Any]],
         pairs = " ".join(f"{b * 1e3:.0f}/{c * 1e3:.0f}" for b, c in g["pairs"])
         print(f"  rank {g['rank']}: blocked per local save {g['blocked'] * 1e3:.1f} ms, memcpy of the state "
               f"{g['memcpy'] * 1e3:.1f} ms: ratio {g['ratio']:.2f}x (median of paired steps; in all "
-              f"{g['total_ratio']:.2f}x; ms blocked/memcpy "
+              f"{g['total_ratio']:.2f}x; every save from step 3, the K-th too, {g['every_ratio']:.2f}x in all; "
+              f"ms blocked/memcpy "
               f"per step: {pairs}); skipped steps {g['skipped']}")
     keys = ("imported_s", "group_s", "opened_s", "through_restore_s", "restore_call_s", "resume_s")
     for name, rounds in results.items():
@@ -284,7 +290,9 @@ def main() -> None:
             for g in train:
                 pairs = " ".join(f"{b * 1e3:.0f}/{c * 1e3:.0f}" for b, c in g["pairs"])
                 print(f"rank {g['rank']}: blocked {g['blocked'] * 1e3:.0f} ms, memcpy {g['memcpy'] * 1e3:.0f} ms, "
-                      f"ratio {g['ratio']:.2f}x (in all {g['total_ratio']:.2f}x); per step {pairs}; peak RSS {g['peak_rss'] >> 20} MiB; "
+                      f"ratio {g['ratio']:.2f}x (in all {g['total_ratio']:.2f}x); every save from step 3, the K-th "
+                      f"too: {g['every_ratio']:.2f}x in all (" + " ".join(f"{b * 1e3:.0f}" for b, _ in g["every"])
+                      + f" ms); per step {pairs}; peak RSS {g['peak_rss'] >> 20} MiB; "
                       f"skipped steps {g['skipped']}")
                 for name, ts in g.get("parts", {}).items():
                     print(f"    {name}: " + " ".join(f"{t * 1e3:.0f}" for t in ts) + " ms")
