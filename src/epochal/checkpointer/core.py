@@ -88,7 +88,8 @@ class Checkpointer(Restoring):
     ``incremental``: each save writes only the bytes that differ from the newest step committed
     before it (whole chunks found there by content digest, and changed runs of a chunk); the
     rest are references to the older steps' files, which retention then keeps as long as a
-    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md).
+    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md). Across
+    ranks each rank's db is written against its own db of that step.
     ``storage_options``: fsspec's, for a URL directory. ``max_failed_saves`` (default 1): how many saves in a row may fail before
     :meth:`save` raises. With 1 every failed save raises its own error (OSError, ...), as a
     plain function call would; with N > 1 a storage error (disk full, I/O, network) is a
@@ -171,13 +172,11 @@ class Checkpointer(Restoring):
             if incremental:
                 raise ValueError("Checkpointer(incremental=True, local=...): a local tier's steps are written whole")
         if use_distributed(directory, storage_options):
-            if incremental:
-                raise ValueError("Checkpointer(incremental=True) is for one process: across ranks every step "
-                                 "is written whole")
             self._open_distributed(directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
                                    async_save=async_save, max_host_bytes=max_host_bytes,
                                    storage_options=storage_options, per_rank=per_rank, group=group,
-                                   max_failed_saves=max_failed_saves, compression=compression)
+                                   max_failed_saves=max_failed_saves, compression=compression,
+                                   incremental=incremental)
             assert self.distributed is not None
             self.distributed.skip_busy = self._skip_busy
             if local is not None:

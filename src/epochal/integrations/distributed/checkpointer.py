@@ -100,9 +100,12 @@ class DistributedCheckpointer:
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
         compression: str | None = None,
+        incremental: bool = False,
     ) -> None:
         #: how each rank's db is written (compression, as the Checkpointer's), set around saves
         self._write_options = WriteOptions(compression=compression)
+        #: each rank writes only the bytes its db of the step before does not hold
+        self.incremental = bool(incremental)
         location = location_for(local_path(directory), storage_options)  # file:// is the local disk
         location.remember()  # a URL's options: this process's for every path under it
         self.directory = location.root
@@ -196,7 +199,7 @@ class DistributedCheckpointer:
             return EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
                                         metrics=recorded or None, deferred=deferred,
                                         hold_commit=self.async_save, staging=self._staging,
-                                        storage_options=self._options)
+                                        storage_options=self._options, incremental=self.incremental)
 
         if not self.async_save:
             self._write(step, sd, writer(), self.ranks)
