@@ -20,12 +20,12 @@ from ...storage.formats.native.reader import NativeFile
 from ...storage.io.seam import local_path
 from .metadata_json import ItemLocation, metadata_from_json
 from .reads import read_items
-from .storage import META_BLOB, META_NODE, _done, _located
+from .storage import META_BLOB, META_NODE, AtPath, _done, _located
 
 __all__ = ["EpochalStorageReader"]
 
 
-class EpochalStorageReader(StorageReader):
+class EpochalStorageReader(AtPath, StorageReader):
     """A DCP storage reader of epochal checkpoints (see the module doc). ``step``: the step
     to load; None: the newest committed step written by :class:`EpochalStorageWriter`."""
 
@@ -40,18 +40,10 @@ class EpochalStorageReader(StorageReader):
         #: after read_metadata: the step being loaded
         self.loaded_step: int | None = None
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.path = local_path(checkpoint_id)
         self.storage_data = {}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def _choose_step(self, d: CheckpointDirectory) -> int:
         if self.step is not None:

@@ -112,7 +112,21 @@ def _done(value: Any) -> Future:
     return fut
 
 
-class EpochalStorageWriter(StorageWriter):
+class AtPath:
+    """DCP's checkpoint id of epochal's storage: its directory (a path or a URL)."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class EpochalStorageWriter(AtPath, StorageWriter):
     """A DCP storage writer of epochal checkpoints (see the module doc).
 
     ``path``: the checkpoint directory (created). ``step``: the step this save commits;
@@ -165,19 +179,11 @@ class EpochalStorageWriter(StorageWriter):
         self._held: DirectoryMetadataHandler | None = None
         self._finalizer: weakref.finalize | None = None
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.path = local_path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._step = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
