@@ -56,19 +56,19 @@ def save_steps(rank: int, world: int, path: str, out: str, async_save: bool, opt
             json.dump(seen, f)
 
 
-def restore_steps(rank: int, world: int, path: str, out: str) -> None:
+def restore_steps(rank: int, world: int, path: str, out: str, options: dict[str, Any] | None = None) -> None:
     """Restore each committed step into zeroed shards of this world: bit-equal to the state
-    the saving ranks had."""
+    the saving ranks had (``options``: fsspec's, at a URL)."""
     import epochal
     from epochal.integrations.distributed import DistributedCheckpointer
 
     with open(os.path.join(out, "saved.json")) as f:
         seen = json.load(f)
-    with epochal.Checkpointer(path) as ck:
+    with epochal.Checkpointer(path, storage_options=options) as ck:
         steps = ck.steps()
     assert steps == [3, 4], steps
     for step in steps:
         state = _state(world, fill=False)
-        with DistributedCheckpointer(path) as dc:
+        with DistributedCheckpointer(path, storage_options=options) as dc:
             dc._load(step, state)
         assert state["step"] == step and _digest(state) == seen[str(step)], (rank, world, step)
