@@ -124,3 +124,16 @@ def test_when_busy_is_checked(tmp_path: Path) -> None:
         Checkpointer(tmp_path / "a", async_save=True, when_busy="queue")
     with pytest.raises(ValueError, match="needs async_save=True"):
         Checkpointer(tmp_path / "b", when_busy="skip")
+
+
+def test_across_ranks_without_a_tier_the_same_saves_are_skipped(tmp_path: Path) -> None:
+    """Two ranks (FSDP2), the store only: one rank's slow write makes both skip the same
+    saves; the next save after the way is clear is written, and fresh ranks restore it."""
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    from _dist_workers import run_ranks
+    from _dist_workers_more import restore_gathered, skipped_saves
+
+    out = str(tmp_path / "at6.json")
+    run_ranks(skipped_saves, 2, str(tmp_path / "ck"), out)
+    assert CheckpointDirectory(str(tmp_path / "ck")).committed_epochs() == [1, 6]
+    run_ranks(restore_gathered, 2, str(tmp_path / "ck"), out)
