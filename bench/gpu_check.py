@@ -6,7 +6,8 @@ with one CUDA GPU:
 
 1. CUDA tensors (a model, its Adam state, a bf16 tensor) saved by a DistributedCheckpointer
    (sync and async_save) and restored bit-exact onto their live device;
-2. an FSDP2 model (fully_shard on a 1-GPU NCCL mesh) and its optimizer saved and restored
+2. an FSDP2 model (fully_shard on a 1-GPU NCCL mesh) and its optimizer saved (sync and
+   async_save, training on after the save) and restored
    bit-exact (the gathered full state compared);
 3. the time ``save`` blocks the caller with async_save (CUDA -> pinned host snapshot) vs a
    plain device-to-host copy of the same bytes (``.to("cpu")``), medians over ``--rounds``,
@@ -88,23 +89,26 @@ def check_fsdp(root: str) -> None:
         return m, torch.optim.Adam(m.parameters())
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    path = os.path.join(root, "fsdp")
-    shutil.rmtree(path, ignore_errors=True)
-    model, opt = build(0)
-    model(torch.randn(4, 64, device="cuda")).sum().backward()
-    opt.step()
-    want = {k: _bits(v) for k, v in get_model_state_dict(model, options=opts).items()}
-    with DistributedCheckpointer(path) as ck:
-        ck.save(1, {"model": model, "opt": opt})
-    fresh, fopt = build(1)
-    with DistributedCheckpointer(path) as ck:
-        ck.restore({"model": fresh, "opt": fopt})
-    got = {k: _bits(v) for k, v in get_model_state_dict(fresh, options=opts).items()}
-    ok = got == want
-    print(f"fsdp2 on 1 GPU (nccl): {'bit-exact' if ok else 'DIFFERENT'}", flush=True)
+    for async_save in (False, True):
+        path = os.path.join(root, f"fsdp_{int(async_save)}")
+        shutil.rmtree(path, ignore_errors=True)
+        model, opt = build(0)
+        model(torch.randn(4, 64, device="cuda")).sum().backward()
+        opt.step()
+        want = {k: _bits(v) for k, v in get_model_state_dict(model, options=opts).items()}
+        with DistributedCheckpointer(path, async_save=async_save) as ck:
+            ck.save(1, {"model": model, "opt": opt})
+            model(torch.randn(4, 64, device="cuda")).sum().backward()  # training goes on
+            opt.step()
+        fresh, fopt = build(1)
+        with DistributedCheckpointer(path) as ck:
+            ck.restore({"model": fresh, "opt": fopt})
+        got = {k: _bits(v) for k, v in get_model_state_dict(fresh, options=opts).items()}
+        ok = got == want
+        print(f"fsdp2 on 1 GPU (nccl) async_save={async_save}: {'bit-exact' if ok else 'DIFFERENT'}", flush=True)
+        if not ok:
+            raise SystemExit(1)
     dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
 
 
 def blocked_time(root: str, mib: int, rounds: int) -> None:
