@@ -317,8 +317,9 @@ class Checkpointer(Restoring):
     def _skipped(self, step: int, forced: bool) -> bool:
         """``when_busy="skip"``: True (and ``step`` recorded) when this save, not ``forced``,
         would wait for the previous one's background work."""
-        busy = self._saver.busy() or (self._tier is not None and self._tier.busy())
-        if not self._skip_busy or forced or not busy:
+        if not self._skip_busy or forced:
+            return False
+        if not (self._saver.busy() or (self._tier is not None and self._tier.busy())):
             return False
         self._skipped_steps.append(step)
         logger.debug("Skipped the save of step %d: the previous save is still being written", step)
