@@ -25,7 +25,13 @@ a save's blocked time is then its device-to-host copy, measured against a copy o
 shards into pinned host memory. ``--when-busy skip``: a save that would wait for the previous
 one's background work is skipped (the steps skipped are listed).
 
+``--store s3://bucket/prefix``: the store is S3, moto's server started on 127.0.0.1 for the
+run (bench/_requests.py's ``moto_server``, its own process) and stopped at the end; the ranks
+get its endpoint and keys as the Checkpointer's ``storage_options`` (from the environment
+variable ``BENCH_TIERS_S3``, JSON).
+
     python bench/bench_tiers.py --mib 512 --dir /dev/shm/bt --store /tmp/bt_store --rounds 3
+    python bench/bench_tiers.py --mib 512 --dir /dev/shm/bt --store s3://bench/tiers --rounds 3
 """
 
 from __future__ import annotations
@@ -47,6 +53,22 @@ from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_TENSORS = 8
+S3_ENV = "BENCH_TIERS_S3"  # the storage options of an s3:// store, JSON, for the ranks
+
+
+def is_s3(store: str) -> bool:
+    return store.startswith("s3://")
+
+
+def start_s3(store: str) -> Any:
+    """moto's S3 server with the bucket of ``store``; its storage options go to the ranks
+    through the environment. Returns the server's process."""
+    sys.path.insert(0, HERE)
+    from _requests import moto_server
+
+    server, opts = moto_server(store[len("s3://"):].split("/")[0])
+    os.environ[S3_ENV] = json.dumps(opts)
+    return server
 
 
 def dir_bytes(path: str) -> int:
@@ -130,7 +152,9 @@ def worker(a: argparse.Namespace) -> None:
         for t in locals_:
             t.add_(1.0)
 
-    with epochal.Checkpointer(os.path.join(a.dir, "store"), local=os.path.join(a.dir, f"node{rank}"),
+    store = a.store if is_s3(a.store) else os.path.join(a.dir, "store")
+    opts = json.loads(os.environ[S3_ENV]) if is_s3(a.store) else None
+    with epochal.Checkpointer(store, storage_options=opts, local=os.path.join(a.dir, f"node{rank}"),
                               persist_every=a.persist, local_keep=2, replicas=1, replica_stride=1,
                               async_save=True, when_busy=a.when_busy) as ck:
         if a.phase == "train":
@@ -188,7 +212,7 @@ def ranks(a: argparse.Namespace, phase: str) -> list[dict[str, object]]:
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--phase", phase, "--dir", a.dir,
                                        "--mib", str(a.mib), "--steps", str(a.steps), "--persist", str(a.persist),
                                        "--step-s", str(a.step_s), "--device", a.device, "--staging", a.staging,
-                                       "--when-busy", a.when_busy]
+                                       "--when-busy", a.when_busy, "--store", a.store]
                                       + (["--profile"] if a.profile else []),
                                       env=env))
     for p in procs:
@@ -255,7 +279,8 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=1.0, help="seconds of compute per step (a sleep)")
     ap.add_argument("--dir", default="/dev/shm/bench_tiers")
     ap.add_argument("--store", default="", help="the store's directory (default: <dir>/store, on /dev/shm "
-                                                "only when --dir is; give a disk path for disk figures)")
+                                                "only when --dir is; give a disk path for disk figures), or "
+                                                "s3://bucket/prefix: moto's S3 server on 127.0.0.1")
     ap.add_argument("--rounds", type=int, default=3, help="resume rounds (each: local, durable, peer, rotated)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the shards live")
     ap.add_argument("--when-busy", choices=("wait", "skip"), default="wait",
@@ -274,7 +299,9 @@ def main() -> None:
     shutil.rmtree(a.dir, ignore_errors=True)
     os.makedirs(a.dir)
     store = a.store or os.path.join(a.dir, "store")
-    if a.store:
+    on_disk = bool(a.store) and not is_s3(a.store)
+    server = start_s3(a.store) if is_s3(a.store) else None
+    if on_disk:
         shutil.rmtree(store, ignore_errors=True)
         os.symlink(os.path.abspath(store), os.path.join(a.dir, "store"), target_is_directory=True)
         os.makedirs(store)
@@ -300,7 +327,8 @@ def main() -> None:
                 shutil.rmtree(os.path.join(a.dir, f"node{r}"), ignore_errors=True)
                 if r not in wipe:
                     shutil.copytree(os.path.join(keep, f"node{r}"), os.path.join(a.dir, f"node{r}"))
-            evict_tree(store)
+            if server is None:  # (S3: the server holds the objects)
+                evict_tree(store)
 
         cases = [("local", []), ("durable", list(range(a.ranks))), ("peer", [1])]
         results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name, _ in cases}
@@ -314,8 +342,11 @@ def main() -> None:
         report(a, store, train, results, local_bytes)
     finally:
         shutil.rmtree(a.dir, ignore_errors=True)
-        if a.store:
+        if on_disk:
             shutil.rmtree(store, ignore_errors=True)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 if __name__ == "__main__":
