@@ -180,7 +180,7 @@ class RunnerTier(LocalPlace):
                     return epoch
             except Exception as ex:  # (one failed save too many, by the runner's policy)
                 failure.append(ex)
-            why = failure[0] if failure else CheckpointError("the copy was not committed")
+            why = failure[0] if failure else CheckpointError("its commit failed (see the warning above)")
             if isinstance(why, CheckpointCorruptError) and why.path.startswith(self.prefix):
                 logger.warning("Epoch %d of %s is damaged and was not copied to %s: %s", epoch, self.directory,
                                self.manager.location(), why)
