@@ -39,6 +39,7 @@ from __future__ import annotations
 T_START = __import__("time").perf_counter()  # the process's first line
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -109,6 +110,20 @@ def profiled() -> dict[str, list[float]]:
     EpochalStorageWriter.write_deferred = timed("write_deferred", EpochalStorageWriter.write_deferred)
     rt.RankTier._exchange = timed("replicate", rt.RankTier._exchange)
     return times
+
+
+@contextlib.contextmanager
+def requests_counted(store: str) -> Any:
+    """The S3 requests of this process inside the block (bench/_requests.py's
+    ``count_requests``) for an s3:// store; None for a directory."""
+    if not is_s3(store):
+        yield None
+        return
+    sys.path.insert(0, HERE)
+    from _requests import count_requests
+
+    with count_requests() as seen:
+        yield seen
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -185,9 +200,12 @@ def worker(a: argparse.Namespace) -> None:
             if parts is not None:
                 out["parts"] = parts
         else:
-            t_open = time.perf_counter()
-            step = ck.restore(state)
-            t_restored = time.perf_counter()
+            with requests_counted(a.store) as requests:  # (an s3:// store: its requests, by kind)
+                t_open = time.perf_counter()
+                step = ck.restore(state)
+                t_restored = time.perf_counter()
+            if requests is not None:
+                out["requests"] = dict(requests.by_method)
             out["digest"] = digest()  # (its time is not counted)
             checked = time.perf_counter() - t_restored
             step_()  # the first training step
@@ -221,6 +239,26 @@ def ranks(a: argparse.Namespace, phase: str) -> list[dict[str, object]]:
     return [json.loads(open(os.path.join(a.dir, f"{phase}.{r}.json")).read()) for r in range(a.ranks)]
 
 
+def plain_get(store: str, step: int) -> dict[str, float]:
+    """A plain s3fs GET of each db of ``step`` under an s3:// ``store`` (whole objects, one
+    thread each, at once, as the ranks read them): the floor of any restore from this
+    server, checking nothing. {"s": seconds, "bytes": bytes, "objects": count}."""
+    import threading
+
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **json.loads(os.environ[S3_ENV]))
+    names = [f for f in fs.find(store) if f".{step}." in f.rsplit("/", 1)[-1]]
+    got: list[int] = []
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda n=n: got.append(len(fs.cat_file(n)))) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"s": time.perf_counter() - t0, "bytes": float(sum(got)), "objects": float(len(names))}
+
+
 def evict_tree(path: str) -> None:
     sys.path.insert(0, HERE)
     from _measure import evict
@@ -231,8 +269,10 @@ def evict_tree(path: str) -> None:
 
 
 def report(a: argparse.Namespace, store: str, train: list[dict[str, Any]],
-           results: dict[str, list[list[dict[str, Any]]]], local_bytes: list[int]) -> None:
-    """Print every figure: each step's pair, each round's resume, the medians and ratios."""
+           results: dict[str, list[list[dict[str, Any]]]], local_bytes: list[int],
+           gets: list[dict[str, float]]) -> None:
+    """Print every figure: each step's pair, each round's resume, the medians and ratios
+    (and, for an s3:// store, the plain GETs of the step's dbs after each durable resume)."""
     med = statistics.median
     print(f"bench_tiers.py: {a.ranks} ranks (gloo), {a.mib:g} MiB of state per rank, a save every step "
           f"of {a.step_s:g} s (async, replicas=1), every {a.persist}th to the store ({store}); "
@@ -250,12 +290,20 @@ def report(a: argparse.Namespace, store: str, train: list[dict[str, Any]],
                             for g in got)
             print(f"  resume {name} round {i + 1} [import, group, opened, through restore, restore call, "
                   f"first step] s: {per}")
+            for g in got:
+                if g.get("requests"):
+                    print(f"    rank {g['rank']}: S3 requests of the restore call: "
+                          + ", ".join(f"{k} {v}" for k, v in sorted(g["requests"].items())))
     slowest = {n: [max(g["resume_s"] for g in got) for got in rounds] for n, rounds in results.items()}
     call = {n: [max(g["restore_call_s"] for g in got) for got in rounds] for n, rounds in results.items()}
     floor = {n: [max(g["opened_s"] for g in got) for got in rounds] for n, rounds in results.items()}
     for n in results:
         print(f"  {n}: first line to first step {med(slowest[n]):.2f} s, the restore call {med(call[n]):.2f} s, "
               f"before it (interpreter, imports, group, Checkpointer) {med(floor[n]):.2f} s (medians, slowest rank)")
+    for i, g in enumerate(gets):
+        print(f"  plain GET of step {a.steps}'s {g['objects']:.0f} objects ({g['bytes'] / (1 << 20):.0f} MiB, at once) "
+              f"after durable round {i + 1}: {g['s']:.2f} s; the durable restore call / it: "
+              f"{call['durable'][i] / g['s']:.1f}x; the local restore call / it: {call['local'][i] / g['s']:.2f}x")
     for n in ("local", "peer"):
         whole = [x / y for x, y in zip(slowest[n], slowest["durable"])]
         alone = [x / y for x, y in zip(call[n], call["durable"])]
@@ -332,6 +380,7 @@ def main() -> None:
 
         cases = [("local", []), ("durable", list(range(a.ranks))), ("peer", [1])]
         results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name, _ in cases}
+        gets: list[dict[str, float]] = []  # (S3) a plain GET of the step's dbs after each durable resume
         for rnd in range(a.rounds):  # the order rotates from round to round
             for name, wipe in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
                 reset(wipe)
@@ -339,7 +388,9 @@ def main() -> None:
                 assert all(g["step"] == a.steps for g in got), got
                 assert all(g["digest"] == saved[g["rank"]] for g in got), f"{name}: not bit-identical"
                 results[name].append(got)
-        report(a, store, train, results, local_bytes)
+                if name == "durable" and server is not None:
+                    gets.append(plain_get(store, a.steps))
+        report(a, store, train, results, local_bytes, gets)
     finally:
         shutil.rmtree(a.dir, ignore_errors=True)
         if on_disk:
