@@ -25,7 +25,13 @@ a save's blocked time is then its device-to-host copy, measured against a copy o
 shards into pinned host memory. ``--when-busy skip``: a save that would wait for the previous
 one's background work is skipped (the steps skipped are listed).
 
+``--store s3://bucket/prefix``: the store is S3, moto's server started on 127.0.0.1 for the
+run (bench/_requests.py's ``moto_server``, its own process) and stopped at the end; the ranks
+get its endpoint and keys as the Checkpointer's ``storage_options`` (from the environment
+variable ``BENCH_TIERS_S3``, JSON).
+
     python bench/bench_tiers.py --mib 512 --dir /dev/shm/bt --store /tmp/bt_store --rounds 3
+    python bench/bench_tiers.py --mib 512 --dir /dev/shm/bt --store s3://bench/tiers --rounds 3
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 T_START = __import__("time").perf_counter()  # the process's first line
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -47,6 +54,22 @@ from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_TENSORS = 8
+S3_ENV = "BENCH_TIERS_S3"  # the storage options of an s3:// store, JSON, for the ranks
+
+
+def is_s3(store: str) -> bool:
+    return store.startswith("s3://")
+
+
+def start_s3(store: str) -> Any:
+    """moto's S3 server with the bucket of ``store``; its storage options go to the ranks
+    through the environment. Returns the server's process."""
+    sys.path.insert(0, HERE)
+    from _requests import moto_server
+
+    server, opts = moto_server(store[len("s3://"):].split("/")[0])
+    os.environ[S3_ENV] = json.dumps(opts)
+    return server
 
 
 def dir_bytes(path: str) -> int:
@@ -87,6 +110,20 @@ def profiled() -> dict[str, list[float]]:
     EpochalStorageWriter.write_deferred = timed("write_deferred", EpochalStorageWriter.write_deferred)
     rt.RankTier._exchange = timed("replicate", rt.RankTier._exchange)
     return times
+
+
+@contextlib.contextmanager
+def requests_counted(store: str) -> Any:
+    """The S3 requests of this process inside the block (bench/_requests.py's
+    ``count_requests``) for an s3:// store; None for a directory."""
+    if not is_s3(store):
+        yield None
+        return
+    sys.path.insert(0, HERE)
+    from _requests import count_requests
+
+    with count_requests() as seen:
+        yield seen
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -130,7 +167,9 @@ def worker(a: argparse.Namespace) -> None:
         for t in locals_:
             t.add_(1.0)
 
-    with epochal.Checkpointer(os.path.join(a.dir, "store"), local=os.path.join(a.dir, f"node{rank}"),
+    store = a.store if is_s3(a.store) else os.path.join(a.dir, "store")
+    opts = json.loads(os.environ[S3_ENV]) if is_s3(a.store) else None
+    with epochal.Checkpointer(store, storage_options=opts, local=os.path.join(a.dir, f"node{rank}"),
                               persist_every=a.persist, local_keep=2, replicas=1, replica_stride=1,
                               async_save=True, when_busy=a.when_busy) as ck:
         if a.phase == "train":
@@ -166,9 +205,12 @@ def worker(a: argparse.Namespace) -> None:
             if parts is not None:
                 out["parts"] = parts
         else:
-            t_open = time.perf_counter()
-            step = ck.restore(state)
-            t_restored = time.perf_counter()
+            with requests_counted(a.store) as requests:  # (an s3:// store: its requests, by kind)
+                t_open = time.perf_counter()
+                step = ck.restore(state)
+                t_restored = time.perf_counter()
+            if requests is not None:
+                out["requests"] = dict(requests.by_method)
             out["digest"] = digest()  # (its time is not counted)
             checked = time.perf_counter() - t_restored
             step_()  # the first training step
@@ -193,13 +235,33 @@ def ranks(a: argparse.Namespace, phase: str) -> list[dict[str, object]]:
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--phase", phase, "--dir", a.dir,
                                        "--mib", str(a.mib), "--steps", str(a.steps), "--persist", str(a.persist),
                                        "--step-s", str(a.step_s), "--device", a.device, "--staging", a.staging,
-                                       "--when-busy", a.when_busy]
+                                       "--when-busy", a.when_busy, "--store", a.store]
                                       + (["--profile"] if a.profile else []),
                                       env=env))
     for p in procs:
         if p.wait(timeout=1800):
             raise SystemExit(f"rank failed in phase {phase}: exit {p.returncode}")
     return [json.loads(open(os.path.join(a.dir, f"{phase}.{r}.json")).read()) for r in range(a.ranks)]
+
+
+def plain_get(store: str, step: int) -> dict[str, float]:
+    """A plain s3fs GET of each db of ``step`` under an s3:// ``store`` (whole objects, one
+    thread each, at once, as the ranks read them): the floor of any restore from this
+    server, checking nothing. {"s": seconds, "bytes": bytes, "objects": count}."""
+    import threading
+
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **json.loads(os.environ[S3_ENV]))
+    names = [f for f in fs.find(store) if f".{step}." in f.rsplit("/", 1)[-1]]
+    got: list[int] = []
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda n=n: got.append(len(fs.cat_file(n)))) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"s": time.perf_counter() - t0, "bytes": float(sum(got)), "objects": float(len(names))}
 
 
 def evict_tree(path: str) -> None:
@@ -212,8 +274,10 @@ def evict_tree(path: str) -> None:
 
 
 def report(a: argparse.Namespace, store: str, train: list[dict[str, Any]],
-           results: dict[str, list[list[dict[str, Any]]]], local_bytes: list[int]) -> None:
-    """Print every figure: each step's pair, each round's resume, the medians and ratios."""
+           results: dict[str, list[list[dict[str, Any]]]], local_bytes: list[int],
+           gets: list[dict[str, float]]) -> None:
+    """Print every figure: each step's pair, each round's resume, the medians and ratios
+    (and, for an s3:// store, the plain GETs of the step's dbs after each durable resume)."""
     med = statistics.median
     print(f"bench_tiers.py: {a.ranks} ranks (gloo), {a.mib:g} MiB of state per rank, a save every step "
           f"of {a.step_s:g} s (async, replicas=1), every {a.persist}th to the store ({store}); "
@@ -232,12 +296,20 @@ def report(a: argparse.Namespace, store: str, train: list[dict[str, Any]],
                             for g in got)
             print(f"  resume {name} round {i + 1} [import, group, opened, through restore, restore call, "
                   f"first step] s: {per}")
+            for g in got:
+                if g.get("requests"):
+                    print(f"    rank {g['rank']}: S3 requests of the restore call: "
+                          + ", ".join(f"{k} {v}" for k, v in sorted(g["requests"].items())))
     slowest = {n: [max(g["resume_s"] for g in got) for got in rounds] for n, rounds in results.items()}
     call = {n: [max(g["restore_call_s"] for g in got) for got in rounds] for n, rounds in results.items()}
     floor = {n: [max(g["opened_s"] for g in got) for got in rounds] for n, rounds in results.items()}
     for n in results:
         print(f"  {n}: first line to first step {med(slowest[n]):.2f} s, the restore call {med(call[n]):.2f} s, "
               f"before it (interpreter, imports, group, Checkpointer) {med(floor[n]):.2f} s (medians, slowest rank)")
+    for i, g in enumerate(gets):
+        print(f"  plain GET of step {a.steps}'s {g['objects']:.0f} objects ({g['bytes'] / (1 << 20):.0f} MiB, at once) "
+              f"after durable round {i + 1}: {g['s']:.2f} s; the durable restore call / it: "
+              f"{call['durable'][i] / g['s']:.1f}x; the local restore call / it: {call['local'][i] / g['s']:.2f}x")
     for n in ("local", "peer"):
         whole = [x / y for x, y in zip(slowest[n], slowest["durable"])]
         alone = [x / y for x, y in zip(call[n], call["durable"])]
@@ -261,7 +333,8 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=1.0, help="seconds of compute per step (a sleep)")
     ap.add_argument("--dir", default="/dev/shm/bench_tiers")
     ap.add_argument("--store", default="", help="the store's directory (default: <dir>/store, on /dev/shm "
-                                                "only when --dir is; give a disk path for disk figures)")
+                                                "only when --dir is; give a disk path for disk figures), or "
+                                                "s3://bucket/prefix: moto's S3 server on 127.0.0.1")
     ap.add_argument("--rounds", type=int, default=3, help="resume rounds (each: local, durable, peer, rotated)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the shards live")
     ap.add_argument("--when-busy", choices=("wait", "skip"), default="wait",
@@ -280,7 +353,9 @@ def main() -> None:
     shutil.rmtree(a.dir, ignore_errors=True)
     os.makedirs(a.dir)
     store = a.store or os.path.join(a.dir, "store")
-    if a.store:
+    on_disk = bool(a.store) and not is_s3(a.store)
+    server = start_s3(a.store) if is_s3(a.store) else None
+    if on_disk:
         shutil.rmtree(store, ignore_errors=True)
         os.symlink(os.path.abspath(store), os.path.join(a.dir, "store"), target_is_directory=True)
         os.makedirs(store)
@@ -308,10 +383,12 @@ def main() -> None:
                 shutil.rmtree(os.path.join(a.dir, f"node{r}"), ignore_errors=True)
                 if r not in wipe:
                     shutil.copytree(os.path.join(keep, f"node{r}"), os.path.join(a.dir, f"node{r}"))
-            evict_tree(store)
+            if server is None:  # (S3: the server holds the objects)
+                evict_tree(store)
 
         cases = [("local", []), ("durable", list(range(a.ranks))), ("peer", [1])]
         results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name, _ in cases}
+        gets: list[dict[str, float]] = []  # (S3) a plain GET of the step's dbs after each durable resume
         for rnd in range(a.rounds):  # the order rotates from round to round
             for name, wipe in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
                 reset(wipe)
@@ -319,11 +396,16 @@ def main() -> None:
                 assert all(g["step"] == a.steps for g in got), got
                 assert all(g["digest"] == saved[g["rank"]] for g in got), f"{name}: not bit-identical"
                 results[name].append(got)
-        report(a, store, train, results, local_bytes)
+                if name == "durable" and server is not None:
+                    gets.append(plain_get(store, a.steps))
+        report(a, store, train, results, local_bytes, gets)
     finally:
         shutil.rmtree(a.dir, ignore_errors=True)
-        if a.store:
+        if on_disk:
             shutil.rmtree(store, ignore_errors=True)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 if __name__ == "__main__":

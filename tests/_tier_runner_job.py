@@ -1,7 +1,7 @@
 """A small numpy job run by a JobRunner with a local tier, as its own process (test_tier_runner.py).
 
     python _tier_runner_job.py DIR LOCAL --epochs 7 --persist 3 [--async] [--nodes 2]
-        [--kill-after 4] [--term-after 4]
+        [--kill-after 4] [--term-after 4] [--fail-at 5 [--damage-local 4]]
 
 Resumes (the runner says from where on stderr: ``epochal: resuming from epoch N in PLACE``),
 trains to ``--epochs`` and prints markers on stdout::
@@ -12,7 +12,10 @@ trains to ``--epochs`` and prints markers on stdout::
 
 ``<hash>``: SHA-256 over every checkpointed blob (tests/_crash_job.py's), so equal hashes mean
 bit-identical blobs. ``--kill-after E``: SIGKILL once epoch E is committed in the local
-directory; ``--term-after E``: SIGTERM at the end of epoch E (a preemption).
+directory; ``--term-after E``: SIGTERM at the end of epoch E (a preemption); ``--fail-at E``:
+the training task raises ``RuntimeError("boom at epoch E")`` in epoch E (the job prints
+``FAILED <type>: <message>`` and each note on the error as ``NOTE <note>``, and exits 4), after
+flipping a byte of the local db of epoch ``--damage-local`` when given.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--kill-after", type=int, default=-1)
     p.add_argument("--term-after", type=int, default=-1)
+    p.add_argument("--fail-at", type=int, default=-1)
+    p.add_argument("--damage-local", type=int, default=-1)
     a = p.parse_args()
 
     from epochal import (
@@ -70,6 +75,15 @@ def main() -> int:
 
     def train(ws: Any) -> None:
         e = int(ws["step"]) + 1
+        if e == a.fail_at:
+            if a.damage_local >= 0:
+                db = os.path.join(a.local, f"{nodes[0]}.{a.damage_local}")
+                with open(db, "r+b") as f:  # a byte in the middle: a blob's data
+                    f.seek(os.path.getsize(db) // 2)
+                    byte = f.read(1)[0]
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte ^ 0x40]))
+            raise RuntimeError(f"boom at epoch {e}")
         ws["step"] = np.int64(e)
         ws["w"] = np.roll(ws["w"], e) * 1.0001 - e * 1e-3
         ws["v"] = (ws["v"] * np.float32(0.999) + np.float32(e) / 7).astype(np.float32)
@@ -105,6 +119,11 @@ def main() -> int:
         except Preempted as ex:
             _say("PREEMPTED", ex.epoch)
             return 3
+        except RuntimeError as ex:
+            print(f"FAILED {type(ex).__name__}: {ex}", flush=True)
+            for note in getattr(ex, "__notes__", []):
+                print(f"NOTE {note}", flush=True)
+            return 4
     _say("DONE", last, state_hash(ws))
     return 0
 

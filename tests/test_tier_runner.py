@@ -1,7 +1,8 @@
 """The JobRunner's local tier (``JobRunner(job, manager, local=DIR, persist_every=K)``): every
 epoch's save in DIR, the multiples of K, the final epoch and a preempted one also in the
-manager's directory; a fresh process resumes from the newest intact epoch of either place, the
-local copy first, bit-identical to a run that was never stopped."""
+manager's directory, and the newest local epoch when the run fails with an error; a fresh
+process resumes from the newest intact epoch of either place, the local copy first,
+bit-identical to a run that was never stopped."""
 
 from __future__ import annotations
 
@@ -144,3 +145,50 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         JobRunner(j, manager, local=str(tmp_path / "l"), max_failures=1)
     with pytest.raises(CheckpointError, match="DirectoryMetadataHandler"):  # no handler: no committed epochs
         JobRunner(j, manager, local=str(tmp_path / "l")).train(LocalSession())
+
+
+FAILED = 4  # the job's exit status when train() raised its RuntimeError
+
+
+@pytest.mark.parametrize("args", [[], ["--async", "--nodes", "2"]], ids=["sync", "async-2-nodes"])
+def test_a_run_failing_with_an_error_copies_its_newest_local_epoch_to_the_store(
+        tmp_path: Path, reference: dict[int, str], args: list[str]) -> None:
+    p = job(tmp_path, "--epochs", "7", "--persist", "100", "--fail-at", "5", *args, rc=FAILED)
+    assert "FAILED RuntimeError: boom at epoch 5" in p.stdout and "NOTE" not in p.stdout, p.stdout
+    nodes = ["trainer_0", "trainer_1"] if "--nodes" in args else ["trainer_0"]
+    assert committed(tmp_path / "store") == [0, 4]  # the init save, then the newest local epoch
+    assert dbs(tmp_path / "store") == sorted(f"{n}.{e}" for n in nodes for e in (0, 4))
+    for n in nodes:  # the local db, byte for byte
+        assert (tmp_path / "store" / f"{n}.4").read_bytes() == (tmp_path / "local" / f"{n}.4").read_bytes()
+    shutil.rmtree(tmp_path / "local")  # the machine replaced
+    p = job(tmp_path, "--epochs", "7", "--persist", "100", *args)
+    assert f"resuming from epoch 4 in {tmp_path / 'store'}" in p.stderr, p.stderr
+    assert marks(p, "LOADED") == {4: reference[4]}  # bit-identical blobs
+    assert marks(p, "DONE") == {7: reference[-1]}
+
+
+def test_a_damaged_local_epoch_is_not_copied_on_an_error(tmp_path: Path, reference: dict[int, str]) -> None:
+    p = job(tmp_path, "--epochs", "7", "--persist", "100", "--fail-at", "5", "--damage-local", "4", rc=FAILED)
+    assert "FAILED RuntimeError: boom at epoch 5" in p.stdout, p.stdout
+    damaged = tmp_path / "local" / "trainer_0.4"
+    assert f"Epoch 4 of {tmp_path / 'local'} is damaged and was not copied" in p.stderr, p.stderr
+    assert str(damaged) in p.stderr, p.stderr
+    assert committed(tmp_path / "store") == [0, 3]  # the next older local epoch, intact
+    assert dbs(tmp_path / "store") == ["trainer_0.0", "trainer_0.3"]
+    shutil.rmtree(tmp_path / "local")
+    p = job(tmp_path, "--epochs", "7", "--persist", "100")
+    assert f"resuming from epoch 3 in {tmp_path / 'store'}" in p.stderr, p.stderr
+    assert marks(p, "LOADED") == {3: reference[3]} and marks(p, "DONE") == {7: reference[-1]}
+
+
+def test_a_failed_copy_on_an_error_leaves_the_error_and_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "store" / "trainer_0.4").mkdir(parents=True)  # the copy cannot take this name
+    (tmp_path / "store" / "trainer_0.4" / "in-the-way").write_text("x")
+    p = job(tmp_path, "--epochs", "7", "--persist", "100", "--fail-at", "5", rc=FAILED)
+    assert "FAILED RuntimeError: boom at epoch 5" in p.stdout, p.stdout  # the run's own error
+    local_db = tmp_path / "local" / "trainer_0.4"
+    if sys.version_info >= (3, 11):  # (a note on the error: Python 3.11's add_note)
+        note = [line for line in p.stdout.splitlines() if line.startswith("NOTE ")]
+        assert len(note) == 1 and f"epoch 4 ({local_db}) was not copied to {tmp_path / 'store'}" in note[0], p.stdout
+    assert f"Epoch 4 ({local_db}) was not copied" in p.stderr, p.stderr
+    assert committed(tmp_path / "store") == [0] and committed(tmp_path / "local") == [3, 4]

@@ -76,8 +76,9 @@ class JobRunner:
     - ``local``: a node-local directory (RAM-backed, e.g. ``/dev/shm/run``) that every save
       goes to, keeping ``local_keep`` epochs; the epochs that are multiples of
       ``persist_every`` (None: none), the final one and a preempted one are also copied to the
-      manager's directory; a resume takes the newest intact epoch of either, the local copy
-      first (:mod:`epochal.jobs.tier`, docs/tiers.md). Needs a DirectoryMetadataHandler.
+      manager's directory, and so is the newest local epoch when the run fails with an error;
+      a resume takes the newest intact epoch of either, the local copy first
+      (:mod:`epochal.jobs.tier`, docs/tiers.md). Needs a DirectoryMetadataHandler.
     """
 
     def __init__(
@@ -306,8 +307,10 @@ class JobRunner:
             self._finish_pending()
         except NodeLostError:
             raise
-        except Exception:
+        except Exception as ex:
             self._finish_pending(raise_errors=False)  # commit what is durable, then fail
+            if self._tier is not None:  # the newest local epoch to the store, past what was due
+                self._tier.persist_on_error(session, ex)
             raise
         if self.preempted_by is not None:
             logger.warning("Preempted after epoch %d: skipping the rest of the job", epoch)

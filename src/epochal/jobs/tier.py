@@ -9,7 +9,9 @@ the epoch saved after a SIGTERM also go to the manager's directory: each node co
 db there, byte for byte, in its own process (:meth:`CheckpointManager.copy`), and the runner's
 own engine commits it through the manager's handler (its retention, stats, mirror and lock as
 always). With ``async_save`` the local write runs in the background as usual, and a copy is
-made when that write is joined (at the next save, or at the end).
+made when that write is joined (at the next save, or at the end). A run that fails with an
+error copies its newest local epoch the store lacks before the error leaves ``train``
+(:meth:`RunnerTier.persist_on_error`).
 
 A resume takes the newest epoch intact in either place, the local copy first
 (:func:`~epochal.checkpoint.tier.try_sources`): a damaged local copy is named in a warning and
@@ -18,6 +20,7 @@ the next one is used — the store's copy of that epoch, else the next older epo
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,9 +28,11 @@ from typing import Any
 from ..checkpoint.engine import CheckpointEngine, EngineEvents, Results, SaveHandle
 from ..checkpoint.tasks.handles import CheckpointManagerLike
 from ..checkpoint.tier import LocalPlace, Source
-from ..errors import CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["RunnerTier"]
+
+logger = logging.getLogger("epochal")
 
 
 class _Later:
@@ -123,19 +128,78 @@ class RunnerTier(LocalPlace):
             self.durable.save(epoch, lambda: self._copy(epoch, session), background=background, metrics=metrics)
         return saved
 
-    def _copy(self, epoch: int, session: Any) -> SaveHandle:
+    def _copy(self, epoch: int, session: Any, *, verify: bool = False) -> SaveHandle:
         """The copy of ``epoch`` to the store, made when joined: at once for a synchronous save,
-        else when the engine commits the background one (at the next save, or the end)."""
+        else when the engine commits the background one (at the next save, or the end).
+        ``verify``: ``epoch`` is one committed before (not the save just made), and each of its
+        local dbs' checksums is checked before it is copied."""
         def work() -> Results:
             self.engine.finish_pending()  # the local write first (a background one is joined here)
-            if self.engine.last_committed != epoch:
+            if self.engine.last_committed != epoch and not verify:
                 raise CheckpointError(f"epoch {epoch} was not copied to {self.manager.location()}: its local save "
                                       f"in {self.directory} was not committed")
-            task = self.manager.copy(epoch, self.prefix)  # type: ignore[attr-defined]
+            task = self.manager.copy(epoch, self.prefix, verify=verify)  # type: ignore[attr-defined]
             session.run(task)
             return task.results()  # type: ignore[no-any-return]
 
         return _Later(work)
+
+    def persist_on_error(self, session: Any, error: BaseException) -> int | None:
+        """The run is leaving on ``error``: copy the newest local epoch that is newer than the
+        store's newest to the store (each db's checksums checked first; committed by the
+        manager's handler as every copy is), so a replaced machine resumes from it; the epoch
+        copied, or None. A damaged local epoch is named in a warning and the next older one
+        tried; a copy that fails is named in a warning and in a note on ``error``. Never raises:
+        ``error`` is what the run raises."""
+        handler: Any = self.manager.metadata_handler
+        try:
+            stored = handler.committed_epochs()
+            candidates = [e for e in reversed(self.steps()) if not stored or e > stored[-1]]
+        except Exception as ex:  # (the store cannot even be listed: nothing to copy to)
+            self._not_copied(error, None, ex)
+            return None
+        for epoch in candidates:
+            failure: list[BaseException] = []
+
+            def start(epoch: int = epoch, failure: list[BaseException] = failure) -> SaveHandle:
+                copy = self._copy(epoch, session, verify=True)
+
+                def work() -> Results:
+                    try:
+                        return copy.join()
+                    except BaseException as ex:
+                        failure.append(ex)
+                        raise
+                return _Later(work)
+
+            try:
+                if self.durable.save(epoch, start):
+                    logger.warning("The run failed with %s: %s; epoch %d of %s was copied to %s, where a new "
+                                   "machine resumes from it", type(error).__name__, error, epoch, self.directory,
+                                   self.manager.location())
+                    return epoch
+            except Exception as ex:  # (one failed save too many, by the runner's policy)
+                failure.append(ex)
+            why = failure[0] if failure else CheckpointError("its commit failed (see the warning above)")
+            if isinstance(why, CheckpointCorruptError) and why.path.startswith(self.prefix):
+                logger.warning("Epoch %d of %s is damaged and was not copied to %s: %s", epoch, self.directory,
+                               self.manager.location(), why)
+                continue  # the next older local epoch, if the store lacks it too
+            self._not_copied(error, epoch, why)
+            return None
+        return None
+
+    def _not_copied(self, error: BaseException, epoch: int | None, why: BaseException) -> None:
+        """Say (a warning, and a note on the run's ``error``) that ``epoch`` (None: the newest)
+        of the local directory did not reach the store, and why."""
+        dbs = ", ".join(self.db_path(epoch, n) for n in self.nodes) if epoch is not None else self.directory
+        what = f"epoch {epoch}" if epoch is not None else "the newest local epoch"
+        message = (f"{what} ({dbs}) was not copied to {self.manager.location()} after the run failed: "
+                   f"{type(why).__name__}: {why}")
+        logger.warning("%s", message[0].upper() + message[1:])
+        add_note = getattr(error, "add_note", None)  # (Python >= 3.11; on 3.10 the warning alone)
+        if callable(add_note):
+            add_note(f"epochal: {message}")
 
     def finish_pending(self, *, raise_errors: bool = True) -> None:
         """Commit the local save in flight, then its copy to the store."""

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from ...errors import CheckpointCorruptError
+from ...storage.formats.base import get_db_type
 from ...storage.io.seam import committed, is_url, store_for
 from .steps import StepResult, db_digest, db_location, put_outputs
 
@@ -22,13 +23,18 @@ __all__ = ["COPY_CHUNK", "CopyDb", "copy_db"]
 COPY_CHUNK = 8 << 20
 
 
-def copy_db(src: str, dst: str, db_type: str = "native", storage_options: dict[str, Any] | None = None) -> StepResult:
+def copy_db(src: str, dst: str, db_type: str = "native", storage_options: dict[str, Any] | None = None, *,
+            verify: bool = False) -> StepResult:
     """Copy the db ``src`` to ``dst`` (a path or URL) atomically (a temp file committed under
     its final name, or the object store's single put) and return what the store's commit
     records: its size and digest, the digest read back from ``dst`` and checked against the
     source's (CheckpointCorruptError naming both files when they differ). An interrupted copy
-    leaves no file under ``dst``'s name."""
+    leaves no file under ``dst``'s name. ``verify``: every checksum of ``src`` is checked
+    first (CheckpointCorruptError naming ``src`` and the blob; nothing is written) — for a db
+    written some time ago, not one just written and read back."""
     start = time.perf_counter_ns()
+    if verify:
+        get_db_type(db_type).verify(src)
     want = db_digest(db_type, src)
     source = store_for(src).open_read(src)
     try:
@@ -55,17 +61,18 @@ def copy_db(src: str, dst: str, db_type: str = "native", storage_options: dict[s
 class CopyDb:
     """(A step.) :func:`copy_db` of ``src`` to ``dst`` where the node lives; the copy's digest
     goes to ``digest_output`` (the driver commits with it), its bytes are returned (for
-    :class:`~.steps.Timed`)."""
+    :class:`~.steps.Timed`); ``verify``: ``src``'s checksums are checked first."""
 
     name = "checkpoint_copy"
 
     def __init__(self, src: str, dst: str, db_type: str, *, digest_output: str | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, verify: bool = False) -> None:
         self.src, self.dst, self.db_type = src, dst, db_type
         self.digest_output = digest_output
         self.storage_options = dict(storage_options) if storage_options else None
+        self.verify = verify
 
     def __call__(self, ws: Any) -> int:
-        result = copy_db(self.src, self.dst, self.db_type, self.storage_options)
+        result = copy_db(self.src, self.dst, self.db_type, self.storage_options, verify=self.verify)
         put_outputs(ws, result, self.digest_output, None)
         return result.nbytes

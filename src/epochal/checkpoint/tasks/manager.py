@@ -343,14 +343,16 @@ class CheckpointManager(HandlerCalls):
         self._last = task.outputs_of(db, f"{base}.ns", f"{base}.bytes", f"{base}.digest", f"{base}.pushed")
         return task
 
-    def copy(self, epoch: int, path_prefix: str) -> CheckpointTask:
+    def copy(self, epoch: int, path_prefix: str, *, verify: bool = False) -> CheckpointTask:
         """A timed Task copying the node's db of ``epoch`` at ``path_prefix`` (a local tier's
         directory) to this manager's directory, byte for byte, where the node lives
-        (:class:`~.copy.CopyDb`: atomic, its digest checked against the source's); its
+        (:class:`~.copy.CopyDb`: atomic, its digest checked against the source's; ``verify``:
+        every checksum of the source checked first); its
         :meth:`~.handles.CheckpointTask.results` are what the commit records."""
         src, db = self._db(epoch, path_prefix), self._new_db(epoch)  # (at a URL: a writer token)
         base = f"{INTERNAL_PREFIX}{self._node_name}/checkpoint_copy"
-        step = CopyDb(src, db, self._db_type, digest_output=f"{base}.digest", storage_options=self._storage_options)
+        step = CopyDb(src, db, self._db_type, digest_output=f"{base}.digest", storage_options=self._storage_options,
+                      verify=verify)
         task = CheckpointTask(step=Timed(step, f"{base}.ns", f"{base}.bytes"), node=self._node_name,
                               name="checkpoint_copy")
         return task.outputs_of(db, f"{base}.ns", f"{base}.bytes", f"{base}.digest")

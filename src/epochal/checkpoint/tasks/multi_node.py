@@ -146,10 +146,10 @@ class MultiNodeCheckpointManager(HandlerCalls):
         push = self._handler.node_push_target() if self._handler is not None and not path_prefix else None
         return self._task_group(CheckpointManager.join_save, epoch, push=push, path_prefix=path_prefix)
 
-    def copy(self, epoch: int, path_prefix: str) -> CheckpointGroup:
+    def copy(self, epoch: int, path_prefix: str, *, verify: bool = False) -> CheckpointGroup:
         """Every node's :meth:`CheckpointManager.copy` (its db of ``epoch`` at ``path_prefix``
-        to the manager's directory, in the node's own process)."""
-        return self._task_group(CheckpointManager.copy, epoch, path_prefix)
+        to the manager's directory, in the node's own process; ``verify``: checked first)."""
+        return self._task_group(CheckpointManager.copy, epoch, path_prefix, verify=verify)
 
     def partial_load(self, nodes: Sequence[Any], blob_names: Sequence[str], epoch: int,
                      session: Any) -> tuple[dict[str, StepResult], bool]:
