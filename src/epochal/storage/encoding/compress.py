@@ -263,32 +263,32 @@ PLANE_SAMPLE_BYTES = 16 << 10
 
 def _encode(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bool]) -> tuple[np.ndarray, list[int]]:
     """Every frame of ``data`` encoded (as :func:`_frames`), the streams written one after
-    the other into one buffer: (those bytes, each stream's length). Each of ``threads``
-    workers encodes a run of whole frames into a buffer of its own, sized for the worst
-    case but touched only where written; a raw plane goes from the words straight into it
-    and a zstd stream is copied in as it comes, so a segment's bytes are in one place
-    without a join of its streams (whose fresh memory cost a page fault per 4 KiB)."""
+    the other into one buffer: (those bytes, each stream's length). The buffer is sized for
+    the worst case but touched only where written (a fresh page costs a fault per 4 KiB, so
+    streams are never joined afterwards); a raw plane goes from the words straight into it
+    and a zstd stream is copied in as it comes. Each of ``threads`` workers encodes a run
+    of whole frames into its own region of it; the runs are then moved down, each to the
+    end of the one before (``memmove``: no second buffer)."""
     n = len(data)
     size = FRAME_BYTES
     nframes = -(-n // size)
     runs = max(1, min(threads, nframes))
     cuts = [nframes * i // runs for i in range(runs + 1)]
 
-    def run(i: int) -> tuple[np.ndarray, list[int]]:
-        lo, hi = cuts[i], cuts[i + 1]
+    def bound(m: int) -> int:  # (a frame of m words)
+        return sum(_raw_size(m) if raw and raw[j] else _bound(m) for j in range(w))
+
+    last = (n - (nframes - 1) * size) // w
+    starts = [bound(size // w) * k for k in cuts[:-1]]  # (every frame but the last is full)
+    out = _alloc(bound(size // w) * (nframes - 1) + bound(last))
+    lengths: list[list[int]] = [[] for _ in range(runs)]
+
+    def run(i: int) -> int:
         c = _compressor(level if w == 1 else PLANE_LEVEL)
-        m_full = size // w
-        last = (min(n, hi * size) - (hi - 1) * size) // w
-        per = [(_raw_size(m_full) if raw and raw[j] else _bound(m_full)) for j in range(w)]
-        out = _alloc(sum(per) * (hi - lo - 1) + sum(_raw_size(last) if raw and raw[j] else _bound(last)
-                                                     for j in range(w)))
-        at, lengths = 0, []
-        for k in range(lo, hi):
+        at, mine = starts[i], lengths[i]
+        for k in range(cuts[i], cuts[i + 1]):
             frame = data[k * size:min(n, (k + 1) * size)]
-            if w == 1:
-                planes: Iterator[np.ndarray] = iter((frame,))
-            else:
-                planes = _words(frame, w)
+            planes: Iterator[np.ndarray] = iter((frame,)) if w == 1 else _words(frame, w)
             for j, r in enumerate(planes):
                 m = len(r)
                 if raw and raw[j]:
@@ -302,13 +302,16 @@ def _encode(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bo
                     got = len(s)
                     out[at:at + got] = np.frombuffer(s, dtype=np.uint8)
                 at += got
-                lengths.append(got)
-        return out[:at], lengths
+                mine.append(got)
+        return at - starts[i]
 
-    parts = _map(run, runs, threads)
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate([p for p, _ in parts]), [x for _, ls in parts for x in ls]
+    used = _map(run, runs, threads)
+    mv = out.data
+    at = used[0]
+    for i in range(1, runs):  # (memoryview slice assignment is a memmove: overlap allowed)
+        mv[at:at + used[i]] = mv[starts[i]:starts[i] + used[i]]
+        at += used[i]
+    return out[:at], [x for ls in lengths for x in ls]
 
 
 def _frames(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bool] = ()) -> list[list[Any]]:
