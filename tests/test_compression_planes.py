@@ -4,6 +4,7 @@ the documented numpy reader; a blob whose planes gain nothing stays raw."""
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -158,11 +159,17 @@ def test_the_documented_numpy_reader_decodes_raw_planes(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_segment_is_its_streams_one_after_the_other_on_any_threads(threads):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_segment_is_its_streams_one_after_the_other_on_any_threads(threads, mapped, monkeypatch):
     """The stored bytes of a segment (several frames, the last one short; the low plane raw)
     are its streams in order, each with its length and checksum; several threads encoding
-    runs of frames store the same bytes as one; they decode to the same bits."""
+    runs of frames store the same bytes as one; they decode to the same bits. ``mapped``:
+    in the anonymous map a large segment's bytes are written to."""
+    from epochal.storage.encoding import planes
     from epochal.storage.io.checksum import checksum_function, default_algorithm
+
+    if mapped:
+        monkeypatch.setattr(planes, "_MAP_MIN", 0)
 
     fn = checksum_function(default_algorithm())
     rng = np.random.default_rng(threads)
@@ -171,6 +178,10 @@ def test_a_segment_is_its_streams_one_after_the_other_on_any_threads(threads):
     c = compress.compress_segment(view, 2, WriteOptions("zstd", threads=threads), fn)
     one = compress.compress_segment(view, 2, WriteOptions("zstd", threads=1), fn)
     assert c is not None and one is not None
+    root = c.data.obj
+    while isinstance(root, (np.ndarray, memoryview)):
+        root = root.base if isinstance(root, np.ndarray) else root.obj
+    assert isinstance(root, mmap.mmap) == mapped
     assert bytes(c.data) == bytes(one.data) and c.lengths == one.lengths and c.crcs == one.crcs
     streams = c.streams
     assert len(streams) == 2 * 5 and [len(s) for s in streams] == c.lengths

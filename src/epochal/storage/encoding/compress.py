@@ -279,8 +279,9 @@ def _encode(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bo
         return sum(_raw_size(m) if raw and raw[j] else _bound(m) for j in range(w))
 
     last = (n - (nframes - 1) * size) // w
-    starts = [bound(size // w) * k for k in cuts[:-1]]  # (every frame but the last is full)
-    out = _alloc(bound(size // w) * (nframes - 1) + bound(last))
+    full = bound(size // w)
+    starts = [full * k for k in cuts[:-1]]  # (every frame but the last is full)
+    out = _alloc(full * (nframes - 1) + bound(last))
     lengths: list[list[int]] = [[] for _ in range(runs)]
 
     def run(i: int) -> int:

@@ -9,6 +9,7 @@ arrays from frame to frame (a fresh array costs a page fault per 4 KiB).
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -126,11 +127,21 @@ def _raw_frame_into(buf: np.ndarray, values: np.ndarray, n: int) -> int:
     return 9 + 3 * blocks + n
 
 
+#: outputs of at least this many bytes get an anonymous map of their own (:func:`_alloc`);
+#: (so a save holds at most one map per 64 MiB of compressed segments: the kernel caps
+#: a process's maps, at 65,530 by default)
+_MAP_MIN = 64 << 20
+
+
 def _alloc(n: int) -> np.ndarray:
-    """``n`` bytes of fresh memory, not touched: faulted in as written (numpy asks for huge
-    pages for a large array, whose faults measured cheaper than an anonymous map's 4 KiB
-    ones; a bytearray would be zeroed, every page of the worst case touched)."""
-    return np.empty(n, dtype=np.uint8)
+    """``n`` bytes of fresh memory (uint8), untouched until written, so only the pages
+    written are ever resident. A large one is an anonymous map of 4 KiB pages: numpy asks
+    for huge pages for a large array, measured faster on a 256 MiB segment when the kernel
+    had them at hand but about three times slower in the rounds where it compacted memory
+    first; 4 KiB pages are steady."""
+    if n < _MAP_MIN:
+        return np.empty(n, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
 
 
 def _bound(n: int) -> int:
