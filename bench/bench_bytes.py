@@ -153,13 +153,13 @@ def bench_against(data: dict[str, tuple[np.ndarray, int]], other: Any, rounds: i
             continue
         mv, n = memoryview(arr), arr.nbytes
 
-        def ours() -> Any:
+        def ours(mv: memoryview = mv, width: int = width) -> Any:
             return compress.compress_segment(mv, width, WriteOptions("zstd", threads=1), fn)
 
-        def theirs() -> Any:
+        def theirs(mv: memoryview = mv, width: int = width) -> Any:
             return other.compress_segment(mv, width, other.WriteOptions("zstd", threads=1), fn)
 
-        def theirs_joined() -> Any:
+        def theirs_joined(theirs: Callable[[], Any] = theirs) -> Any:
             c = theirs()
             return c.data if hasattr(c, "data") else memoryview(b"".join(c.streams))
 
