@@ -2,8 +2,9 @@
 
 A save is a Checkpointer save of the pytree as nested dicts (:mod:`.names`) of host tensors
 (:mod:`.host`), so retention, async saves, URLs and the commit protocol are the
-Checkpointer's; in a job of several processes each writes its own shards into a db of its
-own and process 0 commits the step (:mod:`.multiprocess`). A restore opens the step's one
+Checkpointer's (its local tier too: a restore tries the local copy of a step first); in a
+job of several processes each writes its own shards into a db of its own and process 0
+commits the step (:mod:`.multiprocess`). A restore opens the step's one
 db, or the dbs of every process that saved it, or for a step ``dcp.save`` wrote its rank dbs
 and DCP's metadata (:mod:`.sources`; committed, size and digest checked against its
 manifest), and builds each array leaf with ``jax.make_array_from_callback`` for
@@ -14,7 +15,9 @@ every leaf was found, fit and checked.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,9 +26,16 @@ import jax
 import numpy as np
 
 from ..checkpoint.location.view import CheckpointDirectory
+from ..checkpoint.tier import Source as Place
+from ..checkpoint.tier import restore_order
 from ..checkpointer import Checkpointer
-from ..checkpointer.parts import NODE
-from ..errors import BlobMismatchError, CheckpointNotFoundError, MissingBlobError
+from ..checkpointer.parts import NODE, RestoreReport
+from ..errors import (
+    BlobMismatchError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    MissingBlobError,
+)
 from .dcp import is_dcp_step
 from .host import HostChunks, HostTensor, to_host
 from .mapping import NameMap, Target, map_leaves
@@ -35,6 +45,8 @@ from .reads import DEFAULT_CHUNK, Task, aligned_empty
 from .sources import DcpSource, LocalSource, ProcessesSource, Source
 
 __all__ = ["DEFAULT_CHUNK", "host_state", "restore", "save"]
+
+logger = logging.getLogger("epochal")
 
 #: threads reading the regions of one leaf at once
 READ_THREADS = 4
@@ -101,15 +113,32 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
         ckpt.save(step, state, metrics=metrics)
 
 
-def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None
-                 ) -> tuple[Source, int]:
-    """The source of committed ``step`` (None: the newest), its dbs checked against the
-    manifest: a Checkpointer's db, or the rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
-    if isinstance(path_or_checkpointer, Checkpointer):
-        path_or_checkpointer.wait()  # a pending async save is committed first
-        directory: str = path_or_checkpointer.directory
-    else:
-        directory = os.fspath(path_or_checkpointer)
+def _places(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None
+            ) -> list[tuple[int | None, str, str]]:
+    """(step, place, directory) to restore from, in order: for a Checkpointer with a local
+    tier (docs/tiers.md) every step either place holds, newest first, the local copy first
+    (``step``: that one's copies); else the one directory (the step chosen there)."""
+    if not isinstance(path_or_checkpointer, Checkpointer):
+        return [(step, "durable", os.fspath(path_or_checkpointer))]
+    ck = path_or_checkpointer
+    ck.wait()  # a pending async save is committed first
+    tier = ck._tier
+    if tier is None:
+        return [(step, "durable", ck.directory)]
+    order: list[tuple[int | None, str, str]] = [
+        (s, src.name, tier.directory if src.name == "local" else ck.directory)
+        for s, src in restore_order([tier.source(), Place("durable", ck.handler, ck._engine, ck.db_path)])]
+    if step is not None:
+        order = [o for o in order if o[0] == step]
+    if not order:
+        raise CheckpointNotFoundError(f"step {step} is committed neither in {tier.directory} nor in {ck.directory}"
+                                      if step is not None else f"{ck.directory}: no committed step to restore")
+    return order
+
+
+def _step_source(directory: str, step: int | None) -> tuple[Source, int]:
+    """The source of committed ``step`` (None: the newest) of ``directory``, its dbs checked
+    against the manifest: a Checkpointer's db, or the rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
     view = CheckpointDirectory(directory)
     if step is None:
         found = view.newest_committed()
@@ -239,9 +268,29 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
     such committed step; ValueError or TypeError for a bad ``names``."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
+    t0 = time.perf_counter()
+    order = _places(path_or_checkpointer, step)
+    for i, (at, place, directory) in enumerate(order):
+        try:
+            got, found = _restore(directory, at, abstract_pytree, chunk_bytes, partial, names)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as ex:
+            if i + 1 == len(order):
+                raise
+            logger.warning("The %s copy of step %s (%s) is damaged: %s; restoring from the %s copy of step %s "
+                           "instead", place, at, directory, ex, order[i + 1][1], order[i + 1][0])
+            continue
+        if isinstance(path_or_checkpointer, Checkpointer):
+            path_or_checkpointer.last_restore = RestoreReport(found, time.perf_counter() - t0, source=place)
+        return got
+    raise AssertionError("unreachable: _places returns at least one place")
+
+
+def _restore(directory: str, step: int | None, abstract_pytree: Any, chunk_bytes: int, partial: bool,
+             names: NameMap | None) -> tuple[Any, int]:
+    """:func:`restore` from one directory; the pytree and the step restored."""
     leaves = flat_leaves(abstract_pytree)
     targets = map_leaves(leaves, keystrs(abstract_pytree), names)
-    src, step = _step_source(path_or_checkpointer, step)
+    src, step = _step_source(directory, step)
     try:
         keys = [src.key(t.names) for t in targets]
         have = set(src.keys())
@@ -263,4 +312,4 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
                     values.append(src.plain(k, t.label))
     finally:
         src.close()
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_pytree), values)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_pytree), values), step
