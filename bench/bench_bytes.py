@@ -24,7 +24,14 @@ Then a save (fsynced) and a load (every checksum checked) of the bf16 and fp32 t
 compression off and on, in paired rounds, on this disk (``--dir``) and with ``--s3`` at an
 ``s3://`` URL served by a local moto server (a separate process).
 
+With ``--against TREE`` (another checkout of epochal), the N(0, 0.02) tensors are first
+compressed by this tree's codec and by TREE's, loaded side by side in this process, in
+alternating rounds on one thread (thread CPU time): the medians of the paired speed ratios,
+for the codec alone and for the segment's stored bytes in one buffer (what the writer
+writes: where the codec returns separate streams, their join is counted).
+
     .venv/bin/python bench/bench_bytes.py --mib 64 --rounds 3 --s3
+    .venv/bin/python bench/bench_bytes.py --mib 256 --rounds 9 --against ../main --only-against
     .venv/bin/python bench/bench_bytes.py --quick              # smoke run, seconds
 """
 
@@ -124,6 +131,56 @@ def bench_codec(data: np.ndarray, width: int, rounds: int, threads: int) -> dict
     return row
 
 
+def load_codec(tree: str) -> Any:
+    """The compression module of the epochal checkout at ``tree``, as a module of its own
+    (its package's ``__init__`` not run: the module needs only its own folder)."""
+    import importlib
+    import types
+
+    pkg = types.ModuleType("epochal_against")
+    pkg.__path__ = [str(Path(tree).resolve() / "src" / "epochal" / "storage" / "encoding")]
+    sys.modules[pkg.__name__] = pkg
+    return importlib.import_module("epochal_against.compress")
+
+
+def bench_against(data: dict[str, tuple[np.ndarray, int]], other: Any, rounds: int) -> None:
+    """This tree's codec against ``other`` (:func:`load_codec`) on the N(0, 0.02) tensors,
+    one thread, alternating rounds: speed per round and medians of the paired ratios."""
+    fn = checksum_function(default_algorithm())
+    print(f"\nthis codec against {other.__file__}, one thread, {rounds} alternating rounds (GB/s, thread CPU time)")
+    for name, (arr, width) in data.items():
+        if "N(0" not in name:
+            continue
+        mv, n = memoryview(arr), arr.nbytes
+
+        def ours(mv: memoryview = mv, width: int = width) -> Any:
+            return compress.compress_segment(mv, width, WriteOptions("zstd", threads=1), fn)
+
+        def theirs(mv: memoryview = mv, width: int = width) -> Any:
+            return other.compress_segment(mv, width, other.WriteOptions("zstd", threads=1), fn)
+
+        def theirs_joined(theirs: Callable[[], Any] = theirs) -> Any:
+            c = theirs()
+            return c.data if hasattr(c, "data") else memoryview(b"".join(c.streams))
+
+        runs: dict[str, list[float]] = {"this": [], "other codec": [], "other in one buffer": []}
+        fns = {"this": ours, "other codec": theirs, "other in one buffer": theirs_joined}
+        sizes = {}
+        for r in range(rounds):
+            for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                t = time.thread_time()
+                c = fns[k]()
+                runs[k].append(time.thread_time() - t)
+                sizes[k] = c.nbytes
+                del c
+        print(f"  {name}: ratio this {n / sizes['this']:.4f}, other {n / sizes['other codec']:.4f}")
+        for k, ts in runs.items():
+            print(f"    {k:20} median {n / statistics.median(ts) / 1e9:.3f}  rounds {' '.join(f'{n / x / 1e9:.2f}' for x in ts)}")
+        for k in ("other codec", "other in one buffer"):
+            pr = [b / a for a, b in zip(runs["this"], runs[k])]
+            print(f"    this / {k}: speed {statistics.median(pr):.3f}x ({min(pr):.2f}-{max(pr):.2f})")
+
+
 def bench_disk(where: dict[str, str], data: dict[str, tuple[np.ndarray, int]], rounds: int) -> None:
     """A save and a load of the N(0, 0.02) tensors with compression off and on, at each
     place of ``where`` (label -> folder or URL), in paired rounds (the order flipped each
@@ -174,10 +231,16 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the save/load files go (default: a temp dir)")
     ap.add_argument("--s3", action="store_true", help="also save and load at S3 (a local moto server)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke run)")
+    ap.add_argument("--against", default=None, help="another epochal checkout: its codec side by side first")
+    ap.add_argument("--only-against", action="store_true", help="with --against: only that comparison")
     a = ap.parse_args()
     if a.quick:
         a.mib, a.steps, a.rounds = 4, 5, 1
     data = workloads(a.mib, a.steps)
+    if a.against:
+        bench_against(data, load_codec(a.against), a.rounds)
+        if a.only_against:
+            return
     print(f"compression: epochal byte planes + zstd vs zstd -3 on the raw buffer; GB/s per core; "
           f"{a.rounds} rounds, {a.threads} threads for t={a.threads}")
     head = None

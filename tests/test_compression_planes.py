@@ -4,6 +4,7 @@ the documented numpy reader; a blob whose planes gain nothing stays raw."""
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -154,3 +155,42 @@ def test_the_documented_numpy_reader_decodes_raw_planes(tmp_path):
     got = ns["read_native"](path)
     for k, v in blobs.items():
         assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), k
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_segment_is_its_streams_one_after_the_other_on_any_threads(threads, mapped, monkeypatch):
+    """The stored bytes of a segment (several frames, the last one short; the low plane raw)
+    are its streams in order, each with its length and checksum; several threads encoding
+    runs of frames store the same bytes as one; they decode to the same bits. ``mapped``:
+    in the anonymous map a large segment's bytes are written to."""
+    from epochal.storage.encoding import planes
+    from epochal.storage.io.checksum import checksum_function, default_algorithm
+
+    if mapped:
+        monkeypatch.setattr(planes, "_MAP_MIN", 0)
+
+    fn = checksum_function(default_algorithm())
+    rng = np.random.default_rng(threads)
+    words = (rng.normal(0, 0.02, 9 * FRAME // 4 + 3).astype(np.float32).view(np.uint32) >> 16).astype("<u2")
+    view = memoryview(words.view(np.uint8))
+    c = compress.compress_segment(view, 2, WriteOptions("zstd", threads=threads), fn)
+    one = compress.compress_segment(view, 2, WriteOptions("zstd", threads=1), fn)
+    assert c is not None and one is not None
+    root = c.data.obj
+    while isinstance(root, (np.ndarray, memoryview)):
+        root = root.base if isinstance(root, np.ndarray) else root.obj
+    assert isinstance(root, mmap.mmap) == mapped
+    assert bytes(c.data) == bytes(one.data) and c.lengths == one.lengths and c.crcs == one.crcs
+    streams = c.streams
+    assert len(streams) == 2 * 5 and [len(s) for s in streams] == c.lengths
+    assert b"".join(streams) == bytes(c.data) and c.nbytes == sum(c.lengths)
+    assert c.crcs == [fn(s, 0) for s in streams]
+    rotated = (words << 1) | (words >> 15)
+    for fr in range(5):
+        low = rotated[fr * FRAME // 2:(fr + 1) * FRAME // 2].astype(np.uint8)
+        assert bytes(streams[2 * fr]) == bytes(compress.raw_frame(low))  # written from the words
+    out = memoryview(bytearray(view.nbytes))
+    compress.decode_frames(c.codec, c.planes, c.frame_bytes, c.logical, 0, streams, out, threads)
+    assert bytes(out) == view.tobytes()

@@ -159,3 +159,31 @@ def test_changed_runs_and_references_tile_the_chunk_like_a_full_save(tmp_path):
         src.close()
     full = (d_full / "local.3").read_bytes()
     assert bytes(buf) == full
+
+
+def test_one_changed_byte_anywhere_in_a_unit_stores_exactly_that_unit(tmp_path):
+    # a unit's comparison reads its word flags in groups: a byte changed at a unit's first,
+    # last or a group's edge, or in the short unit at the segment's end, is still found
+    n = 262_144 + 25  # float32: 1 MiB and 100 bytes, the last unit short
+    a = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    b = a.copy()
+    u = incremental.DIFF_UNIT
+    at = [0, 10 * u + u - 1, 20 * u + 63, 20 * u + 64, 30 * u + 100, 4 * n - 1]
+    b.view(np.uint8)[at] ^= 0x5A
+    d = tmp_path / "d"
+    with ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
+        ck.save(1, {"emb": a})
+        ck.save(2, {"emb": b})
+    lo, hi = _emb_range(d / "local.2")
+    src = open_db(str(d / "local.2"))
+    try:
+        ext = src.ex.ext
+        loff = ext["loff"].astype(np.int64)
+        sel = (loff >= lo) & (loff < hi) & (ext["source"] == 0)
+        end = np.minimum(loff[sel] + ext["length"][sel].astype(np.int64), hi)  # (the stored index follows)
+        stored = sorted(zip((loff[sel] - lo).tolist(), (end - loff[sel]).tolist()))
+    finally:
+        src.close()
+    units = sorted({x // u for x in at})
+    assert stored == [(k * u, min(u, 4 * n - k * u)) for k in units]
+    assert _restore_fresh(d, 2, (n,), tmp_path).tobytes() == b.tobytes()

@@ -38,6 +38,18 @@ from typing import Any
 
 import numpy as np
 
+from .planes import (
+    _alloc,
+    _bound,
+    _buf,
+    _merge,
+    _raw_frame_into,
+    _raw_size,
+    _split,
+    _words,
+    raw_frame,
+)
+
 __all__ = [
     "AUTO_MIN_RATIO", "CODEC_PLANES", "CODEC_ZSTD", "COMPRESSIONS", "FRAME_BYTES", "MIN_BYTES",
     "Compressed", "WRITE_OPTIONS", "WriteOptions", "check_compression", "compress_segment",
@@ -57,7 +69,6 @@ AUTO_MIN_RATIO = 1.02
 COMPRESSIONS = (None, "zstd", "auto")
 #: torch dtype names of floats split into byte planes, and their widths
 _TORCH_FLOATS = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "complex64": 4, "complex128": 8}
-_UINT: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def check_compression(value: Any) -> str | None:
@@ -140,64 +151,6 @@ def numpy_width(dtype: Any) -> int:
     return dt.itemsize if dt.itemsize in (2, 4, 8) else 0
 
 
-# ---------------------------------------------------------------- planes
-_scratch = threading.local()
-#: the largest scratch array kept per thread and slot (a 4 MiB frame needs 8 MiB at most)
-_SCRATCH_MAX = 8 << 20
-
-
-def _buf(slot: int, dtype: Any, n: int) -> np.ndarray:
-    """This thread's scratch array number ``slot`` of ``n`` items of ``dtype``, reused from
-    frame to frame: a fresh array per frame costs a page fault per 4 KiB, which on a 4 MiB
-    frame took longer than the arithmetic. Valid until the next call with the same slot.
-    A thread keeps about 12 MiB of them for 4 MiB frames (two word arrays and the planes)."""
-    if n * np.dtype(dtype).itemsize > _SCRATCH_MAX:  # (frames of others' files: not kept)
-        return np.empty(n, dtype=dtype)
-    cache = getattr(_scratch, "b", None)
-    if cache is None:
-        cache = _scratch.b = {}
-    a = cache.get(slot)
-    if a is None or a.dtype != dtype or len(a) < n:
-        a = cache[slot] = np.empty(max(n, 1), dtype=dtype)
-    return a[:n]  # type: ignore[no-any-return]
-
-
-def _split(frame: np.ndarray, w: int) -> list[np.ndarray]:
-    """The ``w`` byte planes of the rotated words of ``frame`` (uint8, a multiple of w), in
-    this thread's scratch arrays (valid until its next split: the caller compresses them
-    first). Each plane is cut from the rotated words by a truncating cast (one vectorised
-    pass per plane; a strided transpose of the bytes is about half as fast)."""
-    x = frame.view(_UINT[w])
-    n = len(x)
-    r, t = _buf(0, x.dtype, n), _buf(1, x.dtype, n)
-    np.left_shift(x, 1, out=r)
-    np.right_shift(x, 8 * w - 1, out=t)
-    r |= t
-    out = []
-    for j in range(w):
-        if j:
-            r >>= 8
-        p = _buf(2 + j, np.uint8, n)
-        np.copyto(p, r, casting="unsafe")  # (keeps the low byte)
-        out.append(p)
-    return out
-
-
-def _merge(planes: Sequence[bytes], out: np.ndarray, w: int) -> None:
-    """Inverse of :func:`_split`: the planes' bytes into ``out`` (uint8), words rotated back."""
-    x = out.view(_UINT[w])
-    t = _buf(1, x.dtype, len(x))
-    np.copyto(x, np.frombuffer(planes[w - 1], dtype=np.uint8), casting="unsafe")
-    for j in range(w - 2, -1, -1):
-        x <<= 8
-        np.copyto(t, np.frombuffer(planes[j], dtype=np.uint8), casting="unsafe")
-        x |= t
-    # rotate right by one bit: the sign bit back from bit 0 to the top
-    np.left_shift(x, 8 * w - 1, out=t)
-    x >>= 1
-    x |= t
-
-
 # ---------------------------------------------------------------- zstd, one context per thread
 _local = threading.local()
 #: byte planes are compressed with these zstd parameters instead of a level: matches of at
@@ -277,22 +230,28 @@ def _map(fn: Callable[[int], Any], n: int, threads: int) -> list[Any]:
 @dataclass
 class Compressed:
     """A segment's encoded form: codec, planes per frame (1 for zstd), logical bytes per
-    frame, logical length, the streams (in order) and each stream's checksum."""
+    frame, logical length, the stored bytes (its streams one after the other), each
+    stream's length and checksum."""
 
     codec: int
     planes: int
     frame_bytes: int
     logical: int
-    streams: list[bytes]
+    data: memoryview
+    lengths: list[int]
     crcs: list[int]
 
     @property
     def nbytes(self) -> int:
-        return sum(map(len, self.streams))
+        return self.data.nbytes
+
+    @property
+    def streams(self) -> list[memoryview]:
+        """Each stream's bytes (views of :attr:`data`)."""
+        ends = np.cumsum(self.lengths).tolist()
+        return [self.data[e - n:e] for e, n in zip(ends, self.lengths)]
 
 
-#: zstd's largest block (RFC 8878: Block_Maximum_Size is at most 128 KiB)
-_BLOCK = 128 << 10
 #: a byte plane whose sample shrinks by less than this is stored in raw zstd blocks
 PLANE_MIN_RATIO = 1.03
 #: float segments of at least this many bytes sample their planes first (smaller ones zstd
@@ -302,39 +261,72 @@ PLANE_SAMPLE_MIN = 4 << 20
 PLANE_SAMPLE_BYTES = 16 << 10
 
 
-def raw_frame(data: Any) -> bytes:
-    """``data`` as one zstd frame of raw (stored) blocks: any zstd decoder returns it with a
-    copy. Magic, a single-segment header with a 4-byte content size, then blocks of at most
-    128 KiB, each behind its 3-byte header (last-block bit, type 0, size): 9 bytes plus 3 per
-    128 KiB, against zstd's own attempt at compressing a plane that does not compress."""
-    mv = memoryview(data).cast("B")
-    n = mv.nbytes
-    if n >= 1 << 32:
-        raise ValueError("a raw zstd frame of 4 GiB or more")
-    parts: list[Any] = [b"\x28\xb5\x2f\xfd\xa0" + n.to_bytes(4, "little")]
-    at = 0
-    while True:
-        size = min(_BLOCK, n - at)
-        last = at + size >= n
-        parts.append(((size << 3) | int(last)).to_bytes(3, "little"))
-        parts.append(mv[at:at + size])
-        at += size
-        if last:
-            return b"".join(parts)
+def _encode(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bool]) -> tuple[np.ndarray, list[int]]:
+    """Every frame of ``data`` encoded (as :func:`_frames`), the streams written one after
+    the other into one buffer: (those bytes, each stream's length). The buffer is sized for
+    the worst case but touched only where written (a fresh page costs a fault per 4 KiB, so
+    streams are never joined afterwards); a raw plane goes from the words straight into it
+    and a zstd stream is copied in as it comes. Each of ``threads`` workers encodes a run
+    of whole frames into its own region of it; the runs are then moved down, each to the
+    end of the one before (``memmove``: no second buffer)."""
+    n = len(data)
+    size = FRAME_BYTES
+    nframes = -(-n // size)
+    runs = max(1, min(threads, nframes))
+    cuts = [nframes * i // runs for i in range(runs + 1)]
+
+    def bound(m: int) -> int:  # (a frame of m words)
+        return sum(_raw_size(m) if raw and raw[j] else _bound(m) for j in range(w))
+
+    last = (n - (nframes - 1) * size) // w
+    full = bound(size // w)
+    starts = [full * k for k in cuts[:-1]]  # (every frame but the last is full)
+    out = _alloc(full * (nframes - 1) + bound(last))
+    lengths: list[list[int]] = [[] for _ in range(runs)]
+
+    def run(i: int) -> int:
+        c = _compressor(level if w == 1 else PLANE_LEVEL)
+        at, mine = starts[i], lengths[i]
+        for k in range(cuts[i], cuts[i + 1]):
+            frame = data[k * size:min(n, (k + 1) * size)]
+            planes: Iterator[np.ndarray] = iter((frame,)) if w == 1 else _words(frame, w)
+            for j, r in enumerate(planes):
+                m = len(r)
+                if raw and raw[j]:
+                    got = _raw_frame_into(out[at:], r, m)
+                else:
+                    if w > 1:
+                        p = _buf(2 + j, np.uint8, m)
+                        np.copyto(p, r, casting="unsafe")  # (keeps the low byte)
+                        r = p
+                    s = c.compress(r)
+                    got = len(s)
+                    out[at:at + got] = np.frombuffer(s, dtype=np.uint8)
+                at += got
+                mine.append(got)
+        return at - starts[i]
+
+    used = _map(run, runs, threads)
+    mv = out.data
+    at = used[0]
+    for i in range(1, runs):  # (memoryview slice assignment is a memmove: overlap allowed)
+        mv[at:at + used[i]] = mv[starts[i]:starts[i] + used[i]]
+        at += used[i]
+    return out[:at], [x for ls in lengths for x in ls]
 
 
-def _frames(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bool] = ()) -> list[list[bytes]]:
+def _frames(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bool] = ()) -> list[list[Any]]:
     """Each frame of ``data`` compressed: one stream (``w`` 1) or its ``w`` planes' streams;
     the planes ``raw`` marks are stored in raw blocks instead of compressed."""
     return _frames_of(data, w, FRAME_BYTES, level, threads, raw)
 
 
 def _frames_of(data: np.ndarray, w: int, size: int, level: int = 3, threads: int = 1,
-               raw: Sequence[bool] = ()) -> list[list[bytes]]:
+               raw: Sequence[bool] = ()) -> list[list[Any]]:
     """:func:`_frames` with frames of ``size`` bytes."""
     n = len(data)
 
-    def one(k: int) -> list[bytes]:
+    def one(k: int) -> list[Any]:
         frame = data[k * size:min(n, (k + 1) * size)]
         c = _compressor(level if w == 1 else PLANE_LEVEL)
         parts = _split(frame, w) if w > 1 else [frame]
@@ -388,13 +380,14 @@ def compress_segment(view: memoryview, width: int, options: WriteOptions, fn: An
         if got * AUTO_MIN_RATIO > len(sample):
             return None
     raw = _raw_planes(data, w) if w > 1 and n >= PLANE_SAMPLE_MIN else []
-    frames = _frames(data, w, options.level, options.threads, raw)
-    streams = [s for f in frames for s in f]
-    size = sum(map(len, streams))
+    out, lengths = _encode(data, w, options.level, options.threads, raw)
+    size = len(out)
     if size >= n or (mode == "auto" and size * AUTO_MIN_RATIO > n):
         return None
-    return Compressed(CODEC_PLANES if w > 1 else CODEC_ZSTD, w, FRAME_BYTES, n, streams,
-                      [fn(s, 0) for s in streams])
+    stored = out.data
+    ends = np.cumsum(lengths).tolist()
+    return Compressed(CODEC_PLANES if w > 1 else CODEC_ZSTD, w, FRAME_BYTES, n, stored, lengths,
+                      [fn(stored[e - ln:e], 0) for e, ln in zip(ends, lengths)])
 
 
 # ---------------------------------------------------------------- decode

@@ -260,9 +260,9 @@ def _compress(views: list[memoryview], widths: list[int], options: WriteOptions,
         if c is None:
             continue
         rows.append((k, c.codec, c.planes, c.frame_bytes, len(lens), c.logical))
-        lens.extend(map(len, c.streams))
+        lens.extend(c.lengths)
         crcs.extend(c.crcs)
-        views[k] = memoryview(b"".join(c.streams))
+        views[k] = c.data
     coded = np.array(rows, dtype=CODED_DTYPE) if rows else _NO_CODED
     streams = np.zeros(len(lens), dtype=STREAM_DTYPE)
     streams["length"] = lens

@@ -40,6 +40,10 @@ Piece = tuple[int, int, int, int]
 Decide = Callable[[int, memoryview], tuple[Any, bytes | None]]
 
 
+#: pieces shorter than this are checksummed keeping the GIL (see ``ExtentSink.fn_small``)
+_SMALL = 64 << 10
+
+
 def digest(data: Any) -> bytes:
     """A chunk's content identity: BLAKE2b-128 (hashlib; releases the GIL on big buffers)."""
     return hashlib.blake2b(data, digest_size=16).digest()
@@ -56,6 +60,9 @@ class ExtentSink:
                  decide: Decide, refs: list[RefFile], *, step: int = -1, breaks: Sequence[int] = ()) -> None:
         self.inner, self.name = inner, inner.name
         self.algorithm, self.fn = algorithm, checksum_function(algorithm)
+        #: for the changed runs (a row or a few, thousands a save): on this thread, keeping
+        #: the GIL (releasing it per piece hands it to the file's checksum thread and waits)
+        self.fn_small = checksum_function(algorithm, inline=True)
         self.logical_size, self.step = logical_size, step
         self.chunks, self.decide, self.refs = list(chunks), decide, refs
         self.breaks = sorted(set(breaks))
@@ -158,10 +165,10 @@ class ExtentSink:
             stored.append(mv)
             if i == 0 and self._open is not None:  # it continues the stored extent before it
                 self._open[1] += n
-                self._open[2] = self.fn(mv, self._open[2])
+                self._open[2] = (self.fn if n >= _SMALL else self.fn_small)(mv, self._open[2])
                 keep[0] = False
             else:
-                rows[i, 3], rows[i, 4] = self.fn(mv, 0), self.phys
+                rows[i, 3], rows[i, 4] = (self.fn if n >= _SMALL else self.fn_small)(mv, 0), self.phys
             self.phys += n
             self.stored_bytes += n
         if keep[0] or len(rows) > 1:  # (the open extent, maybe just grown, precedes the rest)

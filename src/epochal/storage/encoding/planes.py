@@ -1,0 +1,149 @@
+"""Byte planes of float words, and zstd frames of raw blocks, for :mod:`.compress`.
+
+A float word of ``w`` bytes (little-endian) is rotated left by one bit, so that the sign
+bit moves to bit 0 and the exponent fills the top byte, and cut into ``w`` byte planes.
+A plane that does not compress is stored as a zstd frame of raw blocks, written straight
+from the words into its place in the segment's stored bytes. Each thread reuses scratch
+arrays from frame to frame (a fresh array costs a page fault per 4 KiB).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+_UINT: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_scratch = threading.local()
+#: the largest scratch array kept per thread and slot (a 4 MiB frame needs 8 MiB at most)
+_SCRATCH_MAX = 8 << 20
+
+
+def _buf(slot: int, dtype: Any, n: int) -> np.ndarray:
+    """This thread's scratch array number ``slot`` of ``n`` items of ``dtype``, reused from
+    frame to frame: a fresh array per frame costs a page fault per 4 KiB, which on a 4 MiB
+    frame took longer than the arithmetic. Valid until the next call with the same slot.
+    A thread keeps about 12 MiB of them for 4 MiB frames (two word arrays and the planes)."""
+    if n * np.dtype(dtype).itemsize > _SCRATCH_MAX:  # (frames of others' files: not kept)
+        return np.empty(n, dtype=dtype)
+    cache = getattr(_scratch, "b", None)
+    if cache is None:
+        cache = _scratch.b = {}
+    a = cache.get(slot)
+    if a is None or a.dtype != dtype or len(a) < n:
+        a = cache[slot] = np.empty(max(n, 1), dtype=dtype)
+    return a[:n]  # type: ignore[no-any-return]
+
+
+def _words(frame: np.ndarray, w: int) -> Iterator[np.ndarray]:
+    """The rotated words of ``frame`` (uint8, a multiple of w), shifted right by 8 bits
+    from one item to the next so that item ``j`` holds byte plane ``j`` in its low byte:
+    a plane is cut from it by a truncating cast (one vectorised pass per plane; a strided
+    transpose of the bytes, or a lookup table, measured several times slower). One array
+    of this thread's scratch, changed in place: use each item before taking the next."""
+    x = frame.view(_UINT[w])
+    n = len(x)
+    r, t = _buf(0, x.dtype, n), _buf(1, x.dtype, n)
+    np.left_shift(x, 1, out=r)
+    np.right_shift(x, 8 * w - 1, out=t)
+    r |= t
+    for j in range(w):
+        if j:
+            r >>= 8
+        yield r
+
+
+def _split(frame: np.ndarray, w: int) -> list[np.ndarray]:
+    """The ``w`` byte planes of the rotated words of ``frame``, in this thread's scratch
+    arrays (valid until its next split: the caller compresses them first)."""
+    out = []
+    for j, r in enumerate(_words(frame, w)):
+        p = _buf(2 + j, np.uint8, len(r))
+        np.copyto(p, r, casting="unsafe")  # (keeps the low byte)
+        out.append(p)
+    return out
+
+
+def _merge(planes: Sequence[bytes], out: np.ndarray, w: int) -> None:
+    """Inverse of :func:`_split`: the planes' bytes into ``out`` (uint8), words rotated back."""
+    x = out.view(_UINT[w])
+    t = _buf(1, x.dtype, len(x))
+    np.copyto(x, np.frombuffer(planes[w - 1], dtype=np.uint8), casting="unsafe")
+    for j in range(w - 2, -1, -1):
+        x <<= 8
+        np.copyto(t, np.frombuffer(planes[j], dtype=np.uint8), casting="unsafe")
+        x |= t
+    # rotate right by one bit: the sign bit back from bit 0 to the top
+    np.left_shift(x, 8 * w - 1, out=t)
+    x >>= 1
+    x |= t
+
+
+
+#: zstd's largest block (RFC 8878: Block_Maximum_Size is at most 128 KiB)
+_BLOCK = 128 << 10
+
+
+def raw_frame(data: Any) -> bytearray:
+    """``data`` as one zstd frame of raw (stored) blocks: any zstd decoder returns it with a
+    copy. Magic, a single-segment header with a 4-byte content size, then blocks of at most
+    128 KiB, each behind its 3-byte header (last-block bit, type 0, size): 9 bytes plus 3 per
+    128 KiB, against zstd's own attempt at compressing a plane that does not compress."""
+    mv = memoryview(data).cast("B")
+    out = bytearray(_raw_size(mv.nbytes))
+    _raw_frame_into(np.frombuffer(out, dtype=np.uint8), np.frombuffer(mv, dtype=np.uint8), mv.nbytes)
+    return out
+
+
+def _raw_size(n: int) -> int:
+    """The bytes of :func:`raw_frame` of ``n`` bytes."""
+    return 9 + 3 * max(1, -(-n // _BLOCK)) + n
+
+
+def _raw_frame_into(buf: np.ndarray, values: np.ndarray, n: int) -> int:
+    """Write the raw zstd frame (:func:`raw_frame`) of the low bytes of the ``n`` items of
+    ``values`` at the start of ``buf`` (uint8); its length. ``values`` may be of any
+    unsigned dtype: each item is cast to its low byte as it is copied into place, so a byte
+    plane goes from the words into the frame in one pass."""
+    if n >= 1 << 32:
+        raise ValueError("a raw zstd frame of 4 GiB or more")
+    full, rem = divmod(n, _BLOCK)
+    blocks = full + (rem > 0 or n == 0)
+    buf[:9] = np.frombuffer(b"\x28\xb5\x2f\xfd\xa0" + n.to_bytes(4, "little"), dtype=np.uint8)
+    step = _BLOCK + 3
+    sizes = np.full(blocks, _BLOCK << 3, dtype="<u4")
+    sizes[-1] = ((rem if rem or n == 0 else _BLOCK) << 3) | 1  # (the last block's bit)
+    heads = np.lib.stride_tricks.as_strided(buf[9:], shape=(blocks, 3), strides=(step, 1))
+    heads[:] = sizes.view(np.uint8).reshape(blocks, 4)[:, :3]
+    if full:
+        body = np.lib.stride_tricks.as_strided(buf[12:], shape=(full, _BLOCK), strides=(step, 1))
+        np.copyto(body, values[:full * _BLOCK].reshape(full, _BLOCK), casting="unsafe")
+    if rem:
+        at = 9 + full * step + 3
+        np.copyto(buf[at:at + rem], values[full * _BLOCK:n], casting="unsafe")
+    return 9 + 3 * blocks + n
+
+
+#: outputs of at least this many bytes get an anonymous map of their own (:func:`_alloc`);
+#: (so a save holds at most one map per 64 MiB of compressed segments: the kernel caps
+#: a process's maps, at 65,530 by default)
+_MAP_MIN = 64 << 20
+
+
+def _alloc(n: int) -> np.ndarray:
+    """``n`` bytes of fresh memory (uint8), untouched until written, so only the pages
+    written are ever resident. A large one is an anonymous map of 4 KiB pages: numpy asks
+    for huge pages for a large array, measured faster on a 256 MiB segment when the kernel
+    had them at hand but about three times slower in the rounds where it compacted memory
+    first; 4 KiB pages are steady."""
+    if n < _MAP_MIN:
+        return np.empty(n, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+
+
+def _bound(n: int) -> int:
+    """zstd's ZSTD_COMPRESSBOUND: the most bytes one frame of ``n`` bytes compresses to."""
+    return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < 128 << 10 else 0)
