@@ -10,7 +10,13 @@ in this process and ``jax.distributed`` over ``127.0.0.1:PORT`` (process PID); w
   every addressable shard bit for bit with the values of SEED;
 * ``differ``: a save of STEP whose plain value differs between the processes;
 * ``die``: a save of STEP in which process 1 exits (code 17) once its db is written, before
-  the processes agree to commit.
+  the processes agree to commit;
+* ``keep``: saves of steps 1..STEP (step ``s`` the pytree of seed ``s``) with
+  ``keep_last=SEED``;
+* ``async``: an async save of STEP whose writes wait until every live shard buffer was
+  overwritten in place (as a donated buffer is reused on an accelerator), then joined;
+* ``async_fail``: an async save of STEP whose write fails on process 1, joined (the error
+  printed), then a save of STEP + 1.
 
 Prints one JSON line.
 """
@@ -130,8 +136,61 @@ def main() -> None:
         assert step is not None
         ej.save(DIR, step, tree(seed, False, False))
         print(json.dumps({"saved": step}))
+    elif ACTION == "keep":
+        assert step is not None
+        for s in range(1, step + 1):
+            ej.save(DIR, s, tree(s, False, False), keep_last=seed)
+        print(json.dumps({"saved": list(range(1, step + 1)), "process": jax.process_index()}))
+    elif ACTION in ("async", "async_fail"):
+        assert step is not None
+        print(json.dumps(background(step, seed)))
     else:
         raise SystemExit(f"unknown action {ACTION}")
+
+
+def overwrite(x: Any) -> None:
+    """Every addressable shard buffer of ``x`` filled with 0x5a bytes in place."""
+    import ctypes
+
+    for s in x.addressable_shards:
+        ctypes.memset(s.data.unsafe_buffer_pointer(), 0x5A, s.data.nbytes)
+
+
+def background(step: int, seed: int) -> dict[str, Any]:
+    import threading
+
+    from epochal.jax import multiprocess
+
+    real, go = multiprocess.write_native, threading.Event()
+
+    def held_write(path: str, blobs: Any) -> int:
+        assert go.wait(120), "the save never let the write go"
+        if ACTION == "async_fail" and jax.process_index() == 1:
+            raise OSError(28, "No space left on device (injected)", path)
+        return real(path, blobs)
+
+    multiprocess.write_native = held_write  # type: ignore[assignment]
+    t = tree(seed, False, False)
+    pending = ej.save(DIR, step, t, async_save=True)
+    assert pending is not None and not pending.done()
+    out: dict[str, Any] = {"process": jax.process_index()}
+    if ACTION == "async":
+        for x in (t["params"]["w"], t["params"]["e"], t["b"], t["one"]):
+            overwrite(x)
+        live = np.asarray(t["params"]["w"].addressable_shards[0].data).view(np.uint32)
+        out["live"] = sorted({hex(v) for v in live.reshape(-1).tolist()})
+    go.set()
+    try:
+        pending.wait()
+        out["waited"] = "ok"
+    except Exception as ex:
+        out["waited"] = f"{type(ex).__name__}: {ex}"
+    if ACTION == "async_fail":
+        multiprocess.write_native = real  # type: ignore[assignment]
+        ej.wait()  # (the error was taken: nothing more to raise)
+        ej.save(DIR, step + 1, tree(seed, False, False))
+        out["next"] = step + 1
+    return out
 
 
 if __name__ == "__main__":

@@ -206,3 +206,50 @@ def test_a_record_of_one_process_part_is_refused_alone_and_parts_must_cover_toge
     with pytest.raises(ValueError, match="overlap"):
         check_cover((4, 2), [((0, 0), (2, 2)), ((1, 0), (2, 2))])
     check_cover((4, 2), [((0, 0), (2, 2)), ((2, 0), (2, 2))])
+
+
+@pytest.mark.system
+def test_retention_of_a_job_of_two_processes_keeps_every_db_of_the_newest_steps(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    with open(os.path.join(d, "proc0.9"), "wb") as f:  # a newer step being written (by another run)
+        f.write(b"partial")
+    assert job("keep", d, 2, "4", 2) == [{"saved": [1, 2, 3, 4], "process": 0},
+                                         {"saved": [1, 2, 3, 4], "process": 1}]
+    # the two newest steps' dbs (every process's) and manifests remain, nothing of steps 1, 2
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.3", "proc0.4", "proc0.9", "proc1.3", "proc1.4"]
+    assert sorted(n for n in os.listdir(os.path.join(d, ".epochal")) if n.startswith("manifest")) == \
+        ["manifest.3.json", "manifest.4.json"]
+    assert CheckpointDirectory(d).committed_epochs() == [3, 4]
+    # both restore, value for value, in fresh processes: step 3 on two, step 4 on one
+    assert job("restore", d, 2, "3", 3) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
+    assert job("restore", d, 1, "4", 4) == [{"shards": [25, 25], "process": 0}]
+
+
+@pytest.mark.system
+def test_an_async_save_of_two_processes_writes_the_values_of_the_moment_it_returned(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    outs = job("async", d, 2, "6", 1)
+    # every live shard buffer was overwritten after save returned, before its write began
+    assert [o["live"] for o in outs] == [["0x5a5a5a5a"], ["0x5a5a5a5a"]]
+    assert [o["waited"] for o in outs] == ["ok", "ok"]
+    assert CheckpointDirectory(d).committed_epochs() == [6]
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.6", "proc1.6"]
+    # restored in fresh processes: the values of seed 1, as they were when save returned
+    assert job("restore", d, 1, "6", 1) == [{"shards": [25, 25], "process": 0}]
+    assert job("restore", d, 2, "-", 1) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
+
+
+@pytest.mark.system
+def test_a_failed_background_write_raises_on_every_process_at_wait(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    outs = job("async_fail", d, 2, "6", 0)
+    # process 1 its own error; process 0 names process 1; neither commits step 6
+    assert outs[1]["waited"].startswith("OSError: [Errno 28] No space left on device (injected)"), outs[1]
+    assert outs[0]["waited"].startswith("CheckpointError: ") and "step 6 was not saved: process(es) [1] " \
+        "failed to write their db" in outs[0]["waited"], outs[0]
+    # the job goes on: the next save commits; step 6 never was
+    assert [o["next"] for o in outs] == [7, 7]
+    view = CheckpointDirectory(d)
+    assert view.committed_epochs() == [7]
+    assert not os.path.exists(os.path.join(d, ".epochal", "manifest.6.json"))
+    assert job("restore", d, 1, "-", 0) == [{"shards": [25, 25], "process": 0}]

@@ -22,10 +22,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..checkpoint.location.retention import RetentionPolicy
 from ..checkpoint.location.view import CheckpointDirectory
 from ..checkpointer import Checkpointer
 from ..checkpointer.parts import NODE
 from ..errors import BlobMismatchError, CheckpointNotFoundError, MissingBlobError
+from .background import PendingSave, join_pending, one_process_pending
 from .dcp import is_dcp_step
 from .host import HostChunks, HostTensor, to_host
 from .mapping import NameMap, Target, map_leaves
@@ -34,7 +36,7 @@ from .names import Leaf, flat_leaves, leaf_label, nest
 from .reads import DEFAULT_CHUNK, Task, aligned_empty
 from .sources import DcpSource, LocalSource, ProcessesSource, Source
 
-__all__ = ["DEFAULT_CHUNK", "host_state", "restore", "save"]
+__all__ = ["DEFAULT_CHUNK", "host_state", "restore", "save", "wait"]
 
 #: threads reading the regions of one leaf at once
 READ_THREADS = 4
@@ -75,38 +77,72 @@ def host_state(pytree: Any, names: NameMap | None = None, *, copy: bool = False,
 
 
 def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int, pytree: Any, *,
-         metrics: Mapping[str, float] | None = None, names: NameMap | None = None) -> None:
+         metrics: Mapping[str, float] | None = None, names: NameMap | None = None,
+         keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
+         mode: str = "min", async_save: bool = False) -> PendingSave | None:
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
     are written once, from their host views, never assembled (:mod:`.host`). ``names``:
     the stored name of each leaf (:mod:`.mapping`; default: the pytree's own).
 
+    ``keep_last``/``keep_best``/``metric``/``mode`` (retention) and ``async_save`` are the
+    Checkpointer's options, for a save to a directory (given a Checkpointer, its own hold):
+    with ``async_save`` the save returns once the arrays are copied to host, with a
+    :class:`~.background.PendingSave` whose ``wait()`` commits it; the next save, a
+    restore, :func:`wait` or the end of the process joins it too.
+
     In a job of several processes (``jax.process_count() > 1``) every process calls it with
-    the same directory and step: each writes its own shards into a db of its own and
-    process 0 commits the step once every db is durable (:mod:`.multiprocess`)."""
+    the same directory, step and options: each writes its own shards into a db of its own
+    and process 0 commits the step once every db is durable, then applies the retention
+    (:mod:`.multiprocess`; async: :mod:`.background`)."""
+    options = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric}
+    given = [k for k, v in options.items() if v is not None] + (["async_save"] if async_save else [])
+    if isinstance(path_or_checkpointer, Checkpointer) and given:
+        raise ValueError(f"epochal.jax.save: {', '.join(given)} are options of a save to a directory; a "
+                         f"Checkpointer's own hold for its saves ({path_or_checkpointer!r})")
     if jax.process_count() > 1:
         if isinstance(path_or_checkpointer, Checkpointer):
             raise ValueError("epochal.jax.save in a job of several processes takes the directory (every process "
-                             "the same), not a Checkpointer: a Checkpointer holds its directory for one process")
+                             "the same), not a Checkpointer: a Checkpointer holds its directory for one process; "
+                             "pass its options (keep_last=, async_save=, ...) to save")
+        policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
         i, n = jax.process_index(), jax.process_count()
-        save_processes(path_or_checkpointer, step, lambda: host_state(pytree, names, process=(i, n)),
-                       plain_digest(flat_leaves(pytree)), metrics=metrics)
-        return
+        return save_processes(path_or_checkpointer, step,
+                              lambda: host_state(pytree, names, copy=async_save, process=(i, n)),
+                              plain_digest(flat_leaves(pytree)), metrics=metrics, policy=policy,
+                              background=async_save)
+    join_pending()
     state = host_state(pytree, names)
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
-        return
-    with Checkpointer(path_or_checkpointer, progress=False) as ckpt:
+        return None
+    ckpt = Checkpointer(path_or_checkpointer, progress=False, async_save=async_save, keep_last=keep_last,
+                        keep_best=keep_best, metric=metric, mode=mode)
+    try:
         ckpt.save(step, state, metrics=metrics)
+    except BaseException:
+        ckpt.close()
+        raise
+    if async_save:  # committed by the close, where it is joined
+        return one_process_pending(ckpt.directory, step, ckpt.close)
+    ckpt.close()
+    return None
+
+
+def wait() -> None:
+    """Wait for this process's async save in flight (:func:`save` with ``async_save``), if
+    any, and raise its error: at the end of a job, or before reading its step elsewhere."""
+    join_pending()
 
 
 def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None
                  ) -> tuple[Source, int]:
     """The source of committed ``step`` (None: the newest), its dbs checked against the
     manifest: a Checkpointer's db, or the rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
+    join_pending()  # this process's async save in flight is committed first
     if isinstance(path_or_checkpointer, Checkpointer):
-        path_or_checkpointer.wait()  # a pending async save is committed first
+        path_or_checkpointer.wait()
         directory: str = path_or_checkpointer.directory
     else:
         directory = os.fspath(path_or_checkpointer)

@@ -11,7 +11,13 @@ node ``proc<i>`` (``<dir>/proc<i>.<step>``: the way ranks of ``torch.distributed
    it is not committed yet, and the plain values are the same everywhere (their digests);
 2. after the writes: every db is written, fsynced and in place;
 3. process 0 then commits the step: one manifest naming every process's db with its size and
-   digest (under the directory's writer lock), and all learn whether it did.
+   digest, then applies the retention asked for (both under the directory's writer lock), and
+   all learn whether it committed.
+
+With ``background`` (an async save) the first agreement is made on the calling thread, over
+host copies of the shards; the write, the other two agreements and the commit run on a
+thread, agreeing through the job's coordination service rather than a JAX collective
+(:mod:`.background`); the next save, a restore or :func:`~.background.join_pending` joins it.
 
 A failure at any point raises on every process (the failing one its own error, the others
 CheckpointError naming the processes that failed) and leaves the step uncommitted; a process
@@ -34,11 +40,13 @@ from jax.experimental import multihost_utils
 
 from ..checkpoint.handler.directory import DirectoryMetadataHandler
 from ..checkpoint.handler.metadata import DbReport
+from ..checkpoint.location.retention import RetentionPolicy
 from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointError
 from ..storage.formats.native.reader import stat_native
 from ..storage.formats.native.writer import write_native
 from ..storage.io.seam import is_url, local_path
+from .background import Agree, PendingSave, agree_off_thread, join_pending, start_pending
 from .names import Leaf
 
 __all__ = ["PROCESS_NODE", "plain_digest", "process_nodes", "save_processes"]
@@ -85,12 +93,18 @@ def plain_digest(leaves: Iterable[Leaf]) -> int:
 
 
 def save_processes(directory: str | os.PathLike[str], step: int, build: Callable[[], dict[str, Any]], plain: int,
-                   *, metrics: Mapping[str, float] | None = None) -> None:
+                   *, metrics: Mapping[str, float] | None = None, policy: RetentionPolicy | None = None,
+                   background: bool = False) -> PendingSave | None:
     """Save step ``step`` in ``directory`` from every process of the job (collective; see the
-    module doc). ``build``: this process's part of the state (nested dicts of host values);
-    ``plain``: the :func:`plain_digest` of its pytree's plain values (saved once, process
-    0's: ValueError on every process when they differ)."""
-    i, n = jax.process_index(), jax.process_count()
+    module doc). ``build``: this process's part of the state (nested dicts of host values;
+    with ``background``, none sharing memory with a live buffer); ``plain``: the
+    :func:`plain_digest` of its pytree's plain values (saved once, process 0's: ValueError
+    on every process when they differ). ``policy``: the retention process 0 applies after
+    the commit (None: every step kept). ``background``: the first agreement here, the write,
+    the other two agreements and the commit on a thread (:mod:`.background`); its handle is
+    returned. A save still in flight from an earlier call is joined first (its error raised)."""
+    join_pending()
+    i = jax.process_index()
     path = local_path(directory)
     problem: BaseException | None = None
     state: dict[str, Any] = {}
@@ -100,6 +114,8 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
                              "(a shared file system), not a URL")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if background:
+            agree_off_thread()  # (the job's coordination service: RuntimeError when there is none)
         os.makedirs(path, exist_ok=True)
         if i == 0 and CheckpointDirectory(path).is_committed(step):
             raise CheckpointError(f"{path}: step {step} is already committed (a save never replaces one)")
@@ -117,32 +133,50 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
                          "processes; they are saved once, as process 0's: make them the same on every process "
                          "(nothing was written)")
     d = CheckpointDirectory(path)
-    node = PROCESS_NODE.format(i)
+
+    def finish(agree: Agree) -> None:
+        _finish(d, path, step, state, agree, metrics, policy)
+
+    if not background:
+        finish(lambda phase, failed: _gather([int(failed)])[:, 0])
+        return None
+    return start_pending(path, step, finish)
+
+
+def _finish(d: CheckpointDirectory, path: str, step: int, state: dict[str, Any], agree: Agree,
+            metrics: Mapping[str, float] | None, policy: RetentionPolicy | None) -> None:
+    """Every process: write its db, agree; process 0: commit (and apply ``policy``); agree."""
+    i, n = jax.process_index(), jax.process_count()
+    problem: BaseException | None = None
     try:
-        write_native(d.plain_db_path(node, step), state)  # temp file, fsync, rename, directory fsync
+        write_native(d.plain_db_path(PROCESS_NODE.format(i), step), state)  # temp, fsync, rename, dir fsync
     except Exception as ex:
         problem = ex
     finally:
-        state.clear()  # the host views of the shards are let go
-    _settle(_gather([int(problem is not None)])[:, 0], problem, path, step, "write their db")
+        state.clear()  # the host views (or copies) of the shards are let go
+    _settle(agree("written", problem is not None), problem, path, step, "write their db")
     if i == 0:
         try:
-            _commit(d, path, step, [PROCESS_NODE.format(r) for r in range(n)], metrics)
+            _commit(d, path, step, [PROCESS_NODE.format(r) for r in range(n)], metrics, policy)
         except Exception as ex:
             problem = ex
-    _settle(_gather([int(problem is not None)])[:, 0], problem, path, step, "commit the step")
+    _settle(agree("committed", problem is not None), problem, path, step, "commit the step")
 
 
 def _commit(d: CheckpointDirectory, path: str, step: int, nodes: list[str],
-            metrics: Mapping[str, float] | None) -> None:
+            metrics: Mapping[str, float] | None, policy: RetentionPolicy | None) -> None:
     """Process 0: the manifest of ``step`` naming every process's db (each db's size and
-    digest read from its header), under the directory's writer lock."""
+    digest read from its header), then ``policy``'s retention (the handler's: the dropped
+    steps' manifests first, then every process's db of them; never a newer step's files),
+    all under the directory's writer lock."""
     reports = {}
     for node in nodes:
         db = d.plain_db_path(node, step)
         st = stat_native(db)
         reports[node] = DbReport(st.file_bytes, st.digest, file=os.path.basename(db))
-    h = DirectoryMetadataHandler()
+    p = policy or RetentionPolicy()
+    h = DirectoryMetadataHandler(keep_last=p.keep_last, keep_every=p.keep_every, keep_best=p.keep_best,
+                                 metric=p.metric, mode=p.mode)
     h.set_params(db_prefix=path, db_type="native", node_names=nodes, path_prefix=None, path_type=None)
     h.acquire_lock()  # CheckpointLockedError naming the holder when another writer has it
     try:
