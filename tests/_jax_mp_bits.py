@@ -15,6 +15,7 @@ in this process and ``jax.distributed`` over ``127.0.0.1:PORT`` (process PID); w
   ``keep_last=SEED``;
 * ``async``: an async save of STEP whose writes wait until every live shard buffer was
   overwritten in place (as a donated buffer is reused on an accelerator), then joined;
+* ``async_exit``: an async save of STEP, and the process ends without joining it;
 * ``async_fail``: an async save of STEP whose write fails on process 1, joined (the error
   printed), then a save of STEP + 1.
 
@@ -141,6 +142,10 @@ def main() -> None:
         for s in range(1, step + 1):
             ej.save(DIR, s, tree(s, False, False), keep_last=seed)
         print(json.dumps({"saved": list(range(1, step + 1)), "process": jax.process_index()}))
+    elif ACTION == "async_exit":
+        assert step is not None
+        ej.save(DIR, step, tree(seed, False, False), async_save=True)
+        print(json.dumps({"left": step, "process": jax.process_index()}))
     elif ACTION in ("async", "async_fail"):
         assert step is not None
         print(json.dumps(background(step, seed)))

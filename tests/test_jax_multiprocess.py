@@ -240,6 +240,14 @@ def test_an_async_save_of_two_processes_writes_the_values_of_the_moment_it_retur
 
 
 @pytest.mark.system
+def test_an_async_save_left_in_flight_at_the_end_of_the_job_is_committed_before_it_exits(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    assert job("async_exit", d, 2, "8", 2) == [{"left": 8, "process": 0}, {"left": 8, "process": 1}]
+    assert CheckpointDirectory(d).committed_epochs() == [8]
+    assert job("restore", d, 1, "8", 2) == [{"shards": [25, 25], "process": 0}]
+
+
+@pytest.mark.system
 def test_a_failed_background_write_raises_on_every_process_at_wait(tmp_path: Any) -> None:
     d = str(tmp_path)
     outs = job("async_fail", d, 2, "6", 0)
