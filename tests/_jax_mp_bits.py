@@ -13,11 +13,16 @@ in this process and ``jax.distributed`` over ``127.0.0.1:PORT`` (process PID); w
   the processes agree to commit;
 * ``keep``: saves of steps 1..STEP (step ``s`` the pytree of seed ``s``) with
   ``keep_last=SEED``;
+* ``mixed``: a save of STEP, async on process 1 only;
+* ``best``: saves of steps 1..4 with losses 3, 1, 4, 2, ``keep_best=1`` by ``loss`` and
+  ``keep_last=1``;
 * ``async``: an async save of STEP whose writes wait until every live shard buffer was
   overwritten in place (as a donated buffer is reused on an accelerator), then joined;
 * ``async_exit``: an async save of STEP, and the process ends without joining it;
 * ``async_fail``: an async save of STEP whose write fails on process 1, joined (the error
   printed), then a save of STEP + 1.
+
+DIR may be a URL: the fsspec options that reach it are the JSON of ``JAX_MP_OPTS``.
 
 Prints one JSON line.
 """
@@ -46,6 +51,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epochal.jax as ej  # noqa: E402
+
+#: fsspec's options for a URL DIR (None: a local directory)
+OPTS = json.loads(os.environ.get("JAX_MP_OPTS", "null"))
 
 
 def values(seed: int) -> dict[str, Any]:
@@ -112,10 +120,10 @@ def main() -> None:
     seed = int(SEED)
     if ACTION == "save":
         assert step is not None
-        ej.save(DIR, step, tree(seed, False, False))
+        ej.save(DIR, step, tree(seed, False, False), storage_options=OPTS)
         print(json.dumps({"saved": step, "process": jax.process_index()}))
     elif ACTION == "restore":
-        shards = [compare(ej.restore(DIR, tree(seed, flip, True), step), seed) for flip in (False, True)]
+        shards = [compare(ej.restore(DIR, tree(seed, flip, True), step, storage_options=OPTS), seed) for flip in (False, True)]
         print(json.dumps({"shards": shards, "process": jax.process_index()}))
     elif ACTION == "differ":
         assert step is not None
@@ -140,8 +148,15 @@ def main() -> None:
     elif ACTION == "keep":
         assert step is not None
         for s in range(1, step + 1):
-            ej.save(DIR, s, tree(s, False, False), keep_last=seed)
+            ej.save(DIR, s, tree(s, False, False), keep_last=seed, storage_options=OPTS)
         print(json.dumps({"saved": list(range(1, step + 1)), "process": jax.process_index()}))
+    elif ACTION == "mixed":
+        assert step is not None
+        ej.save(DIR, step, tree(seed, False, False), async_save=jax.process_index() == 1)
+    elif ACTION == "best":
+        for s, loss in zip(range(1, 5), (3.0, 1.0, 4.0, 2.0)):
+            ej.save(DIR, s, tree(s, False, False), keep_last=1, keep_best=1, metric="loss", metrics={"loss": loss})
+        print(json.dumps({"saved": [1, 2, 3, 4], "process": jax.process_index()}))
     elif ACTION == "async_exit":
         assert step is not None
         ej.save(DIR, step, tree(seed, False, False), async_save=True)
@@ -176,7 +191,7 @@ def background(step: int, seed: int) -> dict[str, Any]:
 
     multiprocess.write_native = held_write  # type: ignore[assignment]
     t = tree(seed, False, False)
-    pending = ej.save(DIR, step, t, async_save=True)
+    pending = ej.save(DIR, step, t, async_save=True, storage_options=OPTS)
     assert pending is not None and not pending.done()
     out: dict[str, Any] = {"process": jax.process_index()}
     if ACTION == "async":

@@ -158,6 +158,13 @@ def test_plain_values_that_differ_between_processes_are_refused_on_every_process
         assert p.returncode == 1 and "ValueError" in err and "plain values of the pytree" in err, err[-3000:]
     assert sorted(os.listdir(d)) == [".epochal", "proc0.5", "proc1.5"]  # nothing written
     assert CheckpointDirectory(d).committed_epochs() == [5]
+    # an async save on one process only: refused on both before anything is written
+    procs = start("mixed", d, 2, "6", 0)
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 1 and "ValueError" in err and "async_save differs between the processes ([0, 1]" \
+            in err, err[-3000:]
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.5", "proc1.5"]
 
 
 @pytest.mark.system
@@ -223,6 +230,12 @@ def test_retention_of_a_job_of_two_processes_keeps_every_db_of_the_newest_steps(
     # both restore, value for value, in fresh processes: step 3 on two, step 4 on one
     assert job("restore", d, 2, "3", 3) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
     assert job("restore", d, 1, "4", 4) == [{"shards": [25, 25], "process": 0}]
+    # keep_best by the metrics given: the best step (2, loss 1.0) and the newest remain
+    best = str(tmp_path / "best")
+    job("best", best, 2, "4", 0)
+    assert CheckpointDirectory(best).committed_epochs() == [2, 4]
+    assert sorted(os.listdir(best)) == [".epochal", "proc0.2", "proc0.4", "proc1.2", "proc1.4"]
+    assert CheckpointDirectory(best).read_manifest(2).metrics == {"loss": 1.0}
 
 
 @pytest.mark.system
@@ -261,3 +274,30 @@ def test_a_failed_background_write_raises_on_every_process_at_wait(tmp_path: Any
     assert view.committed_epochs() == [7]
     assert not os.path.exists(os.path.join(d, ".epochal", "manifest.6.json"))
     assert job("restore", d, 1, "-", 0) == [{"shards": [25, 25], "process": 0}]
+
+
+@pytest.mark.system
+def test_two_processes_save_to_an_s3_url_with_retention_and_async_and_restore(s3: dict[str, Any], monkeypatch: Any
+                                                                              ) -> None:
+    import secrets
+
+    url = f"s3://ckpts/jaxmp-{secrets.token_hex(4)}/run"
+    monkeypatch.setenv("JAX_MP_OPTS", json.dumps(s3))
+    assert job("keep", url, 2, "3", 2) == [{"saved": [1, 2, 3], "process": 0}, {"saved": [1, 2, 3], "process": 1}]
+    view = CheckpointDirectory(url, storage_options=s3)
+    assert view.committed_epochs() == [2, 3]
+    # every process's db of the kept steps, named with one writer token per save; none of step 1
+    files = sorted((e, n) for e, n, _ in view.db_files())
+    assert files == [(2, "proc0"), (2, "proc1"), (3, "proc0"), (3, "proc1")], files
+    for step in (2, 3):
+        entries = view.read_manifest(step).nodes
+        tokens = {e.file.split(".")[-1] for e in entries.values()}
+        assert len(tokens) == 1 and next(iter(tokens)).startswith("w"), entries
+    assert not view.check_epoch(3, "full")
+    # an async save to the URL: the values of the moment save returned; retention not asked
+    outs = job("async", url, 2, "6", 1)
+    assert [o["waited"] for o in outs] == ["ok", "ok"]
+    assert CheckpointDirectory(url, storage_options=s3).committed_epochs() == [2, 3, 6]
+    # restored from the URL in fresh processes, value for value
+    assert job("restore", url, 2, "2", 2) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
+    assert job("restore", url, 1, "-", 1) == [{"shards": [25, 25], "process": 0}]

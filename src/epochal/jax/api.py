@@ -27,6 +27,8 @@ from ..checkpoint.location.view import CheckpointDirectory
 from ..checkpointer import Checkpointer
 from ..checkpointer.parts import NODE
 from ..errors import BlobMismatchError, CheckpointNotFoundError, MissingBlobError
+from ..storage.io.location import location_for
+from ..storage.io.seam import local_path
 from .background import PendingSave, join_pending, one_process_pending
 from .dcp import is_dcp_step
 from .host import HostChunks, HostTensor, to_host
@@ -79,15 +81,17 @@ def host_state(pytree: Any, names: NameMap | None = None, *, copy: bool = False,
 def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int, pytree: Any, *,
          metrics: Mapping[str, float] | None = None, names: NameMap | None = None,
          keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
-         mode: str = "min", async_save: bool = False) -> PendingSave | None:
+         mode: str = "min", async_save: bool = False, storage_options: dict[str, Any] | None = None
+         ) -> PendingSave | None:
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
     are written once, from their host views, never assembled (:mod:`.host`). ``names``:
     the stored name of each leaf (:mod:`.mapping`; default: the pytree's own).
 
-    ``keep_last``/``keep_best``/``metric``/``mode`` (retention) and ``async_save`` are the
-    Checkpointer's options, for a save to a directory (given a Checkpointer, its own hold):
+    ``keep_last``/``keep_best``/``metric``/``mode`` (retention), ``async_save`` and
+    ``storage_options`` (fsspec's, for a URL) are the Checkpointer's options, for a save to
+    a directory (given a Checkpointer, its own hold):
     with ``async_save`` the save returns once the arrays are copied to host, with a
     :class:`~.background.PendingSave` whose ``wait()`` commits it; the next save, a
     restore, :func:`wait` or the end of the process joins it too.
@@ -96,7 +100,7 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
     the same directory, step and options: each writes its own shards into a db of its own
     and process 0 commits the step once every db is durable, then applies the retention
     (:mod:`.multiprocess`; async: :mod:`.background`)."""
-    options = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric}
+    options = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "storage_options": storage_options}
     given = [k for k, v in options.items() if v is not None] + (["async_save"] if async_save else [])
     if isinstance(path_or_checkpointer, Checkpointer) and given:
         raise ValueError(f"epochal.jax.save: {', '.join(given)} are options of a save to a directory; a "
@@ -111,14 +115,14 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
         return save_processes(path_or_checkpointer, step,
                               lambda: host_state(pytree, names, copy=async_save, process=(i, n)),
                               plain_digest(flat_leaves(pytree)), metrics=metrics, policy=policy,
-                              background=async_save)
+                              background=async_save, storage_options=storage_options)
     join_pending()
     state = host_state(pytree, names)
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
         return None
     ckpt = Checkpointer(path_or_checkpointer, progress=False, async_save=async_save, keep_last=keep_last,
-                        keep_best=keep_best, metric=metric, mode=mode)
+                        keep_best=keep_best, metric=metric, mode=mode, storage_options=storage_options)
     try:
         ckpt.save(step, state, metrics=metrics)
     except BaseException:
@@ -136,8 +140,8 @@ def wait() -> None:
     join_pending()
 
 
-def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None
-                 ) -> tuple[Source, int]:
+def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None,
+                 storage_options: dict[str, Any] | None = None) -> tuple[Source, int]:
     """The source of committed ``step`` (None: the newest), its dbs checked against the
     manifest: a Checkpointer's db, or the rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
     join_pending()  # this process's async save in flight is committed first
@@ -145,8 +149,9 @@ def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, st
         path_or_checkpointer.wait()
         directory: str = path_or_checkpointer.directory
     else:
-        directory = os.fspath(path_or_checkpointer)
-    view = CheckpointDirectory(directory)
+        directory = local_path(path_or_checkpointer)
+        location_for(directory, storage_options).remember()  # (a URL's: for the dbs opened by path)
+    view = CheckpointDirectory(directory, storage_options=storage_options)
     if step is None:
         found = view.newest_committed()
         if found is None:
@@ -256,7 +261,7 @@ def _array(src: Source, t: Target, want: Any, chunk: int, pool: ThreadPoolExecut
 
 def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstract_pytree: Any,
             step: int | None = None, *, chunk_bytes: int = DEFAULT_CHUNK, partial: bool = False,
-            names: NameMap | None = None) -> Any:
+            names: NameMap | None = None, storage_options: dict[str, Any] | None = None) -> Any:
     """The pytree of ``abstract_pytree``'s structure restored from ``step`` (None: the newest
     committed one) of a Checkpointer's directory: each ``jax.ShapeDtypeStruct`` or
     ``jax.Array`` leaf as a ``jax.Array`` of its shape, dtype and sharding (a struct without
@@ -266,7 +271,8 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
     thread (:data:`READ_THREADS`) beyond the arrays returned: on CPU devices the arrays
     are the buffers read into (no copy), so a restore's host memory is bounded by the
     arrays plus ``READ_THREADS * chunk_bytes``. ``names``: where each leaf is
-    stored (:mod:`.mapping`; default: under its own names).
+    stored (:mod:`.mapping`; default: under its own names). ``storage_options``: fsspec's,
+    for a URL directory (a Checkpointer's own hold for it).
 
     Raises, naming the leaf (``params/w``) and the step: MissingBlobError for a leaf the
     checkpoint lacks; BlobMismatchError for another shape or dtype, or for leaves the
@@ -277,7 +283,10 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
     leaves = flat_leaves(abstract_pytree)
     targets = map_leaves(leaves, keystrs(abstract_pytree), names)
-    src, step = _step_source(path_or_checkpointer, step)
+    if storage_options is not None and isinstance(path_or_checkpointer, Checkpointer):
+        raise ValueError(f"epochal.jax.restore: storage_options are for a directory; a Checkpointer's own hold "
+                         f"({path_or_checkpointer!r})")
+    src, step = _step_source(path_or_checkpointer, step, storage_options)
     try:
         keys = [src.key(t.names) for t in targets]
         have = set(src.keys())
