@@ -253,6 +253,9 @@ def test_a_save_to_a_directory_takes_the_checkpointers_retention_and_async_optio
     import hashlib
 
     assert out.stdout.split() == ["4", hashlib.sha256(before).hexdigest()]
+    # a restore joins the async save in flight first: it finds that step committed
+    pending = ej.save(d, 5, {**tree, "count": 5}, async_save=True)
+    assert ej.restore(d, abstract_of(tree))["count"] == 5 and pending.done()
     with epochal.Checkpointer(str(tmp_path / "c")) as ckpt:
         with pytest.raises(ValueError, match="keep_last, async_save are options of a save to a directory"):
             ej.save(ckpt, 1, tree, keep_last=2, async_save=True)
