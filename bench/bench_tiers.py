@@ -22,7 +22,8 @@ times the parts of each save (the snapshot, the wait for the previous save, the 
 the copies to the peers); ``--train-only`` stops after the saves. ``--device cuda``: the
 shards live on the GPU (every rank on ``cuda:<local rank % devices>``; the group is still gloo),
 a save's blocked time is then its device-to-host copy, measured against a copy of the same
-shards into pinned host memory.
+shards into pinned host memory. ``--when-busy skip``: a save that would wait for the previous
+one's background work is skipped (the steps skipped are listed).
 
     python bench/bench_tiers.py --mib 512 --dir /dev/shm/bt --store /tmp/bt_store --rounds 3
 """
@@ -56,10 +57,13 @@ def profiled() -> dict[str, list[float]]:
     """Time the parts of a save (``--profile``): on the training thread, the state dict
     (``dcp_state``), the wait for the previous save (``wait``), the snapshot
     (``snapshot``); on the tier's thread, the local write (``write``) and the copies to the
-    peers (``replicate``). Returns {part: [seconds per call]}."""
+    peers (``replicate``). A CUDA state is planned and staged on the training thread
+    (``write``, of which ``stage`` the copies to pinned memory) and written on the tier's
+    (``write_deferred``). Returns {part: [seconds per call]}."""
     import functools
 
     from epochal.integrations.dcp.staging import HostStaging
+    from epochal.integrations.dcp.storage import EpochalStorageWriter
     from epochal.integrations.distributed import checkpointer as dc
     from epochal.integrations.distributed import tier as rt
 
@@ -78,7 +82,9 @@ def profiled() -> dict[str, list[float]]:
     dc.dcp_state = timed("dcp_state", dc.dcp_state)
     dc.DistributedCheckpointer.wait = timed("wait", dc.DistributedCheckpointer.wait)
     HostStaging.snapshot_state = timed("snapshot", HostStaging.snapshot_state)
-    rt.dcp_save = timed("write", rt.dcp_save)
+    HostStaging.snapshot = timed("stage", HostStaging.snapshot)  # (CUDA: inside the planning)
+    rt.dcp_save = timed("write", rt.dcp_save)  # (CUDA: the planning and staging, on this thread)
+    EpochalStorageWriter.write_deferred = timed("write_deferred", EpochalStorageWriter.write_deferred)
     rt.RankTier._exchange = timed("replicate", rt.RankTier._exchange)
     return times
 
@@ -91,7 +97,9 @@ def worker(a: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import epochal
+    from epochal.integrations.dcp.staging import HostStaging
 
+    HostStaging.OFF_DEVICE = a.staging == "off-device"
     t_imported = time.perf_counter()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -124,10 +132,11 @@ def worker(a: argparse.Namespace) -> None:
 
     with epochal.Checkpointer(os.path.join(a.dir, "store"), local=os.path.join(a.dir, f"node{rank}"),
                               persist_every=a.persist, local_keep=2, replicas=1, replica_stride=1,
-                              async_save=True) as ck:
+                              async_save=True, when_busy=a.when_busy) as ck:
         if a.phase == "train":
             into = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in locals_]
             blocked, copies = [], []
+            every: list[tuple[float, float]] = []  # every save from step 3 on, the K-th ones too
             for step in range(1, a.steps + 1):
                 time.sleep(a.step_s)  # the step's compute (on an accelerator: no CPU)
                 step_()
@@ -141,13 +150,19 @@ def worker(a: argparse.Namespace) -> None:
                     dst.copy_(src, non_blocking=cuda)
                 if cuda:
                     torch.cuda.synchronize()
-                if step > 2 and step % a.persist:  # a save to the local tier only, in warm memory
+                copied = time.perf_counter() - t0
+                if step > 2:  # (warm memory)
+                    every.append((dt, copied))
+                if step > 2 and step % a.persist:  # a save to the local tier only
                     blocked.append(dt)
-                    copies.append(time.perf_counter() - t0)
+                    copies.append(copied)
             ck.wait()
+            out["skipped"] = list(ck.skipped)
             out.update(blocked=statistics.median(blocked), memcpy=statistics.median(copies),
-                       ratio=statistics.median(b / c for b, c in zip(blocked, copies)), digest=digest(),
-                       step=a.steps, pairs=list(zip(blocked, copies)))
+                       ratio=statistics.median(b / c for b, c in zip(blocked, copies)),
+                       total_ratio=sum(blocked) / sum(copies), digest=digest(),
+                       step=a.steps, pairs=list(zip(blocked, copies)),
+                       every_ratio=sum(b for b, _ in every) / sum(c for _, c in every), every=every)
             if parts is not None:
                 out["parts"] = parts
         else:
@@ -177,7 +192,8 @@ def ranks(a: argparse.Namespace, phase: str) -> list[dict[str, object]]:
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "EPOCHAL_QUIET": "1"}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--phase", phase, "--dir", a.dir,
                                        "--mib", str(a.mib), "--steps", str(a.steps), "--persist", str(a.persist),
-                                       "--step-s", str(a.step_s), "--device", a.device]
+                                       "--step-s", str(a.step_s), "--device", a.device, "--staging", a.staging,
+                                       "--when-busy", a.when_busy]
                                       + (["--profile"] if a.profile else []),
                                       env=env))
     for p in procs:
@@ -205,8 +221,10 @@ def report(a: argparse.Namespace, store: str, train: list[dict[str, Any]],
     for g in train:
         pairs = " ".join(f"{b * 1e3:.0f}/{c * 1e3:.0f}" for b, c in g["pairs"])
         print(f"  rank {g['rank']}: blocked per local save {g['blocked'] * 1e3:.1f} ms, memcpy of the state "
-              f"{g['memcpy'] * 1e3:.1f} ms: ratio {g['ratio']:.2f}x (median of paired steps; ms blocked/memcpy "
-              f"per step: {pairs})")
+              f"{g['memcpy'] * 1e3:.1f} ms: ratio {g['ratio']:.2f}x (median of paired steps; in all "
+              f"{g['total_ratio']:.2f}x; every save from step 3, the K-th too, {g['every_ratio']:.2f}x in all; "
+              f"ms blocked/memcpy "
+              f"per step: {pairs}); skipped steps {g['skipped']}")
     keys = ("imported_s", "group_s", "opened_s", "through_restore_s", "restore_call_s", "resume_s")
     for name, rounds in results.items():
         for i, got in enumerate(rounds):
@@ -246,6 +264,11 @@ def main() -> None:
                                                 "only when --dir is; give a disk path for disk figures)")
     ap.add_argument("--rounds", type=int, default=3, help="resume rounds (each: local, durable, peer, rotated)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the shards live")
+    ap.add_argument("--when-busy", choices=("wait", "skip"), default="wait",
+                    help="skip: a save that would wait for the previous one's background work is skipped")
+    ap.add_argument("--staging", choices=("off-device", "deferred"), default="off-device",
+                    help="a CUDA state's snapshot: host copies planned in the background (the default), or "
+                         "planned on the training thread and staged as written")
     ap.add_argument("--profile", action="store_true", help="time the parts of each save (see profiled())")
     ap.add_argument("--train-only", action="store_true", help="the saves only, no resume")
     ap.add_argument("--worker", action="store_true")
@@ -267,7 +290,10 @@ def main() -> None:
             for g in train:
                 pairs = " ".join(f"{b * 1e3:.0f}/{c * 1e3:.0f}" for b, c in g["pairs"])
                 print(f"rank {g['rank']}: blocked {g['blocked'] * 1e3:.0f} ms, memcpy {g['memcpy'] * 1e3:.0f} ms, "
-                      f"ratio {g['ratio']:.2f}x; per step {pairs}; peak RSS {g['peak_rss'] >> 20} MiB")
+                      f"ratio {g['ratio']:.2f}x (in all {g['total_ratio']:.2f}x); every save from step 3, the K-th "
+                      f"too: {g['every_ratio']:.2f}x in all (" + " ".join(f"{b * 1e3:.0f}" for b, _ in g["every"])
+                      + f" ms); per step {pairs}; peak RSS {g['peak_rss'] >> 20} MiB; "
+                      f"skipped steps {g['skipped']}")
                 for name, ts in g.get("parts", {}).items():
                     print(f"    {name}: " + " ".join(f"{t * 1e3:.0f}" for t in ts) + " ms")
             return

@@ -6,7 +6,8 @@ with one CUDA GPU:
 
 1. CUDA tensors (a model, its Adam state, a bf16 tensor) saved by a DistributedCheckpointer
    (sync and async_save) and restored bit-exact onto their live device;
-2. an FSDP2 model (fully_shard on a 1-GPU NCCL mesh) and its optimizer saved and restored
+2. an FSDP2 model (fully_shard on a 1-GPU NCCL mesh) and its optimizer saved (sync and
+   async_save, training on after the save) and restored
    bit-exact (the gathered full state compared);
 3. the time ``save`` blocks the caller with async_save (CUDA -> pinned host snapshot) vs a
    plain device-to-host copy of the same bytes (``.to("cpu")``), medians over ``--rounds``,
@@ -14,8 +15,9 @@ with one CUDA GPU:
 4. the local tier of one process (``Checkpointer(path, local=/dev/shm/..., async_save=True)``):
    the time a save blocks against a copy of the same bytes into pinned host memory allocated
    before (the floor: the device-to-host copy itself) and against ``.to("cpu")``, per round;
-   then a save every step of ``--step-ms`` of GPU work, the blocked time per step; and a
-   restore onto the device from the local tier and, the tier wiped, from the store, bit-exact.
+   then a save every step of ``--step-ms`` of GPU work, the blocked time per step (the default
+   ``when_busy="wait"``, then ``"skip"``); and a restore onto the device from the local tier
+   and, the tier wiped, from the store, bit-exact.
 Prints one line per check; exits non-zero when a bit differs. ``--only`` runs some checks.
 """
 
@@ -87,23 +89,26 @@ def check_fsdp(root: str) -> None:
         return m, torch.optim.Adam(m.parameters())
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    path = os.path.join(root, "fsdp")
-    shutil.rmtree(path, ignore_errors=True)
-    model, opt = build(0)
-    model(torch.randn(4, 64, device="cuda")).sum().backward()
-    opt.step()
-    want = {k: _bits(v) for k, v in get_model_state_dict(model, options=opts).items()}
-    with DistributedCheckpointer(path) as ck:
-        ck.save(1, {"model": model, "opt": opt})
-    fresh, fopt = build(1)
-    with DistributedCheckpointer(path) as ck:
-        ck.restore({"model": fresh, "opt": fopt})
-    got = {k: _bits(v) for k, v in get_model_state_dict(fresh, options=opts).items()}
-    ok = got == want
-    print(f"fsdp2 on 1 GPU (nccl): {'bit-exact' if ok else 'DIFFERENT'}", flush=True)
+    for async_save in (False, True):
+        path = os.path.join(root, f"fsdp_{int(async_save)}")
+        shutil.rmtree(path, ignore_errors=True)
+        model, opt = build(0)
+        model(torch.randn(4, 64, device="cuda")).sum().backward()
+        opt.step()
+        want = {k: _bits(v) for k, v in get_model_state_dict(model, options=opts).items()}
+        with DistributedCheckpointer(path, async_save=async_save) as ck:
+            ck.save(1, {"model": model, "opt": opt})
+            model(torch.randn(4, 64, device="cuda")).sum().backward()  # training goes on
+            opt.step()
+        fresh, fopt = build(1)
+        with DistributedCheckpointer(path) as ck:
+            ck.restore({"model": fresh, "opt": fopt})
+        got = {k: _bits(v) for k, v in get_model_state_dict(fresh, options=opts).items()}
+        ok = got == want
+        print(f"fsdp2 on 1 GPU (nccl) async_save={async_save}: {'bit-exact' if ok else 'DIFFERENT'}", flush=True)
+        if not ok:
+            raise SystemExit(1)
     dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
 
 
 def blocked_time(root: str, mib: int, rounds: int) -> None:
@@ -180,7 +185,6 @@ def tier_case(root: str, mib: int, rounds: int, step_ms: float) -> None:
                          for a, b, c in zip(times["save"], times["pinned"], times["to_cpu"])), flush=True)
         # a save every step of step_ms of GPU work: the whole time save() holds the step
         a = torch.randn(4096, 4096, device="cuda")
-        per_mm = 0.0
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
@@ -188,22 +192,36 @@ def tier_case(root: str, mib: int, rounds: int, step_ms: float) -> None:
         torch.cuda.synchronize()
         per_mm = (time.perf_counter() - t0) / 20
         k = max(1, int(step_ms / 1e3 / per_mm))
-        blocked = []
-        for _ in range(rounds * 2):
-            for _ in range(k):
-                a @ a
-            for t in state.values():
-                t.add_(1.0)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step += 1
-            ck.save(step, state)
-            blocked.append(time.perf_counter() - t0)
-        ck.wait()
+
+        def every_step(c: Checkpointer, first: int) -> tuple[list[float], int]:
+            blocked = []
+            for i in range(rounds * 2):
+                for _ in range(k):
+                    a @ a
+                for t in state.values():
+                    t.add_(1.0)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                c.save(first + i, state)
+                blocked.append(time.perf_counter() - t0)
+            c.wait()
+            return blocked, first + rounds * 2 - 1
+
+        blocked, step = every_step(ck, step + 1)
         want = {name: _bits(t) for name, t in state.items()}
-        print(f"tier, a save every step of {k * per_mm * 1e3:.0f} ms of GPU work: blocked per save median "
-              f"{med(blocked) * 1e3:.1f} ms (pinned copy {med(times['pinned']) * 1e3:.1f} ms); per step: "
+        print(f"tier, a save every step of {k * per_mm * 1e3:.0f} ms of GPU work (when_busy='wait'): blocked per "
+              f"save median {med(blocked) * 1e3:.1f} ms (pinned copy {med(times['pinned']) * 1e3:.1f} ms); per step: "
               + " ".join(f"{b * 1e3:.0f}" for b in blocked), flush=True)
+    skip_store, skip_local = os.path.join(root, "tier_skip"), "/dev/shm/epochal_gpu_tier_skip"
+    with Checkpointer(skip_store, local=skip_local, persist_every=4, local_keep=2, async_save=True,
+                      when_busy="skip") as ck:
+        blocked, _ = every_step(ck, 1)
+        skipped = list(ck.skipped)
+    print(f"tier, the same with when_busy='skip': blocked per save median {med(blocked) * 1e3:.1f} ms, in all "
+          f"{sum(blocked) / (len(blocked) * med(times['pinned'])):.2f}x the pinned copy; skipped steps {skipped}; "
+          "per step: " + " ".join(f"{b * 1e3:.0f}" for b in blocked), flush=True)
+    for d in (skip_store, skip_local):
+        shutil.rmtree(d, ignore_errors=True)
     for source in ("local", "durable"):
         if source == "durable":
             shutil.rmtree(local)

@@ -1,5 +1,6 @@
-"""Rank functions for tests/test_distributed_more.py (4 ranks, 2-D meshes), importable by name
-as torch.multiprocessing's spawn needs."""
+"""Rank functions for tests/test_distributed_more.py (4 ranks, 2-D meshes) and
+tests/test_when_busy.py (skipped saves across ranks), importable by name as
+torch.multiprocessing's spawn needs."""
 
 from __future__ import annotations
 
@@ -169,3 +170,52 @@ def async_saves(rank: int, world: int, path: str) -> None:
         ck.save(3, {"model": model, "opt": opt, "step": 3})
     # close() committed step 3
     assert CheckpointDirectory(path).committed_epochs() == [1, 2, 3]
+
+
+def skipped_saves(rank: int, world: int, path: str, out: str) -> None:
+    """``when_busy="skip"`` without a local tier: rank 1's background writes take 1.5 s longer;
+    saves 2-5, made while step 1's write runs, are skipped on both ranks; step 6, after a wait,
+    is written. The gathered state at step 6 goes to ``out`` (rank 0)."""
+    import threading
+    import time
+
+    import epochal
+    from epochal.integrations.dcp import storage
+
+    if rank == 1:
+        write = storage.EpochalStorageWriter.write_data
+
+        def slow(self, *args, **kw):  # type: ignore[no-untyped-def]
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(1.5)
+            return write(self, *args, **kw)
+
+        storage.EpochalStorageWriter.write_data = slow  # type: ignore[method-assign]
+    model, opt = fsdp_model(world, 0)
+    with epochal.Checkpointer(path, async_save=True, when_busy="skip") as ck:
+        for step in range(1, 6):
+            train_one(model, opt, step)
+            ck.save(step, {"model": model, "opt": opt, "step": step})
+        ck.wait()
+        assert ck.skipped == [2, 3, 4, 5], (rank, ck.skipped)
+        train_one(model, opt, 6)
+        ck.save(6, {"model": model, "opt": opt, "step": 6})
+        at = gathered(model, opt)
+    assert ck.steps() == [1, 6], ck.steps()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(at, f)
+
+
+def restore_gathered(rank: int, world: int, path: str, out: str) -> None:
+    """The newest step restored into a fresh model: its gathered state equals ``out``'s."""
+    import epochal
+
+    model, opt = fsdp_model(world, 5)
+    state: dict[str, Any] = {"model": model, "opt": opt, "step": 0}
+    with epochal.Checkpointer(path) as ck:
+        assert ck.restore(state) == 6 and state["step"] == 6
+    got = gathered(model, opt)
+    if rank == 0:
+        with open(out) as f:
+            assert got == json.load(f)

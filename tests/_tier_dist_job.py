@@ -13,6 +13,10 @@ peer's copy it receives (a small chunk size, so that a file takes several messag
     python _tier_dist_job.py STORE BASE OUT --steps 6 --persist 3 --replicas 1 [--async] [--kill-after 4]
         [--kill-ranks 0,1] [--die-in-copy 5:0,1:1] [--as-cuda]
 
+``--when-busy skip --slow-rank R``: saves that would wait for the previous one are skipped,
+and rank R's local writes take 1.5 s longer (each rank writes the steps it skipped to
+``<out>.<rank>.skipped.json`` before the kill, or at the end).
+
 ``--as-cuda``: the state is staged as a state of CUDA tensors is (planned on the training thread,
 each tensor copied into the staging buffer as written, the db written in the background).
 """
@@ -25,6 +29,7 @@ import os
 import random
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -88,6 +93,8 @@ def main() -> int:
     ap.add_argument("--kill-ranks", default="0,1")
     ap.add_argument("--die-in-copy", default="")
     ap.add_argument("--as-cuda", action="store_true")
+    ap.add_argument("--when-busy", default="wait")
+    ap.add_argument("--slow-rank", type=int, default=-1)
     a = ap.parse_args()
     if a.as_cuda:  # what a state holding a CUDA tensor gets
         from epochal.integrations.dcp.staging import HostStaging
@@ -98,6 +105,14 @@ def main() -> int:
     rank = dist.get_rank()
     if a.die_in_copy:
         die_in_copy(a.die_in_copy, rank)
+    if rank == a.slow_rank:
+        write = rank_tier.RankTier._write
+
+        def slow(*args, **kw):  # type: ignore[no-untyped-def]
+            time.sleep(1.5)
+            return write(*args, **kw)
+
+        rank_tier.RankTier._write = slow  # type: ignore[method-assign]
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     torch.manual_seed(0)
     random.seed(rank)
@@ -107,7 +122,7 @@ def main() -> int:
     torch.manual_seed(100 + rank)  # each rank its own stream (data, dropout)
     state = {"model": model, "opt": opt, "rng": RNGState(), "position": torch.zeros(1, dtype=torch.int64)}
     with Checkpointer(a.store, local=f"{a.base}/node{rank}", persist_every=a.persist, local_keep=2,
-                      replicas=a.replicas, replica_stride=1, async_save=a.async_save) as ck:
+                      replicas=a.replicas, replica_stride=1, async_save=a.async_save, when_busy=a.when_busy) as ck:
         step = ck.restore(state) or 0
         report = ck.last_restore
         os.write(1, f"RESUMED {rank} {step} {report.source if report else None}\n".encode())
@@ -118,16 +133,22 @@ def main() -> int:
             loss.backward()
             opt.step()
             state["position"] += 8
-            ck.wait()  # (the copies of the step before are done: the kill point sees this step)
+            if a.when_busy == "wait":
+                ck.wait()  # (the copies of the step before are done: the kill point sees this step)
             SAVING[0] = step
             ck.save(step, state)
             if step == a.kill_after and first_attempt:
                 ck.wait()
+                with open(f"{a.out}.{rank}.skipped.json", "w") as f:
+                    json.dump(ck.skipped, f)
                 dist.barrier()
                 if str(rank) in a.kill_ranks.split(","):
                     os.kill(os.getpid(), signal.SIGKILL)
+        skipped = list(ck.skipped)
     with open(f"{a.out}.{rank}.json", "w") as f:
         json.dump(fingerprint(state), f, sort_keys=True)
+    with open(f"{a.out}.{rank}.skipped.json", "w") as f:
+        json.dump(skipped, f)
     dist.destroy_process_group()
     return 0
 

@@ -94,6 +94,24 @@ def test_killed_ranks_resume_from_their_local_tiers(tmp_path: Path, reference: l
     assert v.returncode == 0 and "all" in v.stdout, v.stdout + v.stderr
 
 
+def test_when_busy_skip_skips_the_same_steps_on_every_rank(tmp_path: Path, reference: list[dict[str, str]]
+                                                           ) -> None:
+    """``when_busy="skip"``: rank 1's local writes are slow; a save that finds any rank's
+    previous one still running is skipped on both ranks (the same steps), a save due for the
+    store (every 3rd) never is, the tiers hold the steps written, and a resume from them after a
+    SIGKILL of both ranks ends bit-identical to a run never stopped."""
+    ranks(tmp_path, "a", "--steps", "6", "--persist", "3", "--async", "--when-busy", "skip", "--slow-rank", "1",
+          "--kill-after", "5", rc=-9)
+    skipped = [json.loads((tmp_path / f"a.{r}.skipped.json").read_text()) for r in (0, 1)]
+    assert skipped[0] == skipped[1] == [2, 4, 5], skipped
+    assert listed(tmp_path / "store") == [3]
+    for r, peer in ((0, 1), (1, 0)):
+        assert listed(tmp_path / "base" / f"node{r}" / f"rank{r}") == [1, 3]
+        assert listed(tmp_path / "base" / f"node{r}" / "peer" / f"rank{peer}") == [1, 3]
+    assert ranks(tmp_path, "b", "--steps", "6", "--async") == {0: (3, "local"), 1: (3, "local")}
+    assert final(tmp_path, "b") == reference
+
+
 def test_replaced_machine_resumes_from_its_peer(tmp_path: Path, reference: list[dict[str, str]]) -> None:
     killed(tmp_path)
     shutil.rmtree(tmp_path / "base" / "node1")  # rank 1's machine replaced: an empty local dir

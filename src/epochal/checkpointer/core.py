@@ -28,25 +28,21 @@ so read it back from ``state`` after ``restore``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..checkpoint.engine import CheckpointEngine, Done, LoadPlan
+from ..checkpoint.engine import CheckpointEngine, Done
 from ..checkpoint.handler.directory import DirectoryMetadataHandler
 from ..checkpoint.location.view import best_of_directory
 from ..checkpoint.tasks.background import BackgroundSaver
 from ..checkpoint.tasks.handler_calls import HandlerLink
-from ..checkpoint.tasks.steps import LoadBlobs, PrepareSaves, SaveBlobs, SnapshotAndSave
+from ..checkpoint.tasks.steps import SaveBlobs, SnapshotAndSave
 from ..errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
-    MissingMetricError,
 )
 from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.events import auto_progress
@@ -60,10 +56,11 @@ from .parts import (
     _Background,
     _check_state,
     _in_steps,
-    _reworded,
     _Shown,
+    check_ranked,
 )
-from .tier import LocalTier, Source, check_args, rank_tier
+from .restoring import Restoring
+from .tier import LocalTier, check_args, rank_tier
 
 if TYPE_CHECKING:
     from ..integrations.distributed import DistributedCheckpointer
@@ -74,7 +71,7 @@ _S = TypeVar("_S", bound=SaveBlobs)
 
 logger = logging.getLogger("epochal")
 
-class Checkpointer:
+class Checkpointer(Restoring):
     """Save and restore a dict of live training objects, step by step (see the module doc).
 
     ``directory``: where the checkpoints go (created). ``keep_last``/``keep_best``/``metric``/
@@ -91,7 +88,8 @@ class Checkpointer:
     ``incremental``: each save writes only the bytes that differ from the newest step committed
     before it (whole chunks found there by content digest, and changed runs of a chunk); the
     rest are references to the older steps' files, which retention then keeps as long as a
-    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md).
+    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md). Across
+    ranks each rank's db is written against its own db of that step.
     ``storage_options``: fsspec's, for a URL directory. ``max_failed_saves`` (default 1): how many saves in a row may fail before
     :meth:`save` raises. With 1 every failed save raises its own error (OSError, ...), as a
     plain function call would; with N > 1 a storage error (disk full, I/O, network) is a
@@ -105,6 +103,12 @@ class Checkpointer:
     in frames a partial read decodes alone; a blob that would not shrink stays raw);
     ``"auto"`` does so only where a sample of the blob compresses (docs/format.md). With
     ``async_save`` the compression runs on the background writer, not in the snapshot.
+    ``when_busy`` (with ``async_save``): ``"wait"`` (default) a save first waits for the
+    previous one's background work (its write, a local tier's copy to the store or to peers);
+    ``"skip"``: a save that would wait is skipped instead (on every rank, when any is busy):
+    nothing is written or blocked, its step is appended to :attr:`skipped`, and the next save
+    that finds the way clear writes the state as it is then. A save due for ``directory``
+    (``persist_every``) and the save after a SIGTERM are never skipped.
 
     ``local``: a node-local directory (RAM-backed, e.g. ``/dev/shm/run``) that every save goes
     to, as an ordinary location keeping ``local_keep`` steps; every ``persist_every``-th save
@@ -147,6 +151,7 @@ class Checkpointer:
         local_keep: int = 2,
         replicas: int = 0,
         replica_stride: int | None = None,
+        when_busy: str = "wait",
     ) -> None:
         #: how the step's db is written (compression), set around each save
         self._write_options = WriteOptions(compression=compression)  # (ValueError: unknown)
@@ -156,19 +161,25 @@ class Checkpointer:
         #: process group (a world of one included) or on a directory written by ranks; every
         #: method is then its (collective) one. None: this process saves alone.
         self.distributed: DistributedCheckpointer | None = None
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', not {when_busy!r}")
+        if when_busy == "skip" and not async_save:
+            raise ValueError("Checkpointer(when_busy='skip') needs async_save=True: a synchronous save is never "
+                             "waiting for an earlier one")
+        self._skip_busy = when_busy == "skip"
         if local is not None:
             check_args(local, local_keep, persist_every)
             if incremental:
                 raise ValueError("Checkpointer(incremental=True, local=...): a local tier's steps are written whole")
         if use_distributed(directory, storage_options):
-            if incremental:
-                raise ValueError("Checkpointer(incremental=True) is for one process: across ranks every step "
-                                 "is written whole")
             self._open_distributed(directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
                                    async_save=async_save, max_host_bytes=max_host_bytes,
                                    storage_options=storage_options, per_rank=per_rank, group=group,
-                                   max_failed_saves=max_failed_saves, compression=compression)
-            if local is not None and self.distributed is not None:
+                                   max_failed_saves=max_failed_saves, compression=compression,
+                                   incremental=incremental)
+            assert self.distributed is not None
+            self.distributed.skip_busy = self._skip_busy
+            if local is not None:
                 self.distributed.tier = rank_tier(self.distributed, local, keep=local_keep,
                                                   persist_every=persist_every, replicas=replicas,
                                                   stride=replica_stride)
@@ -204,6 +215,7 @@ class Checkpointer:
         self.async_save = bool(async_save)
         self._saver = BackgroundSaver(max_host_bytes=max_host_bytes)
         self._restored = False  # restore() was called (no warning about older steps then)
+        self._skipped_steps: list[int] = []
         #: what the last :meth:`restore` did (None before one)
         self.last_restore: RestoreReport | None = None
         self._saved = False
@@ -243,6 +255,13 @@ class Checkpointer:
         return self._engine.last_committed
 
     @property
+    def skipped(self) -> list[int]:
+        """The steps whose save was skipped (``when_busy="skip"``), oldest first."""
+        if self.distributed is not None:
+            return self.distributed.skipped
+        return self._skipped_steps
+
+    @property
     def preempted(self) -> bool:
         """True once a SIGTERM arrived: save and leave the loop."""
         if self.distributed is not None:
@@ -254,99 +273,6 @@ class Checkpointer:
         if self.distributed is not None:
             raise ValueError(f"{self!r}: a step saved across ranks has a db per rank (docs/format.md), not one")
         return self._dir.db_path(NODE, int(step))
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
-                strict: bool = True) -> int | None:
-        """Restore ``state`` from the newest intact checkpoint and return its step; None (and
-        ``state`` untouched) on a fresh start. Every checksum is verified before any object
-        is touched; damaged newer steps are skipped with a warning. ``step``: restore that
-        committed step instead (the seed's ``resume_from_epoch``): an uncommitted or damaged
-        one raises (CheckpointNotFoundError / CheckpointCorruptError naming the step and the
-        file), with ``state`` untouched. Entries the checkpoint lacks keep their values (one
-        warning names them); see the module doc for what is restored in place.
-
-        ``strict`` (as ``load_state_dict``'s): a module, or a state dict held in the state
-        (``{"model": model.state_dict()}``), must have the checkpoint's keys exactly, else
-        BlobMismatchError names the keys and nothing is written. ``strict=False`` restores the
-        keys both have; the others keep their values and are listed in :attr:`last_restore`
-        (``missing_keys``, ``unexpected_keys``, per entry of ``state``)."""
-        if self.distributed is not None:
-            if step is not None or not strict:
-                raise ValueError(f"{self!r}: restore(step=..., strict=False) is for one process; across "
-                                 "ranks the newest intact step is restored, strictly")
-            t0 = time.perf_counter()
-            found = self.distributed.restore(state)
-            tier = self.distributed.tier
-            self.last_restore = RestoreReport(found, time.perf_counter() - t0, source=(
-                tier.source if tier is not None else "durable" if found is not None else None))
-            return found
-        with _in_steps():
-            t0 = time.perf_counter()
-            self.last_restore = None
-            found = self._restore(state, step, strict)
-            if self.last_restore is None:  # a fresh start
-                self.last_restore = RestoreReport(found, time.perf_counter() - t0)
-            else:
-                self.last_restore = dataclasses.replace(self.last_restore, seconds=time.perf_counter() - t0)
-            return found
-
-    def _restore(self, state: MutableMapping[str, Any], step: int | None, strict: bool) -> int | None:
-        self._check_open()
-        names = _check_state(state, "restore")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-        self.wait()
-        self._last_save = time.monotonic()
-        self._restored = True
-        if self._tier is not None:
-            found = self._tier.restore(step, self.steps(), Source("durable", self.handler, self._engine, self.db_path),
-                                       lambda src, s: self._load(s, names, state, strict, src))
-        else:
-            first = self._chosen_step(step)
-            found = self._engine.resume(first, lambda s: self._load(s, names, state, strict), fallback=step is None)
-        if self.async_save:  # the run starts: its first snapshot will copy into warm memory
-            where = self._tier.db_path(0) if self._tier is not None else self.db_path(0)
-            prepare = PrepareSaves(where, names, node=NODE, saver=self._saver)
-            self._engine.prepare_saves(lambda: prepare(state))
-        if found is None:
-            logger.info("No checkpoint in %s: starting a new run", self.directory)
-            return None
-        logger.info("Resumed from step %d in %s", found, self.directory)
-        return found
-
-    def _chosen_step(self, step: int | None) -> int | None:
-        """The handler's newest intact step, or ``step`` checked."""
-        try:
-            return self.handler.resume_epoch(step)
-        except CheckpointNotFoundError as ex:
-            committed = ", ".join(map(str, self.steps())) or "none"
-            raise CheckpointNotFoundError(
-                f"step {step} of {self.directory} is not committed (committed steps: {committed}): {ex}") from ex
-
-    def _load(self, step: int | None, names: list[str], state: MutableMapping[str, Any], strict: bool,
-              source: Source | None = None) -> None:
-        """Load ``step`` into ``state`` (every checksum verified, and every live object
-        checked, before anything is touched), from ``source`` (None: ``directory``)."""
-        if step is None:
-            return
-        db = source.db_path(step) if source is not None else self.db_path(step)
-        engine = source.engine if source is not None else self._engine
-        load = LoadBlobs(db, DB_TYPE, names, node=NODE, epoch=step, allow_incomplete=True,
-                         storage_options=self._storage_options, whole=True, strict=strict)
-
-        def checked(fn: Any) -> Any:
-            try:
-                return fn()
-            except CheckpointCorruptError as ex:  # found before any object was touched
-                raise _reworded(ex, f"step {step} cannot be restored: {ex}") from ex
-
-        plan = LoadPlan(check=lambda: checked(lambda: load.check(state)),
-                        write=lambda: checked(lambda: {NODE: load.run(state)}), nodes=[NODE])
-        engine.load("checkpoint_load", step, plan)
-        self.last_restore = RestoreReport(step, 0.0, dict(load.keys.missing), dict(load.keys.unexpected),
-                                          list(load.missing), source.name if source is not None else "durable")
-        if load.missing:  # (the db is opened once: no separate listing of its blobs)
-            logger.warning("The checkpoint of step %d (%s) has no %s: they keep their current values",
-                           step, db, ", ".join(map(repr, load.missing)))
 
     def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
         """Save ``state`` as the checkpoint of ``step`` and commit it (with ``async_save``: take
@@ -366,15 +292,18 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         names = _check_state(state, "save")
-        self._check_ranked(step, state, metrics)
+        check_ranked(self.handler.policy, step, state, metrics)
         if not self._saved and not self._restored:
             self._warn_older(step)
         self._saved = True
         db = self._dir.new_db_path(NODE, step)  # at a URL: a name no other writer can produce
         self._last_save = time.monotonic()
         if self._tier is not None:
-            self._tier.save(step, state, names, metrics, background=self.async_save,
-                            persist=self._tier.due(self.preempted))
+            persist = self._tier.due(self.preempted)
+            if not self._skipped(step, persist):
+                self._tier.save(step, state, names, metrics, background=self.async_save, persist=persist)
+            return
+        if self._skipped(step, self.preempted):
             return
         if self.async_save:
             snapshot = SnapshotAndSave(db, DB_TYPE, names, node=NODE, epoch=step, saver=self._saver,
@@ -385,6 +314,17 @@ class Checkpointer:
         save = SaveBlobs(db, DB_TYPE, names, node=NODE, epoch=step, storage_options=self._storage_options)
         self._engine.save(step, lambda: Done({NODE: self._based(save).run(state)}), metrics=metrics)
 
+    def _skipped(self, step: int, forced: bool) -> bool:
+        """``when_busy="skip"``: True (and ``step`` recorded) when this save, not ``forced``,
+        would wait for the previous one's background work."""
+        if not self._skip_busy or forced:
+            return False
+        if not (self._saver.busy() or (self._tier is not None and self._tier.busy())):
+            return False
+        self._skipped_steps.append(step)
+        logger.debug("Skipped the save of step %d: the previous save is still being written", step)
+        return True
+
     def _based(self, save: _S) -> _S:
         """``save``, incremental on the db of the newest step committed before its own (asked
         as it starts: after any earlier background save is committed) when ``incremental``."""
@@ -394,23 +334,6 @@ class Checkpointer:
             save.incremental = True
             save.base = self.db_path(max(older)) if older else None
         return save
-
-    def _check_ranked(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
-        """With ``keep_best``, metrics given must hold the metric (or ``state`` a scalar of
-        it): refused before anything is written, naming the metric and the keys given (a typo
-        in ``metric=`` would otherwise keep no best, silently). A save without metrics
-        (``metrics=None``: a run that evaluates less often than it saves) is unranked: kept
-        or deleted by ``keep_last``, never counted among the best."""
-        policy = self.handler.policy
-        if policy.keep_best is None or not policy.metric or not metrics:
-            return
-        if policy.metric in metrics or policy.metric in state:
-            return
-        given = ", ".join(sorted(map(repr, map(str, metrics))))
-        keys = ", ".join(sorted(map(repr, map(str, state))))
-        raise MissingMetricError(
-            f"keep_best ranks by metric {policy.metric!r}, but the save of step {step} has no value "
-            f"of it: metrics given: {given}; state keys: {keys}")
 
     def _warn_older(self, step: int) -> None:
         if (committed := self.steps()) and step < committed[-1]:

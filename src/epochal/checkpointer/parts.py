@@ -12,7 +12,7 @@ from typing import Any
 from ..checkpoint.engine import Results
 from ..checkpoint.tasks.background import BackgroundSaver
 from ..checkpoint.tasks.steps import INTERNAL_PREFIX, JoinSave, SnapshotAndSave
-from ..errors import CheckpointError, UnsupportedBlobError
+from ..errors import CheckpointError, MissingMetricError, UnsupportedBlobError
 from ..jobs.events import CheckpointEvent, RunListener
 
 __all__ = ["DB_TYPE", "NODE", "RestoreReport"]
@@ -20,6 +20,23 @@ __all__ = ["DB_TYPE", "NODE", "RestoreReport"]
 #: the node name of a Checkpointer's dbs (``<directory>/local.<step>``)
 NODE = "local"
 DB_TYPE = "native"
+
+
+def check_ranked(policy: Any, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> None:
+    """With ``keep_best`` (``policy``: the handler's retention), metrics given must hold the
+    metric (or ``state`` a scalar of it): refused before anything is written, naming the
+    metric and the keys given (a typo in ``metric=`` would otherwise keep no best, silently).
+    A save without metrics (``metrics=None``: a run that evaluates less often than it saves)
+    is unranked: kept or deleted by ``keep_last``, never counted among the best."""
+    if policy.keep_best is None or not policy.metric or not metrics:
+        return
+    if policy.metric in metrics or policy.metric in state:
+        return
+    given = ", ".join(sorted(map(repr, map(str, metrics))))
+    keys = ", ".join(sorted(map(repr, map(str, state))))
+    raise MissingMetricError(
+        f"keep_best ranks by metric {policy.metric!r}, but the save of step {step} has no value "
+        f"of it: metrics given: {given}; state keys: {keys}")
 
 
 def _check_state(state: Mapping[str, Any], what: str) -> list[str]:

@@ -137,6 +137,10 @@ class LocalTier(LocalPlace):
         except BaseException as ex:
             copied.set_exception(ex)
 
+    def busy(self) -> bool:
+        """True while the copy of a step to the store is running (see ``when_busy``)."""
+        return self._copier is not None and self._copier.is_alive()
+
     def wait(self) -> None:
         """Commit the local save in flight, then its copy to the store."""
         self.engine.finish_pending()

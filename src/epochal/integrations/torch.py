@@ -42,6 +42,7 @@ from ..storage.encoding.codecs import (
     register_codec,
 )
 from ..storage.encoding.fit import BLOB, KeyReport
+from ..storage.encoding.staged import staged
 
 __all__ = [
     "TensorCodec",
@@ -155,11 +156,26 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    if t.device.type == "cuda":
+        return _cuda_bytes(t)
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
     u8 = t.reshape(-1).view(torch.uint8)
     return _bytes_of(u8)  # a uint8 array over the tensor's memory: no dtype involved
+
+
+def _cuda_bytes(t: torch.Tensor) -> memoryview:
+    """A CUDA tensor's bytes copied into pinned host memory (torch's caching host allocator
+    reuses it from save to save), the copy issued without waiting: a snapshot keeps this
+    private copy as it is and waits once for all of its device copies (storage/encoding/staged);
+    anywhere else the copy is waited for here."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    seg = _bytes_of(host.reshape(-1).view(torch.uint8))
+    if not staged(seg, torch.cuda.synchronize):
+        torch.cuda.synchronize()
+    return seg
 
 
 def _live_bytes(t: torch.Tensor, nbytes: int) -> memoryview | None:

@@ -2,8 +2,9 @@
 
 A save is a Checkpointer save of the pytree as nested dicts (:mod:`.names`) of host tensors
 (:mod:`.host`), so retention, async saves, URLs and the commit protocol are the
-Checkpointer's; in a job of several processes each writes its own shards into a db of its
-own and process 0 commits the step (:mod:`.multiprocess`). A restore opens the step's one
+Checkpointer's (its local tier too: a restore tries the local copy of a step first); in a
+job of several processes each writes its own shards into a db of its own and process 0
+commits the step (:mod:`.multiprocess`). A restore opens the step's one
 db, or the dbs of every process that saved it, or for a step ``dcp.save`` wrote its rank dbs
 and DCP's metadata (:mod:`.sources`; committed, size and digest checked against its
 manifest), and builds each array leaf with ``jax.make_array_from_callback`` for
@@ -14,7 +15,9 @@ every leaf was found, fit and checked.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,9 +27,16 @@ import numpy as np
 
 from ..checkpoint.location.retention import RetentionPolicy
 from ..checkpoint.location.view import CheckpointDirectory
+from ..checkpoint.tier import Source as Place
+from ..checkpoint.tier import restore_order
 from ..checkpointer import Checkpointer
-from ..checkpointer.parts import NODE
-from ..errors import BlobMismatchError, CheckpointNotFoundError, MissingBlobError
+from ..checkpointer.parts import NODE, RestoreReport
+from ..errors import (
+    BlobMismatchError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    MissingBlobError,
+)
 from ..storage.io.location import location_for
 from ..storage.io.seam import local_path
 from .background import PendingSave, join_pending, one_process_pending
@@ -39,6 +49,8 @@ from .reads import DEFAULT_CHUNK, Task, aligned_empty
 from .sources import DcpSource, LocalSource, ProcessesSource, Source
 
 __all__ = ["DEFAULT_CHUNK", "host_state", "restore", "save", "wait"]
+
+logger = logging.getLogger("epochal")
 
 #: threads reading the regions of one leaf at once
 READ_THREADS = 4
@@ -140,17 +152,36 @@ def wait() -> None:
     join_pending()
 
 
-def _step_source(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None,
-                 storage_options: dict[str, Any] | None = None) -> tuple[Source, int]:
-    """The source of committed ``step`` (None: the newest), its dbs checked against the
-    manifest: a Checkpointer's db, or the rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
-    join_pending()  # this process's async save in flight is committed first
-    if isinstance(path_or_checkpointer, Checkpointer):
-        path_or_checkpointer.wait()
-        directory: str = path_or_checkpointer.directory
-    else:
+def _places(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None,
+            storage_options: dict[str, Any] | None = None) -> list[tuple[int | None, str, str]]:
+    """(step, place, directory) to restore from, in order: for a Checkpointer with a local
+    tier (docs/tiers.md) every step either place holds, newest first, the local copy first
+    (``step``: that one's copies); else the one directory (the step chosen there)."""
+    if not isinstance(path_or_checkpointer, Checkpointer):
         directory = local_path(path_or_checkpointer)
         location_for(directory, storage_options).remember()  # (a URL's: for the dbs opened by path)
+        return [(step, "durable", directory)]
+    ck = path_or_checkpointer
+    ck.wait()  # a pending async save is committed first
+    tier = ck._tier
+    if tier is None:
+        return [(step, "durable", ck.directory)]
+    order: list[tuple[int | None, str, str]] = [
+        (s, src.name, tier.directory if src.name == "local" else ck.directory)
+        for s, src in restore_order([tier.source(), Place("durable", ck.handler, ck._engine, ck.db_path)])]
+    if step is not None:
+        order = [o for o in order if o[0] == step]
+    if not order:
+        raise CheckpointNotFoundError(f"step {step} is committed neither in {tier.directory} nor in {ck.directory}"
+                                      if step is not None else f"{ck.directory}: no committed step to restore")
+    return order
+
+
+def _step_source(directory: str, step: int | None, storage_options: dict[str, Any] | None = None
+                 ) -> tuple[Source, int]:
+    """The source of committed ``step`` (None: the newest) of ``directory``, its dbs checked
+    against the manifest: a Checkpointer's db, the dbs of the processes of a JAX job, or the
+    rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
     view = CheckpointDirectory(directory, storage_options=storage_options)
     if step is None:
         found = view.newest_committed()
@@ -281,12 +312,33 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
     such committed step; ValueError or TypeError for a bad ``names``."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
-    leaves = flat_leaves(abstract_pytree)
-    targets = map_leaves(leaves, keystrs(abstract_pytree), names)
     if storage_options is not None and isinstance(path_or_checkpointer, Checkpointer):
         raise ValueError(f"epochal.jax.restore: storage_options are for a directory; a Checkpointer's own hold "
                          f"({path_or_checkpointer!r})")
-    src, step = _step_source(path_or_checkpointer, step, storage_options)
+    join_pending()  # this process's async save in flight is committed first
+    t0 = time.perf_counter()
+    order = _places(path_or_checkpointer, step, storage_options)
+    for i, (at, place, directory) in enumerate(order):
+        try:
+            got, found = _restore(directory, at, abstract_pytree, chunk_bytes, partial, names, storage_options)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as ex:
+            if i + 1 == len(order):
+                raise
+            logger.warning("The %s copy of step %s (%s) is damaged: %s; restoring from the %s copy of step %s "
+                           "instead", place, at, directory, ex, order[i + 1][1], order[i + 1][0])
+            continue
+        if isinstance(path_or_checkpointer, Checkpointer):
+            path_or_checkpointer.last_restore = RestoreReport(found, time.perf_counter() - t0, source=place)
+        return got
+    raise AssertionError("unreachable: _places returns at least one place")
+
+
+def _restore(directory: str, step: int | None, abstract_pytree: Any, chunk_bytes: int, partial: bool,
+             names: NameMap | None, storage_options: dict[str, Any] | None) -> tuple[Any, int]:
+    """:func:`restore` from one directory; the pytree and the step restored."""
+    leaves = flat_leaves(abstract_pytree)
+    targets = map_leaves(leaves, keystrs(abstract_pytree), names)
+    src, step = _step_source(directory, step, storage_options)
     try:
         keys = [src.key(t.names) for t in targets]
         have = set(src.keys())
@@ -308,4 +360,4 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
                     values.append(src.plain(k, t.label))
     finally:
         src.close()
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_pytree), values)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_pytree), values), step

@@ -37,6 +37,7 @@ from typing import Any, Literal
 from ... import knobs
 from ...errors import CheckpointError
 from ...storage.encoding.codecs import Encoded, Frozen, copy_segments, encode
+from ...storage.encoding.staged import staging_scope
 from ...storage.formats.base import get_db_type
 from .arenas import SnapshotPool, arena_bytes
 
@@ -142,6 +143,11 @@ class BackgroundSaver:
         :meth:`close`)."""
         return self._executor is not None
 
+    def busy(self) -> bool:
+        """True while a background write started here has not ended (joined or not)."""
+        with self._lock:
+            return any(not future.done() for future, _ in self._pending.values())
+
     def pending(self, db: str) -> bool:
         """True when a background write of ``db`` was started and not joined."""
         return db in self._pending
@@ -151,22 +157,29 @@ class BackgroundSaver:
         copy the segments into an arena of the pool. ``owner``: whose state this is (a node
         and its checkpoint location), so each state's arena is found again next epoch."""
         started = time.perf_counter_ns()
-        encoded: dict[str, Encoded] = {name: encode(value, name) for name, value in blobs.items()}
-        layout = tuple(s.nbytes for enc in encoded.values() for s in enc.segments)
-        if not self.pool.fits(owner, layout):
-            # a copy would break max_host_bytes: no snapshot; :meth:`start` writes the live
-            # state's segments at once, on this thread, once no other write holds memory
-            self.pool.wait_idle()
-            self.synchronous += 1
-            return Snapshot({n: Frozen.of(enc) for n, enc in encoded.items()}, sum(layout), started,
-                            time.perf_counter_ns() - started, None)
-        arena = self.pool.lease(owner, layout)
+        # segments an encoder copied already (a CUDA tensor's, in pinned host memory) are kept
+        # as they are, out of the arena; their device copies land by own.settle()
+        with staging_scope() as own:
+            encoded: dict[str, Encoded] = {name: encode(value, name) for name, value in blobs.items()}
         try:
-            frozen = {name: Frozen.of(copy_segments(enc, arena.take)) for name, enc in encoded.items()}
-        except BaseException:
-            self.pool.release(arena)
-            raise
-        return Snapshot(frozen, sum(layout), started, time.perf_counter_ns() - started, arena)
+            nbytes = sum(s.nbytes for enc in encoded.values() for s in enc.segments)
+            layout = tuple(s.nbytes for enc in encoded.values() for s in enc.segments if not own.has(s))
+            if not self.pool.fits(owner, layout):
+                # a copy would break max_host_bytes: no snapshot; :meth:`start` writes the live
+                # state's segments at once, on this thread, once no other write holds memory
+                self.pool.wait_idle()
+                self.synchronous += 1
+                return Snapshot({n: Frozen.of(enc) for n, enc in encoded.items()}, nbytes, started,
+                                time.perf_counter_ns() - started, None)
+            arena = self.pool.lease(owner, layout)
+            try:
+                frozen = {name: Frozen.of(copy_segments(enc, arena.take, own.has)) for name, enc in encoded.items()}
+            except BaseException:
+                self.pool.release(arena)
+                raise
+        finally:
+            own.settle()  # (after the host copies: the device's ran alongside them)
+        return Snapshot(frozen, nbytes, started, time.perf_counter_ns() - started, arena)
 
     def prepare(self, owner: str, blobs: Mapping[str, Any], arenas: int = 1) -> int:
         """Have ``arenas`` arenas for snapshots of ``blobs`` ready in the pool and faulted in
@@ -175,7 +188,11 @@ class BackgroundSaver:
         thread is started now too, so the first save's :meth:`start` only hands it the write.
         Nothing is copied; UnsupportedBlobError names a blob no codec takes. Returns the
         arenas queued."""
-        layout = tuple(s.nbytes for name, value in blobs.items() for s in encode(value, name).segments)
+        with staging_scope() as own:  # (a state's device tensors need no arena: see snapshot)
+            encoded = [encode(value, name) for name, value in blobs.items()]
+        own.settle()
+        layout = tuple(s.nbytes for enc in encoded for s in enc.segments if not own.has(s))
+        del encoded
         queued = self.pool.prepare(owner, layout, arenas)
         with self._lock:
             self._writer().submit(int)  # the thread starts now and idles until the first write

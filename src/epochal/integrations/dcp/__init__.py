@@ -6,7 +6,8 @@ items through epochal's codecs; nothing is pickled. See :mod:`.storage` and docs
 from __future__ import annotations
 
 from .planners import EpochalLoadPlanner, EpochalSavePlanner, Whole
-from .storage import META_NODE, EpochalStorageReader, EpochalStorageWriter, commit_step, rank_node
+from .reader import EpochalStorageReader
+from .storage import META_NODE, EpochalStorageWriter, commit_step, rank_node
 
 __all__ = [
     "META_NODE",

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...errors import MissingBlobError
-from .storage import EpochalStorageReader
+from .reader import EpochalStorageReader
 
 __all__ = ["gather_state_dict"]
 

@@ -90,14 +90,21 @@ class HostStaging:
             torch.cuda.synchronize()  # every device-to-host copy has landed
         return out, pooled
 
+    #: a CUDA tensor's snapshot is a host copy in the (pinned) buffer, a DTensor's one around
+    #: the host copy of its local shard with its spec unchanged (mesh, placements, global
+    #: shape), which DCP plans and writes off the device. False: a state holding a CUDA tensor
+    #: gets no snapshot (its caller plans it on the training thread and stages it as written)
+    OFF_DEVICE = True
+
     def snapshot_state(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], bool] | None:
-        """A copy of a whole DCP state dict of CPU tensors that DCP can save later, from another
-        thread, while the live one changes: each tensor's (each DTensor's local shard's) bytes
-        copied into the buffer (a DTensor comes back as one on its mesh and placements, with no
-        communication), other values deep-copied, nested dicts and lists as they were. Returns
-        the copy and whether it is pooled (as :meth:`snapshot`); None when the state holds a
-        CUDA tensor (a DTensor cannot be rebuilt off its device: the caller stages those
-        through :meth:`snapshot` of what it writes)."""
+        """A copy of a whole DCP state dict that DCP can save later, from another thread,
+        while the live one changes: each tensor's (each DTensor's local shard's) bytes copied
+        into the buffer, from the CPU or a CUDA device (a DTensor comes back as one on its mesh
+        and placements, around the host copy, with no communication), other values
+        deep-copied, nested dicts and lists as they were. Returns the copy and whether it is
+        pooled (as :meth:`snapshot`); None when the state holds a tensor of another device
+        (or a CUDA one, without :attr:`OFF_DEVICE`): the caller stages those through
+        :meth:`snapshot` of what it writes."""
         from torch.distributed.checkpoint._nested_dict import (
             flatten_state_dict,
             unflatten_state_dict,
@@ -108,7 +115,8 @@ class HostStaging:
         # (the private fields: from_local and to_local go through autograd functions, ~0.15 ms a
         # tensor, and a training state has thousands; a snapshot needs no gradient)
         local = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in flat.items()}
-        if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in local.values()):
+        kept = ("cpu", "cuda") if self.OFF_DEVICE else ("cpu",)
+        if any(isinstance(v, torch.Tensor) and v.device.type not in kept for v in local.values()):
             return None
         copied, pooled = self.snapshot(local)
         for k, v in flat.items():

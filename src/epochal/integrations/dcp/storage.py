@@ -40,16 +40,13 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ...checkpoint.handler.directory import DirectoryMetadataHandler
@@ -57,23 +54,21 @@ from ...checkpoint.handler.metadata import DbReport
 from ...checkpoint.location.naming import db_token, new_token, split_db_file
 from ...checkpoint.location.view import CheckpointDirectory
 from ...errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
     UnsupportedBlobError,
 )
-from ...storage.formats.native.reader import NativeFile, stat_native
+from ...storage.formats.native.incremental import write_incremental
+from ...storage.formats.native.reader import stat_native
 from ...storage.formats.native.writer import write_native
 from ...storage.io.location import location_for
 from ...storage.io.seam import is_url, local_path
 from ..distributed import world as _world
 from .blocks import block_rows, split_rows
-from .metadata_json import ItemLocation, metadata_from_json, metadata_to_json
+from .metadata_json import ItemLocation, metadata_to_json
 from .planners import item_value
-from .reads import read_items
 from .staging import HostStaging
 
-__all__ = ["META_BLOB", "META_NODE", "EpochalStorageReader", "EpochalStorageWriter", "rank_node"]
+__all__ = ["META_BLOB", "META_NODE", "EpochalStorageWriter", "rank_node"]
 
 #: the node whose db holds a step's DCP metadata (``<dir>/dcp.<step>``)
 META_NODE = _world.META_NODE
@@ -117,7 +112,21 @@ def _done(value: Any) -> Future:
     return fut
 
 
-class EpochalStorageWriter(StorageWriter):
+class AtPath:
+    """DCP's checkpoint id of epochal's storage: its directory (a path or a URL)."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class EpochalStorageWriter(AtPath, StorageWriter):
     """A DCP storage writer of epochal checkpoints (see the module doc).
 
     ``path``: the checkpoint directory (created). ``step``: the step this save commits;
@@ -135,9 +144,14 @@ class EpochalStorageWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
                  handler: DirectoryMetadataHandler | None = None, lock: bool = True,
                  metrics: dict[str, Any] | None = None, deferred: bool = False, hold_commit: bool = False,
-                 staging: HostStaging | None = None, storage_options: dict[str, Any] | None = None) -> None:
+                 staging: HostStaging | None = None, storage_options: dict[str, Any] | None = None,
+                 incremental: bool = False) -> None:
         super().__init__()
         self.metrics = metrics
+        #: each rank writes only the bytes its own db of the newest committed step before this
+        #: one does not hold (docs/format.md, incremental dbs); the rest are references
+        self.incremental = bool(incremental)
+        self._pending_target: Target | None = None
         #: write_data snapshots the rank's items into host memory and returns; the db is
         #: written by :meth:`write_deferred` and the step committed by :meth:`commit_deferred`
         #: (the coordinator, once every rank's write_deferred returned): an async save
@@ -165,19 +179,11 @@ class EpochalStorageWriter(StorageWriter):
         self._held: DirectoryMetadataHandler | None = None
         self._finalizer: weakref.finalize | None = None
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.path = local_path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._step = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -264,25 +270,45 @@ class EpochalStorageWriter(StorageWriter):
         report: DbReport | None = None
         if self.deferred:
             self.pending_blobs, self._pooled = self.staging.snapshot(blobs)
-            self.pending_db = db
+            self.pending_db, self._pending_target = db, target
         else:
             pooled = False
             if any(isinstance(v, torch.Tensor) and v.is_cuda for v in blobs.values()):
                 # CUDA tensors come to host memory through the (pinned, reused) staging buffer
                 blobs, pooled = self.staging.snapshot(blobs)
             try:
-                write_native(db, blobs)  # raises UnsupportedBlobError naming a value no codec stores
+                self._write_db(db, blobs, target)  # UnsupportedBlobError names a value no codec stores
             finally:
                 if pooled:
                     self.staging.release()
-            st = stat_native(db)
-            report = DbReport(st.file_bytes, st.digest, file=_file_name(db))
+            report = self._report(db, _file_name(db))
         file = _file_name(db)
         return _done([
             WriteResult(index=idx, size_in_bytes=nbytes,
                         storage_data=Written(ItemLocation(file, name, 0, nbytes, rows), report))
             for idx, name, nbytes, rows in placed
         ])
+
+    def _report(self, db: str, file: str) -> DbReport:
+        """What the manifest records of a written db: the bytes stored (an incremental db's,
+        not its logical size: what a check of the records finds) and its digest."""
+        st = stat_native(db)
+        stored = CheckpointDirectory(self.path).records.size(db) if self.incremental else st.file_bytes
+        return DbReport(stored, st.digest, file=file)
+
+    def _write_db(self, db: str, blobs: dict[str, Any], target: Target) -> None:
+        """This rank's db of ``target``: whole, or (``incremental``) as references to the bytes
+        its db of the newest committed step before ``target.step`` holds (none: whole)."""
+        if not self.incremental:
+            write_native(db, blobs)
+            return
+        d = CheckpointDirectory(self.path)
+        d.mark_incremental()  # (before the first incremental db: retention then follows references)
+        base: str | None = None
+        older = [e for e in d.committed_epochs() if e < target.step]
+        if older and target.node in d.read_manifest(max(older)).nodes:
+            base = d.db_path(target.node, max(older))
+        write_incremental(db, blobs, base=base, step=target.step)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's write_data returned (its db durable): write
@@ -296,11 +322,11 @@ class EpochalStorageWriter(StorageWriter):
     def write_deferred(self) -> None:
         """Write this rank's snapshot of a deferred save to its db (temp file, fsync, rename);
         any thread. The snapshot is let go after."""
-        db, blobs = self.pending_db, self.pending_blobs
-        self.pending_db, self.pending_blobs = None, {}
+        db, blobs, target = self.pending_db, self.pending_blobs, self._pending_target
+        self.pending_db, self.pending_blobs, self._pending_target = None, {}, None
         try:
-            if db is not None:
-                write_native(db, blobs)
+            if db is not None and target is not None:
+                self._write_db(db, blobs, target)
         finally:
             del blobs
             if self._pooled:
@@ -348,8 +374,8 @@ class EpochalStorageWriter(StorageWriter):
                 if w.report is not None:
                     reports[node] = w.report
                 elif node not in reports:  # a deferred write: the db as it now is on disk
-                    st = stat_native(CheckpointDirectory(self.path).path_of(w.location.db))
-                    reports[node] = DbReport(st.file_bytes, st.digest, file=w.location.db)
+                    reports[node] = self._report(CheckpointDirectory(self.path).path_of(w.location.db),
+                                                 w.location.db)
                 token = db_token(w.location.db)
                 step = ep
         if step is None:
@@ -384,97 +410,6 @@ def commit_step(path: str, step: int, reports: dict[str, DbReport],
     finally:
         if lock:
             h.release_lock()
-
-
-class EpochalStorageReader(StorageReader):
-    """A DCP storage reader of epochal checkpoints (see the module doc). ``step``: the step
-    to load; None: the newest committed step written by :class:`EpochalStorageWriter`."""
-
-    def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
-                 storage_options: dict[str, Any] | None = None) -> None:
-        super().__init__()
-        self.path = _located(path, storage_options)
-        self.step = None if step is None else int(step)
-        self.storage_data: dict[MetadataIndex, ItemLocation] = {}
-        #: (FQN, chunk offsets) -> the saved chunk's rows (where its row blocks end)
-        self.chunk_rows: dict[tuple[str, tuple[int, ...]], int] = {}
-        #: after read_metadata: the step being loaded
-        self.loaded_step: int | None = None
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self.path = local_path(checkpoint_id)
-        self.storage_data = {}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-    def _choose_step(self, d: CheckpointDirectory) -> int:
-        if self.step is not None:
-            if not d.is_committed(self.step):
-                raise CheckpointNotFoundError(f"{self.path}: step {self.step} is not committed")
-            return self.step
-        for step in reversed(d.manifest_epochs()):  # from the newest down
-            if d.is_committed(step) and META_NODE in d.read_manifest(step).nodes:
-                return step
-        raise CheckpointNotFoundError(f"{self.path}: no committed DCP checkpoint")
-
-    def read_metadata(self) -> Metadata:  # (no **kwargs: DCP's rank-local metadata is not ours)
-        d = CheckpointDirectory(self.path)
-        step = self._choose_step(d)
-        manifest = d.read_manifest(step)
-        if META_NODE not in manifest.nodes:
-            raise CheckpointNotFoundError(f"{d.manifest_path(step)}: step {step} was not written by DCP")
-        db = d.db_path(META_NODE, step)
-        d.require_intact(step, nodes=[META_NODE], word="step")  # before it is read
-        with NativeFile(db, mmap=False) as f:
-            text = f.read([META_BLOB])[META_BLOB]
-        if not isinstance(text, str):
-            raise CheckpointCorruptError(db, "the DCP metadata is not a str", META_BLOB)
-        md = metadata_from_json(text, db)
-        for loc in md.storage_data.values():
-            split = split_db_file(loc.db) if os.path.basename(loc.db) == loc.db else None
-            if split is None or split[1] != step or split[0] not in manifest.nodes \
-                    or manifest.nodes[split[0]].file != loc.db:
-                raise CheckpointCorruptError(db, f"DCP metadata names db {loc.db!r}, not one of step {step}'s",
-                                             META_BLOB)
-        self.loaded_step = step
-        return md
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = dict(metadata.storage_data or {})
-        self.chunk_rows = {
-            (fqn, tuple(int(o) for o in c.offsets)): int(c.sizes[0]) if len(c.sizes) else 1
-            for fqn, sm in metadata.state_dict_metadata.items() if isinstance(sm, TensorStorageMetadata)
-            for c in sm.chunks
-        }
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read the blobs of the saved chunks (of a chunk stored as row blocks, the blocks) that
-        ``plan``'s items overlap, each once and every one checksum-verified before any live
-        tensor is written, then copy each item's region (see :mod:`.reads`)."""
-        by_step: dict[int, set[str]] = {}
-        for item in plan.items:
-            loc = self.storage_data.get(item.storage_index)
-            split = split_db_file(loc.db) if loc is not None else None
-            if split is not None:
-                by_step.setdefault(split[1], set()).add(split[0])
-        d = CheckpointDirectory(self.path)
-        for step, nodes in by_step.items():  # before any byte reaches a live tensor
-            d.require_intact(step, nodes=sorted(nodes), word="step")
-        read_items(self.path, self.storage_data, self.chunk_rows, plan, planner)
-        return _done(None)
 
 
 def _file_name(db: str) -> str:

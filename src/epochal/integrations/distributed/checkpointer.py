@@ -58,7 +58,6 @@ from ...checkpoint.location.best import metric_number
 from ...checkpoint.location.view import CheckpointDirectory, best_of_directory
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...jobs.cadence import Cadence, parse_interval
-from ...jobs.preemption import SignalGuard
 from ...storage.encoding.compress import WriteOptions, write_options
 from ...storage.io.location import location_for
 from ...storage.io.seam import local_path
@@ -69,15 +68,11 @@ from ..dcp.staging import HostStaging
 from ..ranks import RankGroup, process_world, unwrap_failure
 from .state import dcp_state
 from .tier import RankTier
-from .world import SINGLE_NODE, load_one_process_step
+from .world import SINGLE_NODE, RankSignalGuard, load_one_process_step
 
 __all__ = ["DistributedCheckpointer", "process_world"]
 
 logger = logging.getLogger("epochal")
-
-
-#: a second SIGTERM this soon after the first is a duplicate delivery, not "stop at once"
-DUPLICATE_SECONDS = 5.0
 
 
 class DistributedCheckpointer:
@@ -105,9 +100,12 @@ class DistributedCheckpointer:
         per_rank: tuple[str, ...] | list[str] = (),
         group: Any = None,
         compression: str | None = None,
+        incremental: bool = False,
     ) -> None:
         #: how each rank's db is written (compression, as the Checkpointer's), set around saves
         self._write_options = WriteOptions(compression=compression)
+        #: each rank writes only the bytes its db of the step before does not hold
+        self.incremental = bool(incremental)
         location = location_for(local_path(directory), storage_options)  # file:// is the local disk
         location.remember()  # a URL's options: this process's for every path under it
         self.directory = location.root
@@ -145,6 +143,8 @@ class DistributedCheckpointer:
         self._closed = False
         #: this rank's node-local tier (``local=``; docs/tiers.md), None without one
         self.tier: RankTier | None = None
+        #: ``when_busy="skip"`` (set by the Checkpointer), and the steps it skipped
+        self.skip_busy, self.skipped = False, list[int]()
 
     def __repr__(self) -> str:
         return f"DistributedCheckpointer({self.directory!r}, rank={self.rank}, world={self.world})"
@@ -182,10 +182,13 @@ class DistributedCheckpointer:
         self._last_save = time.monotonic()
         start = time.perf_counter_ns()
         sd, _ = dcp_state(state, self.rank, self.per_rank, None, self.directory)
+        persist = self.tier.due(self.preempted) if self.tier is not None else False
+        if self.skip_busy and not (persist or self.tier is None and self.preempted) and self._busy():
+            self.skipped.append(step)  # (on every rank: see the front Checkpointer's when_busy)
+            return
         self.wait()  # the previous background save is committed (or has failed) first
         shared: tuple[dict[str, Any], bool] | None = None
         if self.tier is not None:
-            persist = self.tier.due(self.preempted)
             # a step that goes to the store too is snapshotted once, for both writes
             shared = self.tier.save(step, sd, share=persist and self.async_save)
             if not persist:  # this step stays in the local tiers only
@@ -196,7 +199,7 @@ class DistributedCheckpointer:
             return EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
                                         metrics=recorded or None, deferred=deferred,
                                         hold_commit=self.async_save, staging=self._staging,
-                                        storage_options=self._options)
+                                        storage_options=self._options, incremental=self.incremental)
 
         if not self.async_save:
             self._write(step, sd, writer(), self.ranks)
@@ -219,6 +222,12 @@ class DistributedCheckpointer:
             job = functools.partial(self._write_snapshot, step, snap, w, problem, staging)
         self._pending = Pending(step, w, start, self._bg, job)
         self._worker.submit(functools.partial(contextvars.copy_context().run, self._pending.run))
+
+    def _busy(self) -> bool:
+        """Whether any rank's previous save is still in the background (collective)."""
+        busy = (self.tier is not None and self.tier.busy()) or (self._pending is not None
+                                                                and not self._pending.done.is_set())
+        return bool(self.ranks.all_max([int(busy)])[0])
 
     def _write_snapshot(self, step: int, snap: tuple[dict[str, Any], bool] | None, writer: EpochalStorageWriter,
                         problem: BaseException | None, staging: HostStaging) -> None:
@@ -466,24 +475,6 @@ class DistributedCheckpointer:
             dcp_load(sd, storage_reader=reader, process_group=self._group, no_dist=not self._dist)
         for key, apply in after.items():
             apply(sd[key])
-
-
-class RankSignalGuard(SignalGuard):
-    """SignalGuard for a rank: a second SIGTERM within :data:`DUPLICATE_SECONDS` of the first
-    is the same one delivered twice (a scheduler signals every process, and torchrun forwards
-    its own to its workers): ignored. A later one still stops at once."""
-
-    _first = 0.0
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        now = time.monotonic()
-        if self.signum is None:
-            self._first = now
-        elif now - self._first < DUPLICATE_SECONDS:
-            logger.info("Received %s again within %ss: the same preemption, already saving",
-                        signal.Signals(signum).name, DUPLICATE_SECONDS)
-            return
-        super()._handle(signum, frame)
 
 
 def _plain_digest(sd: dict[str, Any], names: list[str]) -> int:

@@ -191,6 +191,10 @@ class RankTier:
             dst, src = (self.rank + j * self.stride) % self.world, (self.rank - j * self.stride) % self.world
             self._exchange(ranks, dst, self._files(self.directory, step), src, self.peer_dir(src), step)
 
+    def busy(self) -> bool:
+        """True while this rank's local write or copies of a step are running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Wait for the local write (and copies) in flight; re-raise its error."""
         if self._thread is not None:

@@ -5,20 +5,24 @@ torch), and a step written at another world size than the run's.
 group (of any size, one included: FSDP2's DTensors need the group), or one process opening a
 directory whose newest step was written by ranks (``epochal.integrations.dcp``'s layout:
 ``rank<r>.<step>`` and ``dcp.<step>``), gets
-:class:`~epochal.integrations.distributed.DistributedCheckpointer`.
+:class:`~epochal.integrations.distributed.DistributedCheckpointer`. A rank's SIGTERM is met by
+:class:`RankSignalGuard` (a scheduler's signal forwarded twice is one preemption).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from ...checkpoint.location.view import CheckpointDirectory
 from ...checkpoint.tasks.steps import LoadBlobs
 from ...errors import CheckpointError
+from ...jobs.preemption import SignalGuard
 from ...storage.io.seam import is_url
 
 if TYPE_CHECKING:  # (ranks imports torch; this module must not)
@@ -131,3 +135,25 @@ def _has_dtensors(value: Any) -> bool:
         return False
     return any(type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
                for p in params())
+
+
+#: a second SIGTERM this soon after the first is a duplicate delivery, not "stop at once"
+DUPLICATE_SECONDS = 5.0
+
+
+class RankSignalGuard(SignalGuard):
+    """SignalGuard for a rank: a second SIGTERM within :data:`DUPLICATE_SECONDS` of the first
+    is the same one delivered twice (a scheduler signals every process, and torchrun forwards
+    its own to its workers): ignored. A later one still stops at once."""
+
+    _first = 0.0
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self._first = now
+        elif now - self._first < DUPLICATE_SECONDS:
+            logger.info("Received %s again within %ss: the same preemption, already saving",
+                        signal.Signals(signum).name, DUPLICATE_SECONDS)
+            return
+        super()._handle(signum, frame)

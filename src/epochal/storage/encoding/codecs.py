@@ -308,11 +308,16 @@ class Frozen:
         return self.encoded.nbytes
 
 
-def copy_segments(enc: Encoded, alloc: SegmentAlloc | None = None) -> Encoded:
-    """``enc`` with every segment copied into memory from ``alloc`` (fresh by default)."""
+def copy_segments(enc: Encoded, alloc: SegmentAlloc | None = None,
+                  keep: Callable[[Any], bool] | None = None) -> Encoded:
+    """``enc`` with every segment copied into memory from ``alloc`` (fresh by default), but
+    those ``keep`` says are private copies already (see :mod:`.staged`): kept as they are."""
     alloc = alloc or _fresh_segment
     copies = []
     for seg in enc.segments:
+        if keep is not None and keep(seg):
+            copies.append(seg)
+            continue
         src = flat_segment(seg)
         if not src.nbytes:
             copies.append(memoryview(b""))
