@@ -19,6 +19,8 @@ in this process and ``jax.distributed`` over ``127.0.0.1:PORT`` (process PID); w
 * ``async``: an async save of STEP whose writes wait until every live shard buffer was
   overwritten in place (as a donated buffer is reused on an accelerator), then joined;
 * ``async_exit``: an async save of STEP, and the process ends without joining it;
+* ``async_die``: an async save of STEP in which process 1 exits (code 17) in its write, the
+  background agreements waiting 5 s at most;
 * ``async_fail``: an async save of STEP whose write fails on process 1, joined (the error
   printed), then a save of STEP + 1.
 
@@ -161,9 +163,12 @@ def main() -> None:
         assert step is not None
         ej.save(DIR, step, tree(seed, False, False), async_save=True)
         print(json.dumps({"left": step, "process": jax.process_index()}))
-    elif ACTION in ("async", "async_fail"):
+    elif ACTION in ("async", "async_fail", "async_die"):
         assert step is not None
         print(json.dumps(background(step, seed)))
+        if ACTION == "async_die":  # (JAX's own shutdown would wait for the dead process's heartbeat)
+            sys.stdout.flush()
+            os._exit(0)
     else:
         raise SystemExit(f"unknown action {ACTION}")
 
@@ -185,11 +190,17 @@ def background(step: int, seed: int) -> dict[str, Any]:
 
     def held_write(path: str, blobs: Any) -> int:
         assert go.wait(120), "the save never let the write go"
+        if ACTION == "async_die" and jax.process_index() == 1:
+            os._exit(17)
         if ACTION == "async_fail" and jax.process_index() == 1:
             raise OSError(28, "No space left on device (injected)", path)
         return real(path, blobs)
 
     multiprocess.write_native = held_write  # type: ignore[assignment]
+    if ACTION == "async_die":
+        from epochal.jax import background as bg
+
+        bg.AGREE_SECONDS = 5.0
     t = tree(seed, False, False)
     pending = ej.save(DIR, step, t, async_save=True, storage_options=OPTS)
     assert pending is not None and not pending.done()

@@ -301,3 +301,25 @@ def test_two_processes_save_to_an_s3_url_with_retention_and_async_and_restore(s3
     # restored from the URL in fresh processes, value for value
     assert job("restore", url, 2, "2", 2) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
     assert job("restore", url, 1, "-", 1) == [{"shards": [25, 25], "process": 0}]
+
+
+@pytest.mark.system
+def test_a_process_dying_in_a_background_write_makes_wait_raise_on_the_others(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    job("save", d, 2, "5", 0)
+    procs = start("async_die", d, 2, "6", 0)
+    try:
+        out, err = procs[0].communicate(timeout=240)
+        assert procs[0].returncode == 0, err[-4000:]
+        waited = json.loads(out.strip().splitlines()[-1])["waited"]
+        assert waited.startswith("CheckpointError: process 1 did not report within 5 s whether it wrote its db"), \
+            waited
+        assert procs[1].wait(timeout=60) == 17
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    # process 0's db of step 6, never committed: step 5 stays the newest
+    assert CheckpointDirectory(d).committed_epochs() == [5]
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.5", "proc0.6", "proc1.5"]

@@ -39,6 +39,8 @@ AGREE_SECONDS = 1800.0
 Agree = Callable[[str, bool], np.ndarray]
 
 _PREFIX = "epochal/jax_save"
+#: what each agreement tells, for errors
+_WHAT = {"written": "wrote its db", "committed": "committed the step"}
 _pending: PendingSave | None = None
 _saves = 0  # background saves started by this process (the same count on every process)
 _exit_hook = False
@@ -121,9 +123,9 @@ def _kv_agree(client: Any, prefix: str, i: int, n: int) -> Agree:
             try:
                 flags.append(int(client.blocking_key_value_get(f"{prefix}/{phase}/{r}", int(AGREE_SECONDS * 1000))))
             except Exception as ex:
-                raise CheckpointError(f"process {r} did not report within {AGREE_SECONDS:.0f} s whether it "
-                                      f"could {phase.replace('_', ' ')} ({type(ex).__name__}: {ex}); the step is "
-                                      "not committed") from ex
+                raise CheckpointError(f"process {r} did not report within {AGREE_SECONDS:g} s whether it "
+                                      f"{_WHAT.get(phase, phase)} ({type(ex).__name__}: {ex}); the step is not "
+                                      "committed, unless process 0 committed it before it stopped") from ex
         return np.array(flags, dtype=np.int64)
 
     return agree
