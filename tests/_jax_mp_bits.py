@@ -158,7 +158,10 @@ def main() -> None:
     elif ACTION == "best":
         for s, loss in zip(range(1, 5), (3.0, 1.0, 4.0, 2.0)):
             ej.save(DIR, s, tree(s, False, False), keep_last=1, keep_best=1, metric="loss", metrics={"loss": loss})
-        print(json.dumps({"saved": [1, 2, 3, 4], "process": jax.process_index()}))
+        try:  # a typo in the metric's name: refused on every process before anything is written
+            ej.save(DIR, 5, tree(5, False, False), keep_best=1, metric="loss", metrics={"los": 0.5})
+        except Exception as ex:
+            print(json.dumps({"saved": [1, 2, 3, 4], "process": jax.process_index(), "typo": type(ex).__name__}))
     elif ACTION == "async_exit":
         assert step is not None
         ej.save(DIR, step, tree(seed, False, False), async_save=True)

@@ -232,7 +232,8 @@ def test_retention_of_a_job_of_two_processes_keeps_every_db_of_the_newest_steps(
     assert job("restore", d, 1, "4", 4) == [{"shards": [25, 25], "process": 0}]
     # keep_best by the metrics given: the best step (2, loss 1.0) and the newest remain
     best = str(tmp_path / "best")
-    job("best", best, 2, "4", 0)
+    assert job("best", best, 2, "4", 0) == [{"saved": [1, 2, 3, 4], "process": i, "typo": "MissingMetricError"}
+                                            for i in (0, 1)]
     assert CheckpointDirectory(best).committed_epochs() == [2, 4]
     assert sorted(os.listdir(best)) == [".epochal", "proc0.2", "proc0.4", "proc1.2", "proc1.4"]
     assert CheckpointDirectory(best).read_manifest(2).metrics == {"loss": 1.0}

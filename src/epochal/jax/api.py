@@ -36,6 +36,7 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     MissingBlobError,
+    MissingMetricError,
 )
 from ..storage.io.location import location_for
 from ..storage.io.seam import local_path
@@ -123,6 +124,10 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
                              "the same), not a Checkpointer: a Checkpointer holds its directory for one process; "
                              "pass its options (keep_last=, async_save=, ...) to save")
         policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
+        if keep_best is not None and metric and metrics and metric not in metrics \
+                and not (isinstance(pytree, Mapping) and metric in pytree):  # (the Checkpointer's check)
+            raise MissingMetricError(f"keep_best ranks by metric {metric!r}, but the save of step {step} has no "
+                                     f"value of it: metrics given: {', '.join(sorted(map(repr, metrics)))}")
         i, n = jax.process_index(), jax.process_count()
         return save_processes(path_or_checkpointer, step,
                               lambda: host_state(pytree, names, copy=async_save, process=(i, n)),
