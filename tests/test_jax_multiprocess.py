@@ -52,7 +52,9 @@ def job(action: str, d: str, nproc: int, step: str, seed: int) -> list[dict[str,
         for p in procs:
             out, err = p.communicate(timeout=240)
             assert p.returncode == 0, err[-4000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]  # (gloo writes lines of its own)
+            assert lines, out[-4000:]
+            outs.append(json.loads(lines[-1]))
     finally:
         for p in procs:
             if p.poll() is None:
