@@ -10,7 +10,21 @@ in this process and ``jax.distributed`` over ``127.0.0.1:PORT`` (process PID); w
   every addressable shard bit for bit with the values of SEED;
 * ``differ``: a save of STEP whose plain value differs between the processes;
 * ``die``: a save of STEP in which process 1 exits (code 17) once its db is written, before
-  the processes agree to commit.
+  the processes agree to commit;
+* ``keep``: saves of steps 1..STEP (step ``s`` the pytree of seed ``s``) with
+  ``keep_last=SEED``;
+* ``mixed``: a save of STEP, async on process 1 only;
+* ``best``: saves of steps 1..4 with losses 3, 1, 4, 2, ``keep_best=1`` by ``loss`` and
+  ``keep_last=1``;
+* ``async``: an async save of STEP whose writes wait until every live shard buffer was
+  overwritten in place (as a donated buffer is reused on an accelerator), then joined;
+* ``async_exit``: an async save of STEP, and the process ends without joining it;
+* ``async_die``: an async save of STEP in which process 1 exits (code 17) in its write, the
+  background agreements waiting 5 s at most;
+* ``async_fail``: an async save of STEP whose write fails on process 1, joined (the error
+  printed), then a save of STEP + 1.
+
+DIR may be a URL: the fsspec options that reach it are the JSON of ``JAX_MP_OPTS``.
 
 Prints one JSON line.
 """
@@ -39,6 +53,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epochal.jax as ej  # noqa: E402
+
+#: fsspec's options for a URL DIR (None: a local directory)
+OPTS = json.loads(os.environ.get("JAX_MP_OPTS", "null"))
 
 
 def values(seed: int) -> dict[str, Any]:
@@ -105,10 +122,10 @@ def main() -> None:
     seed = int(SEED)
     if ACTION == "save":
         assert step is not None
-        ej.save(DIR, step, tree(seed, False, False))
+        ej.save(DIR, step, tree(seed, False, False), storage_options=OPTS)
         print(json.dumps({"saved": step, "process": jax.process_index()}))
     elif ACTION == "restore":
-        shards = [compare(ej.restore(DIR, tree(seed, flip, True), step), seed) for flip in (False, True)]
+        shards = [compare(ej.restore(DIR, tree(seed, flip, True), step, storage_options=OPTS), seed) for flip in (False, True)]
         print(json.dumps({"shards": shards, "process": jax.process_index()}))
     elif ACTION == "differ":
         assert step is not None
@@ -130,8 +147,84 @@ def main() -> None:
         assert step is not None
         ej.save(DIR, step, tree(seed, False, False))
         print(json.dumps({"saved": step}))
+    elif ACTION == "keep":
+        assert step is not None
+        for s in range(1, step + 1):
+            ej.save(DIR, s, tree(s, False, False), keep_last=seed, storage_options=OPTS)
+        print(json.dumps({"saved": list(range(1, step + 1)), "process": jax.process_index()}))
+    elif ACTION == "mixed":
+        assert step is not None
+        ej.save(DIR, step, tree(seed, False, False), async_save=jax.process_index() == 1)
+    elif ACTION == "best":
+        for s, loss in zip(range(1, 5), (3.0, 1.0, 4.0, 2.0)):
+            ej.save(DIR, s, tree(s, False, False), keep_last=1, keep_best=1, metric="loss", metrics={"loss": loss})
+        try:  # a typo in the metric's name: refused on every process before anything is written
+            ej.save(DIR, 5, tree(5, False, False), keep_best=1, metric="loss", metrics={"los": 0.5})
+        except Exception as ex:
+            print(json.dumps({"saved": [1, 2, 3, 4], "process": jax.process_index(), "typo": type(ex).__name__}))
+    elif ACTION == "async_exit":
+        assert step is not None
+        ej.save(DIR, step, tree(seed, False, False), async_save=True)
+        print(json.dumps({"left": step, "process": jax.process_index()}))
+    elif ACTION in ("async", "async_fail", "async_die"):
+        assert step is not None
+        print(json.dumps(background(step, seed)))
+        if ACTION == "async_die":  # (JAX's own shutdown would wait for the dead process's heartbeat)
+            sys.stdout.flush()
+            os._exit(0)
     else:
         raise SystemExit(f"unknown action {ACTION}")
+
+
+def overwrite(x: Any) -> None:
+    """Every addressable shard buffer of ``x`` filled with 0x5a bytes in place."""
+    import ctypes
+
+    for s in x.addressable_shards:
+        ctypes.memset(s.data.unsafe_buffer_pointer(), 0x5A, s.data.nbytes)
+
+
+def background(step: int, seed: int) -> dict[str, Any]:
+    import threading
+
+    from epochal.jax import multiprocess
+
+    real, go = multiprocess.write_native, threading.Event()
+
+    def held_write(path: str, blobs: Any) -> int:
+        assert go.wait(120), "the save never let the write go"
+        if ACTION == "async_die" and jax.process_index() == 1:
+            os._exit(17)
+        if ACTION == "async_fail" and jax.process_index() == 1:
+            raise OSError(28, "No space left on device (injected)", path)
+        return real(path, blobs)
+
+    multiprocess.write_native = held_write  # type: ignore[assignment]
+    if ACTION == "async_die":
+        from epochal.jax import background as bg
+
+        bg.AGREE_SECONDS = 5.0
+    t = tree(seed, False, False)
+    pending = ej.save(DIR, step, t, async_save=True, storage_options=OPTS)
+    assert pending is not None and not pending.done()
+    out: dict[str, Any] = {"process": jax.process_index()}
+    if ACTION == "async":
+        for x in (t["params"]["w"], t["params"]["e"], t["b"], t["one"]):
+            overwrite(x)
+        live = np.asarray(t["params"]["w"].addressable_shards[0].data).view(np.uint32)
+        out["live"] = sorted({hex(v) for v in live.reshape(-1).tolist()})
+    go.set()
+    try:
+        pending.wait()
+        out["waited"] = "ok"
+    except Exception as ex:
+        out["waited"] = f"{type(ex).__name__}: {ex}"
+    if ACTION == "async_fail":
+        multiprocess.write_native = real  # type: ignore[assignment]
+        ej.wait()  # (the error was taken: nothing more to raise)
+        ej.save(DIR, step + 1, tree(seed, False, False))
+        out["next"] = step + 1
+    return out
 
 
 if __name__ == "__main__":

@@ -226,6 +226,42 @@ def test_the_checkpointers_retention_and_async_saves_work_for_pytrees(tmp_path: 
     assert np.asarray(got["params"]["e"]).tobytes() == np.asarray(tree["params"]["e"]).tobytes()
 
 
+def test_a_save_to_a_directory_takes_the_checkpointers_retention_and_async_options(tmp_path: Any) -> None:
+    import ctypes
+
+    d, tree = str(tmp_path), dev_tree()
+    for step in (1, 2, 3):
+        assert ej.save(d, step, {**tree, "count": step}, keep_last=2) is None
+    assert epochal.CheckpointDirectory(d).committed_epochs() == [2, 3]
+    w = tree["params"]["w"]
+    before = np.asarray(w).tobytes()
+    pending = ej.save(d, 4, {**tree, "count": 4}, keep_last=2, async_save=True)
+    assert isinstance(pending, ej.PendingSave) and pending.step == 4
+    for s in w.addressable_shards:  # the live buffer reused in place once save returned
+        ctypes.memset(s.data.unsafe_buffer_pointer(), 0x5A, s.data.nbytes)
+    assert np.asarray(w).tobytes() != before
+    ej.wait()  # committed, retention applied
+    pending.wait()  # (joined already: nothing more)
+    assert epochal.CheckpointDirectory(d).committed_epochs() == [3, 4]
+    # a fresh process restores step 4 with the values of the moment save returned
+    code = ("import sys, hashlib, numpy as np, jax, epochal.jax as ej\n"
+            "a = {'params': {'w': np.empty((32, 24), np.float32), 'e': np.empty((16, 8), 'bfloat16')}, 'count': 0}\n"
+            "got = ej.restore(sys.argv[1], a)\n"
+            "print(got['count'], hashlib.sha256(got['params']['w'].tobytes()).hexdigest())")
+    out = subprocess.run([sys.executable, "-c", code, d], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import hashlib
+
+    assert out.stdout.split() == ["4", hashlib.sha256(before).hexdigest()]
+    # a restore joins the async save in flight first: it finds that step committed
+    pending = ej.save(d, 5, {**tree, "count": 5}, async_save=True)
+    assert ej.restore(d, abstract_of(tree))["count"] == 5 and pending.done()
+    with epochal.Checkpointer(str(tmp_path / "c")) as ckpt:
+        with pytest.raises(ValueError, match="keep_last, async_save are options of a save to a directory"):
+            ej.save(ckpt, 1, tree, keep_last=2, async_save=True)
+        assert ckpt.steps() == []
+
+
 @pytest.mark.parametrize("change, error, words", [
     (lambda a: a["params"].update(w=jax.ShapeDtypeStruct((32, 25), np.float32)), BlobMismatchError,
      ["step 4", "params/w", "(32, 24)", "(32, 25)"]),

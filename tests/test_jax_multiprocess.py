@@ -52,7 +52,9 @@ def job(action: str, d: str, nproc: int, step: str, seed: int) -> list[dict[str,
         for p in procs:
             out, err = p.communicate(timeout=240)
             assert p.returncode == 0, err[-4000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]  # (gloo writes lines of its own)
+            assert lines, out[-4000:]
+            outs.append(json.loads(lines[-1]))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -158,6 +160,13 @@ def test_plain_values_that_differ_between_processes_are_refused_on_every_process
         assert p.returncode == 1 and "ValueError" in err and "plain values of the pytree" in err, err[-3000:]
     assert sorted(os.listdir(d)) == [".epochal", "proc0.5", "proc1.5"]  # nothing written
     assert CheckpointDirectory(d).committed_epochs() == [5]
+    # an async save on one process only: refused on both before anything is written
+    procs = start("mixed", d, 2, "6", 0)
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 1 and "ValueError" in err and "async_save differs between the processes ([0, 1]" \
+            in err, err[-3000:]
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.5", "proc1.5"]
 
 
 @pytest.mark.system
@@ -206,3 +215,114 @@ def test_a_record_of_one_process_part_is_refused_alone_and_parts_must_cover_toge
     with pytest.raises(ValueError, match="overlap"):
         check_cover((4, 2), [((0, 0), (2, 2)), ((1, 0), (2, 2))])
     check_cover((4, 2), [((0, 0), (2, 2)), ((2, 0), (2, 2))])
+
+
+@pytest.mark.system
+def test_retention_of_a_job_of_two_processes_keeps_every_db_of_the_newest_steps(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    with open(os.path.join(d, "proc0.9"), "wb") as f:  # a newer step being written (by another run)
+        f.write(b"partial")
+    assert job("keep", d, 2, "4", 2) == [{"saved": [1, 2, 3, 4], "process": 0},
+                                         {"saved": [1, 2, 3, 4], "process": 1}]
+    # the two newest steps' dbs (every process's) and manifests remain, nothing of steps 1, 2
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.3", "proc0.4", "proc0.9", "proc1.3", "proc1.4"]
+    assert sorted(n for n in os.listdir(os.path.join(d, ".epochal")) if n.startswith("manifest")) == \
+        ["manifest.3.json", "manifest.4.json"]
+    assert CheckpointDirectory(d).committed_epochs() == [3, 4]
+    # both restore, value for value, in fresh processes: step 3 on two, step 4 on one
+    assert job("restore", d, 2, "3", 3) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
+    assert job("restore", d, 1, "4", 4) == [{"shards": [25, 25], "process": 0}]
+    # keep_best by the metrics given: the best step (2, loss 1.0) and the newest remain
+    best = str(tmp_path / "best")
+    assert job("best", best, 2, "4", 0) == [{"saved": [1, 2, 3, 4], "process": i, "typo": "MissingMetricError"}
+                                            for i in (0, 1)]
+    assert CheckpointDirectory(best).committed_epochs() == [2, 4]
+    assert sorted(os.listdir(best)) == [".epochal", "proc0.2", "proc0.4", "proc1.2", "proc1.4"]
+    assert CheckpointDirectory(best).read_manifest(2).metrics == {"loss": 1.0}
+
+
+@pytest.mark.system
+def test_an_async_save_of_two_processes_writes_the_values_of_the_moment_it_returned(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    outs = job("async", d, 2, "6", 1)
+    # every live shard buffer was overwritten after save returned, before its write began
+    assert [o["live"] for o in outs] == [["0x5a5a5a5a"], ["0x5a5a5a5a"]]
+    assert [o["waited"] for o in outs] == ["ok", "ok"]
+    assert CheckpointDirectory(d).committed_epochs() == [6]
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.6", "proc1.6"]
+    # restored in fresh processes: the values of seed 1, as they were when save returned
+    assert job("restore", d, 1, "6", 1) == [{"shards": [25, 25], "process": 0}]
+    assert job("restore", d, 2, "-", 1) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
+
+
+@pytest.mark.system
+def test_an_async_save_left_in_flight_at_the_end_of_the_job_is_committed_before_it_exits(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    assert job("async_exit", d, 2, "8", 2) == [{"left": 8, "process": 0}, {"left": 8, "process": 1}]
+    assert CheckpointDirectory(d).committed_epochs() == [8]
+    assert job("restore", d, 1, "8", 2) == [{"shards": [25, 25], "process": 0}]
+
+
+@pytest.mark.system
+def test_a_failed_background_write_raises_on_every_process_at_wait(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    outs = job("async_fail", d, 2, "6", 0)
+    # process 1 its own error; process 0 names process 1; neither commits step 6
+    assert outs[1]["waited"].startswith("OSError: [Errno 28] No space left on device (injected)"), outs[1]
+    assert outs[0]["waited"].startswith("CheckpointError: ") and "step 6 was not saved: process(es) [1] " \
+        "failed to write their db" in outs[0]["waited"], outs[0]
+    # the job goes on: the next save commits; step 6 never was
+    assert [o["next"] for o in outs] == [7, 7]
+    view = CheckpointDirectory(d)
+    assert view.committed_epochs() == [7]
+    assert not os.path.exists(os.path.join(d, ".epochal", "manifest.6.json"))
+    assert job("restore", d, 1, "-", 0) == [{"shards": [25, 25], "process": 0}]
+
+
+@pytest.mark.system
+def test_two_processes_save_to_an_s3_url_with_retention_and_async_and_restore(s3: dict[str, Any], monkeypatch: Any
+                                                                              ) -> None:
+    import secrets
+
+    url = f"s3://ckpts/jaxmp-{secrets.token_hex(4)}/run"
+    monkeypatch.setenv("JAX_MP_OPTS", json.dumps(s3))
+    assert job("keep", url, 2, "3", 2) == [{"saved": [1, 2, 3], "process": 0}, {"saved": [1, 2, 3], "process": 1}]
+    view = CheckpointDirectory(url, storage_options=s3)
+    assert view.committed_epochs() == [2, 3]
+    # every process's db of the kept steps, named with one writer token per save; none of step 1
+    files = sorted((e, n) for e, n, _ in view.db_files())
+    assert files == [(2, "proc0"), (2, "proc1"), (3, "proc0"), (3, "proc1")], files
+    for step in (2, 3):
+        entries = view.read_manifest(step).nodes
+        tokens = {e.file.split(".")[-1] for e in entries.values()}
+        assert len(tokens) == 1 and next(iter(tokens)).startswith("w"), entries
+    assert not view.check_epoch(3, "full")
+    # an async save to the URL: the values of the moment save returned; retention not asked
+    outs = job("async", url, 2, "6", 1)
+    assert [o["waited"] for o in outs] == ["ok", "ok"]
+    assert CheckpointDirectory(url, storage_options=s3).committed_epochs() == [2, 3, 6]
+    # restored from the URL in fresh processes, value for value
+    assert job("restore", url, 2, "2", 2) == [{"shards": [13, 13], "process": 0}, {"shards": [13, 13], "process": 1}]
+    assert job("restore", url, 1, "-", 1) == [{"shards": [25, 25], "process": 0}]
+
+
+@pytest.mark.system
+def test_a_process_dying_in_a_background_write_makes_wait_raise_on_the_others(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    job("save", d, 2, "5", 0)
+    procs = start("async_die", d, 2, "6", 0)
+    try:
+        out, err = procs[0].communicate(timeout=240)
+        assert procs[0].returncode == 0, err[-4000:]
+        waited = json.loads(out.strip().splitlines()[-1])["waited"]
+        assert waited.startswith("CheckpointError: process 1 did not report within 5 s whether it wrote its db"), \
+            waited
+        assert procs[1].wait(timeout=60) == 17
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    # process 0's db of step 6, never committed: step 5 stays the newest
+    assert CheckpointDirectory(d).committed_epochs() == [5]
+    assert sorted(os.listdir(d)) == [".epochal", "proc0.5", "proc0.6", "proc1.5"]

@@ -15,8 +15,10 @@ an Orbax ``CheckpointManager`` handler, ``epochal.jax.orbax_v1`` an Orbax v1 one
 
 from __future__ import annotations
 
-from .api import DEFAULT_CHUNK, restore, save
+from .api import DEFAULT_CHUNK, restore, save, wait
+from .background import PendingSave
 from .host import BLOCK_BYTES
 from .mapping import NameMap, Transposed, transposed
 
-__all__ = ["BLOCK_BYTES", "DEFAULT_CHUNK", "NameMap", "Transposed", "restore", "save", "transposed"]
+__all__ = ["BLOCK_BYTES", "DEFAULT_CHUNK", "NameMap", "PendingSave", "Transposed", "restore", "save", "transposed",
+           "wait"]

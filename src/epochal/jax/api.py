@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..checkpoint.location.retention import RetentionPolicy
 from ..checkpoint.location.view import CheckpointDirectory
 from ..checkpoint.tier import Source as Place
 from ..checkpoint.tier import restore_order
@@ -35,7 +36,11 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     MissingBlobError,
+    MissingMetricError,
 )
+from ..storage.io.location import location_for
+from ..storage.io.seam import local_path
+from .background import PendingSave, join_pending, one_process_pending
 from .dcp import is_dcp_step
 from .host import HostChunks, HostTensor, to_host
 from .mapping import NameMap, Target, map_leaves
@@ -44,7 +49,7 @@ from .names import Leaf, flat_leaves, leaf_label, nest
 from .reads import DEFAULT_CHUNK, Task, aligned_empty
 from .sources import DcpSource, LocalSource, ProcessesSource, Source
 
-__all__ = ["DEFAULT_CHUNK", "host_state", "restore", "save"]
+__all__ = ["DEFAULT_CHUNK", "host_state", "restore", "save", "wait"]
 
 logger = logging.getLogger("epochal")
 
@@ -87,39 +92,80 @@ def host_state(pytree: Any, names: NameMap | None = None, *, copy: bool = False,
 
 
 def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int, pytree: Any, *,
-         metrics: Mapping[str, float] | None = None, names: NameMap | None = None) -> None:
+         metrics: Mapping[str, float] | None = None, names: NameMap | None = None,
+         keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
+         mode: str = "min", async_save: bool = False, storage_options: dict[str, Any] | None = None
+         ) -> PendingSave | None:
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
     are written once, from their host views, never assembled (:mod:`.host`). ``names``:
     the stored name of each leaf (:mod:`.mapping`; default: the pytree's own).
 
+    ``keep_last``/``keep_best``/``metric``/``mode`` (retention), ``async_save`` and
+    ``storage_options`` (fsspec's, for a URL) are the Checkpointer's options, for a save to
+    a directory (given a Checkpointer, its own hold):
+    with ``async_save`` the save returns once the arrays are copied to host, with a
+    :class:`~.background.PendingSave` whose ``wait()`` commits it; the next save, a
+    restore, :func:`wait` or the end of the process joins it too.
+
     In a job of several processes (``jax.process_count() > 1``) every process calls it with
-    the same directory and step: each writes its own shards into a db of its own and
-    process 0 commits the step once every db is durable (:mod:`.multiprocess`)."""
+    the same directory, step and options: each writes its own shards into a db of its own
+    and process 0 commits the step once every db is durable, then applies the retention
+    (:mod:`.multiprocess`; async: :mod:`.background`)."""
+    options = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "storage_options": storage_options}
+    given = [k for k, v in options.items() if v is not None] + (["async_save"] if async_save else [])
+    if isinstance(path_or_checkpointer, Checkpointer) and given:
+        raise ValueError(f"epochal.jax.save: {', '.join(given)} are options of a save to a directory; a "
+                         f"Checkpointer's own hold for its saves ({path_or_checkpointer!r})")
     if jax.process_count() > 1:
         if isinstance(path_or_checkpointer, Checkpointer):
             raise ValueError("epochal.jax.save in a job of several processes takes the directory (every process "
-                             "the same), not a Checkpointer: a Checkpointer holds its directory for one process")
+                             "the same), not a Checkpointer: a Checkpointer holds its directory for one process; "
+                             "pass its options (keep_last=, async_save=, ...) to save")
+        policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
+        if keep_best is not None and metric and metrics and metric not in metrics \
+                and not (isinstance(pytree, Mapping) and metric in pytree):  # (the Checkpointer's check)
+            raise MissingMetricError(f"keep_best ranks by metric {metric!r}, but the save of step {step} has no "
+                                     f"value of it: metrics given: {', '.join(sorted(map(repr, metrics)))}")
         i, n = jax.process_index(), jax.process_count()
-        save_processes(path_or_checkpointer, step, lambda: host_state(pytree, names, process=(i, n)),
-                       plain_digest(flat_leaves(pytree)), metrics=metrics)
-        return
+        return save_processes(path_or_checkpointer, step,
+                              lambda: host_state(pytree, names, copy=async_save, process=(i, n)),
+                              plain_digest(flat_leaves(pytree)), metrics=metrics, policy=policy,
+                              background=async_save, storage_options=storage_options)
+    join_pending()
     state = host_state(pytree, names)
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
-        return
-    with Checkpointer(path_or_checkpointer, progress=False) as ckpt:
+        return None
+    ckpt = Checkpointer(path_or_checkpointer, progress=False, async_save=async_save, keep_last=keep_last,
+                        keep_best=keep_best, metric=metric, mode=mode, storage_options=storage_options)
+    try:
         ckpt.save(step, state, metrics=metrics)
+    except BaseException:
+        ckpt.close()
+        raise
+    if async_save:  # committed by the close, where it is joined
+        return one_process_pending(ckpt.directory, step, ckpt.close)
+    ckpt.close()
+    return None
 
 
-def _places(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None
-            ) -> list[tuple[int | None, str, str]]:
+def wait() -> None:
+    """Wait for this process's async save in flight (:func:`save` with ``async_save``), if
+    any, and raise its error: at the end of a job, or before reading its step elsewhere."""
+    join_pending()
+
+
+def _places(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None,
+            storage_options: dict[str, Any] | None = None) -> list[tuple[int | None, str, str]]:
     """(step, place, directory) to restore from, in order: for a Checkpointer with a local
     tier (docs/tiers.md) every step either place holds, newest first, the local copy first
     (``step``: that one's copies); else the one directory (the step chosen there)."""
     if not isinstance(path_or_checkpointer, Checkpointer):
-        return [(step, "durable", os.fspath(path_or_checkpointer))]
+        directory = local_path(path_or_checkpointer)
+        location_for(directory, storage_options).remember()  # (a URL's: for the dbs opened by path)
+        return [(step, "durable", directory)]
     ck = path_or_checkpointer
     ck.wait()  # a pending async save is committed first
     tier = ck._tier
@@ -136,10 +182,12 @@ def _places(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: i
     return order
 
 
-def _step_source(directory: str, step: int | None) -> tuple[Source, int]:
+def _step_source(directory: str, step: int | None, storage_options: dict[str, Any] | None = None
+                 ) -> tuple[Source, int]:
     """The source of committed ``step`` (None: the newest) of ``directory``, its dbs checked
-    against the manifest: a Checkpointer's db, or the rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
-    view = CheckpointDirectory(directory)
+    against the manifest: a Checkpointer's db, the dbs of the processes of a JAX job, or the
+    rank dbs of a ``dcp.save`` (:mod:`.dcp`)."""
+    view = CheckpointDirectory(directory, storage_options=storage_options)
     if step is None:
         found = view.newest_committed()
         if found is None:
@@ -249,7 +297,7 @@ def _array(src: Source, t: Target, want: Any, chunk: int, pool: ThreadPoolExecut
 
 def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstract_pytree: Any,
             step: int | None = None, *, chunk_bytes: int = DEFAULT_CHUNK, partial: bool = False,
-            names: NameMap | None = None) -> Any:
+            names: NameMap | None = None, storage_options: dict[str, Any] | None = None) -> Any:
     """The pytree of ``abstract_pytree``'s structure restored from ``step`` (None: the newest
     committed one) of a Checkpointer's directory: each ``jax.ShapeDtypeStruct`` or
     ``jax.Array`` leaf as a ``jax.Array`` of its shape, dtype and sharding (a struct without
@@ -259,7 +307,8 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
     thread (:data:`READ_THREADS`) beyond the arrays returned: on CPU devices the arrays
     are the buffers read into (no copy), so a restore's host memory is bounded by the
     arrays plus ``READ_THREADS * chunk_bytes``. ``names``: where each leaf is
-    stored (:mod:`.mapping`; default: under its own names).
+    stored (:mod:`.mapping`; default: under its own names). ``storage_options``: fsspec's,
+    for a URL directory (a Checkpointer's own hold for it).
 
     Raises, naming the leaf (``params/w``) and the step: MissingBlobError for a leaf the
     checkpoint lacks; BlobMismatchError for another shape or dtype, or for leaves the
@@ -268,11 +317,15 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
     such committed step; ValueError or TypeError for a bad ``names``."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
+    if storage_options is not None and isinstance(path_or_checkpointer, Checkpointer):
+        raise ValueError(f"epochal.jax.restore: storage_options are for a directory; a Checkpointer's own hold "
+                         f"({path_or_checkpointer!r})")
+    join_pending()  # this process's async save in flight is committed first
     t0 = time.perf_counter()
-    order = _places(path_or_checkpointer, step)
+    order = _places(path_or_checkpointer, step, storage_options)
     for i, (at, place, directory) in enumerate(order):
         try:
-            got, found = _restore(directory, at, abstract_pytree, chunk_bytes, partial, names)
+            got, found = _restore(directory, at, abstract_pytree, chunk_bytes, partial, names, storage_options)
         except (CheckpointCorruptError, CheckpointNotFoundError) as ex:
             if i + 1 == len(order):
                 raise
@@ -286,11 +339,11 @@ def restore(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, abstrac
 
 
 def _restore(directory: str, step: int | None, abstract_pytree: Any, chunk_bytes: int, partial: bool,
-             names: NameMap | None) -> tuple[Any, int]:
+             names: NameMap | None, storage_options: dict[str, Any] | None) -> tuple[Any, int]:
     """:func:`restore` from one directory; the pytree and the step restored."""
     leaves = flat_leaves(abstract_pytree)
     targets = map_leaves(leaves, keystrs(abstract_pytree), names)
-    src, step = _step_source(directory, step)
+    src, step = _step_source(directory, step, storage_options)
     try:
         keys = [src.key(t.names) for t in targets]
         have = set(src.keys())

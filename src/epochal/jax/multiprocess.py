@@ -4,18 +4,27 @@ Every process calls :func:`save_processes` with the same directory and step. Eac
 what it holds (:func:`~.host.to_host` with ``process=(i, n)``: its replica-0 shards of
 the arrays spread over processes, and on process 0 everything else) into a db of its own,
 node ``proc<i>`` (``<dir>/proc<i>.<step>``: the way ranks of ``torch.distributed`` write
-``rank<r>.<step>``). The processes agree over the JAX job itself, by
-``multihost_utils.process_allgather`` of a few integers (no transport of their own):
+``rank<r>.<step>``; at a URL ``proc<i>.<step>.<token>``, one writer token per save, drawn
+by process 0, so no other writer's save can produce the name). The processes agree over
+the JAX job itself, by ``multihost_utils.process_allgather`` of a few integers (no
+transport of their own):
 
 1. before anything is written: every process could take its part, all save the same step,
    it is not committed yet, and the plain values are the same everywhere (their digests);
 2. after the writes: every db is written, fsynced and in place;
 3. process 0 then commits the step: one manifest naming every process's db with its size and
-   digest (under the directory's writer lock), and all learn whether it did.
+   digest, then applies the retention asked for (both under the directory's writer lock, at
+   a URL its fenced lease), and all learn whether it committed.
+
+With ``background`` (an async save) the first agreement is made on the calling thread, over
+host copies of the shards; the write, the other two agreements and the commit run on a
+thread, agreeing through the job's coordination service rather than a JAX collective
+(:mod:`.background`); the next save, a restore or :func:`~.background.join_pending` joins it.
 
 A failure at any point raises on every process (the failing one its own error, the others
 CheckpointError naming the processes that failed) and leaves the step uncommitted; a process
-that dies leaves the others waiting in the next agreement, so nothing is committed and the
+that dies leaves the others waiting in the next agreement (in the background, for at most
+:data:`~.background.AGREE_SECONDS`), so nothing is committed and the
 previous step stays the newest. A restore reads every process's db together
 (:class:`~.sources.ProcessesSource`), on any number of processes.
 """
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -34,11 +44,14 @@ from jax.experimental import multihost_utils
 
 from ..checkpoint.handler.directory import DirectoryMetadataHandler
 from ..checkpoint.handler.metadata import DbReport
+from ..checkpoint.location.retention import RetentionPolicy
 from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointError
 from ..storage.formats.native.reader import stat_native
 from ..storage.formats.native.writer import write_native
-from ..storage.io.seam import is_url, local_path
+from ..storage.io.location import location_for
+from ..storage.io.seam import local_path
+from .background import Agree, PendingSave, agree_off_thread, join_pending, start_pending
 from .names import Leaf
 
 __all__ = ["PROCESS_NODE", "plain_digest", "process_nodes", "save_processes"]
@@ -85,65 +98,103 @@ def plain_digest(leaves: Iterable[Leaf]) -> int:
 
 
 def save_processes(directory: str | os.PathLike[str], step: int, build: Callable[[], dict[str, Any]], plain: int,
-                   *, metrics: Mapping[str, float] | None = None) -> None:
+                   *, metrics: Mapping[str, float] | None = None, policy: RetentionPolicy | None = None,
+                   background: bool = False, storage_options: dict[str, Any] | None = None) -> PendingSave | None:
     """Save step ``step`` in ``directory`` from every process of the job (collective; see the
-    module doc). ``build``: this process's part of the state (nested dicts of host values);
-    ``plain``: the :func:`plain_digest` of its pytree's plain values (saved once, process
-    0's: ValueError on every process when they differ)."""
-    i, n = jax.process_index(), jax.process_count()
+    module doc). ``build``: this process's part of the state (nested dicts of host values;
+    with ``background``, none sharing memory with a live buffer); ``plain``: the
+    :func:`plain_digest` of its pytree's plain values (saved once, process 0's: ValueError
+    on every process when they differ). ``policy``: the retention process 0 applies after
+    the commit (None: every step kept). ``background``: the first agreement here, the write,
+    the other two agreements and the commit on a thread (:mod:`.background`); its handle is
+    returned. A save still in flight from an earlier call is joined first (its error raised).
+    ``storage_options``: fsspec's, for a URL ``directory`` (every process's db is named with
+    one writer token, process 0's, as the ranks of a ``dcp.save`` name theirs)."""
+    join_pending()
+    i = jax.process_index()
     path = local_path(directory)
     problem: BaseException | None = None
     state: dict[str, Any] = {}
+    token = 0
     try:
-        if is_url(path):
-            raise ValueError(f"{path}: a save of several JAX processes goes to a directory every process sees "
-                             "(a shared file system), not a URL")
+        location = location_for(path, storage_options)
+        location.remember()  # (a URL's options: for every db and record under it, on any thread)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        os.makedirs(path, exist_ok=True)
-        if i == 0 and CheckpointDirectory(path).is_committed(step):
+        if background:
+            agree_off_thread()  # (the job's coordination service: RuntimeError when there is none)
+        if location.is_local:
+            os.makedirs(path, exist_ok=True)
+        elif i == 0:
+            token = secrets.randbits(48)  # the save's writer token, every process's db named with it
+        if i == 0 and CheckpointDirectory(path, storage_options=storage_options).is_committed(step):
             raise CheckpointError(f"{path}: step {step} is already committed (a save never replaces one)")
         state = build()
     except Exception as ex:
         problem = ex
     sent = step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < (1 << 62) else 0
-    got = _gather([int(problem is not None), sent, plain])
+    got = _gather([int(problem is not None), sent, plain, token, int(background)])
     _settle(got[:, 0], problem, path, step, "prepare their part")
     if len(set(got[:, 1].tolist())) > 1:
         raise CheckpointError(f"{path}: the processes passed different steps to save ({got[:, 1].tolist()}, by "
                               "process); every process must save the same step (nothing was written)")
+    if len(set(got[:, 4].tolist())) > 1:
+        raise ValueError(f"{path}: step {step}: async_save differs between the processes ({got[:, 4].tolist()}, "
+                         "by process); every process must save alike (nothing was written)")
     if len(set(got[:, 2].tolist())) > 1:
         raise ValueError(f"{path}: step {step}: the plain values of the pytree (not arrays) differ between "
                          "processes; they are saved once, as process 0's: make them the same on every process "
                          "(nothing was written)")
-    d = CheckpointDirectory(path)
-    node = PROCESS_NODE.format(i)
+    d = CheckpointDirectory(path, storage_options=storage_options)
+    tok = None if d.location.is_local else f"w{int(got[0, 3]):012x}"
+    dbs = [d.token_db_path(PROCESS_NODE.format(r), step, tok) for r in range(jax.process_count())]
+
+    def finish(agree: Agree) -> None:
+        _finish(d, path, step, state, dbs, agree, metrics, policy, storage_options)
+
+    if not background:
+        finish(lambda phase, failed: _gather([int(failed)])[:, 0])
+        return None
+    return start_pending(path, step, finish)
+
+
+def _finish(d: CheckpointDirectory, path: str, step: int, state: dict[str, Any], dbs: list[str], agree: Agree,
+            metrics: Mapping[str, float] | None, policy: RetentionPolicy | None,
+            options: dict[str, Any] | None) -> None:
+    """Every process: write its db (of ``dbs``, by process), agree; process 0: commit (and
+    apply ``policy``); agree."""
+    i, n = jax.process_index(), jax.process_count()
+    problem: BaseException | None = None
     try:
-        write_native(d.plain_db_path(node, step), state)  # temp file, fsync, rename, directory fsync
+        write_native(dbs[i], state)  # temp file, fsync, rename, dir fsync (at a URL: an upload, then in place)
     except Exception as ex:
         problem = ex
     finally:
-        state.clear()  # the host views of the shards are let go
-    _settle(_gather([int(problem is not None)])[:, 0], problem, path, step, "write their db")
+        state.clear()  # the host views (or copies) of the shards are let go
+    _settle(agree("written", problem is not None), problem, path, step, "write their db")
     if i == 0:
         try:
-            _commit(d, path, step, [PROCESS_NODE.format(r) for r in range(n)], metrics)
+            _commit(d, path, step, {PROCESS_NODE.format(r): dbs[r] for r in range(n)}, metrics, policy, options)
         except Exception as ex:
             problem = ex
-    _settle(_gather([int(problem is not None)])[:, 0], problem, path, step, "commit the step")
+    _settle(agree("committed", problem is not None), problem, path, step, "commit the step")
 
 
-def _commit(d: CheckpointDirectory, path: str, step: int, nodes: list[str],
-            metrics: Mapping[str, float] | None) -> None:
+def _commit(d: CheckpointDirectory, path: str, step: int, nodes: dict[str, str],
+            metrics: Mapping[str, float] | None, policy: RetentionPolicy | None,
+            options: dict[str, Any] | None) -> None:
     """Process 0: the manifest of ``step`` naming every process's db (each db's size and
-    digest read from its header), under the directory's writer lock."""
+    digest read from its header), then ``policy``'s retention (the handler's: the dropped
+    steps' manifests first, then every process's db of them; never a newer step's files),
+    all under the directory's writer lock (at a URL its fenced lease)."""
     reports = {}
-    for node in nodes:
-        db = d.plain_db_path(node, step)
+    for node, db in nodes.items():
         st = stat_native(db)
         reports[node] = DbReport(st.file_bytes, st.digest, file=os.path.basename(db))
-    h = DirectoryMetadataHandler()
-    h.set_params(db_prefix=path, db_type="native", node_names=nodes, path_prefix=None, path_type=None)
+    p = policy or RetentionPolicy()
+    h = DirectoryMetadataHandler(keep_last=p.keep_last, keep_every=p.keep_every, keep_best=p.keep_best,
+                                 metric=p.metric, mode=p.mode, storage_options=options)
+    h.set_params(db_prefix=path, db_type="native", node_names=list(nodes), path_prefix=None, path_type=None)
     h.acquire_lock()  # CheckpointLockedError naming the holder when another writer has it
     try:
         if d.is_committed(step):
