@@ -11,13 +11,13 @@ in the middle of the copies between ranks of STEP, after committing FILES of the
 peer's copy it receives (a small chunk size, so that a file takes several messages).
 
     python _tier_dist_job.py STORE BASE OUT --steps 6 --persist 3 --replicas 1 [--async] [--kill-after 4]
-        [--kill-ranks 0,1] [--die-in-copy 5:0,1:1] [--as-cuda]
+        [--kill-ranks 0,1] [--die-in-copy 5:0,1:1] [--unsnapshotted]
 
 ``--when-busy skip --slow-rank R``: saves that would wait for the previous one are skipped,
 and rank R's local writes take 1.5 s longer (each rank writes the steps it skipped to
 ``<out>.<rank>.skipped.json`` before the kill, or at the end).
 
-``--as-cuda``: the state is staged as a state of CUDA tensors is (planned on the training thread,
+``--unsnapshotted``: the state is staged as one the staging does not snapshot whole (planned on the training thread,
 each tensor copied into the staging buffer as written, the db written in the background).
 """
 
@@ -92,11 +92,11 @@ def main() -> int:
     ap.add_argument("--kill-after", type=int, default=-1)
     ap.add_argument("--kill-ranks", default="0,1")
     ap.add_argument("--die-in-copy", default="")
-    ap.add_argument("--as-cuda", action="store_true")
+    ap.add_argument("--unsnapshotted", action="store_true")
     ap.add_argument("--when-busy", default="wait")
     ap.add_argument("--slow-rank", type=int, default=-1)
     a = ap.parse_args()
-    if a.as_cuda:  # what a state holding a CUDA tensor gets
+    if a.unsnapshotted:  # what a tensor of another device gets (CUDA without OFF_DEVICE)
         from epochal.integrations.dcp.staging import HostStaging
 
         HostStaging.snapshot_state = lambda self, state_dict: None  # type: ignore[method-assign]

@@ -82,7 +82,7 @@ def killed(tmp: Path, *mode: str) -> None:
         assert listed(tmp / "base" / f"node{r}" / "peer" / f"rank{peer}") == [3, 4]
 
 
-@pytest.mark.parametrize("mode", [[], ["--async"], ["--async", "--as-cuda"]], ids=["sync", "async", "async-as-cuda"])
+@pytest.mark.parametrize("mode", [[], ["--async"], ["--async", "--unsnapshotted"]], ids=["sync", "async", "async-unsnapshotted"])
 def test_killed_ranks_resume_from_their_local_tiers(tmp_path: Path, reference: list[dict[str, str]],
                                                    mode: list[str]) -> None:
     killed(tmp_path, *mode)
@@ -239,11 +239,11 @@ def test_a_step_for_both_places_is_snapshotted_once(tmp_path: Path) -> None:
             assert torch.equal(v, at[step][k]), (where, step, k)
 
 
-def test_a_state_staged_as_cuda_tensors_is_written_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_state_not_snapshotted_whole_is_written_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                    ) -> None:
-    """A state of CUDA tensors cannot be snapshotted whole (a DTensor is not rebuilt off its
-    device): the tier plans it on the training thread and copies each tensor into its (pinned)
-    staging buffer, and ``save`` returns before the db is written: the write waits here on an
+    """A state the staging does not snapshot whole (a tensor of another device; CUDA ones
+    with ``HostStaging.OFF_DEVICE`` off): the tier plans it on the training thread and copies
+    each tensor into its (pinned) staging buffer, and ``save`` returns before the db is written: the write waits here on an
     event while training changes the live tensors; the step restores bit-equal to the state at
     its save, and the staging buffer is reused from save to save."""
     import threading

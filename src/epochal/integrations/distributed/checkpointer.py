@@ -213,7 +213,7 @@ class DistributedCheckpointer:
                 snap = self._staging.snapshot_state(sd)
         except Exception as ex:
             problem = ex
-        if snap is None and problem is None:  # CUDA tensors: planned here, staged as written
+        if snap is None and problem is None:  # (no snapshot of the whole: planned here, staged as written)
             w = writer(deferred=True)
             self._write(step, sd, w, self.ranks)
             job: Callable[[], None] = w.write_deferred

@@ -117,8 +117,9 @@ class RankTier:
             return None
         snap = self._staging.snapshot_state(sd)
         if snap is None:
-            # CUDA tensors (a DTensor cannot be rebuilt off its device): planned here, each
-            # tensor copied into the pinned staging buffer, the db written in the background
+            # a state the staging does not snapshot whole (a tensor of another device, or CUDA
+            # without HostStaging.OFF_DEVICE): planned here, each tensor copied into the
+            # staging buffer as DCP hands it over, the db written in the background
             deferred: EpochalStorageWriter | None = None
             failed: BaseException | None = None
             try:
