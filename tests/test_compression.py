@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _format_doc import documented_read_native
 
 from epochal import Checkpointer
 from epochal.errors import CheckpointCorruptError
@@ -250,13 +251,7 @@ def test_async_save_compresses_on_the_background_writer(tmp_path, monkeypatch):
 
 
 def test_the_documented_numpy_reader_decodes_compressed_blobs(tmp_path):
-    import re
-
-    doc = Path(__file__).resolve().parents[1] / "docs" / "format.md"
-    text = doc.read_text()
-    code = re.search(r"```python\n(.*?)```", text[text.index("## Reading a native db without epochal"):], re.S).group(1)
-    ns: dict = {}
-    exec(compile(code, str(doc), "exec"), ns)  # the documented reader, as printed
+    read_native = documented_read_native()  # the documented reader, as printed
     rng = np.random.default_rng(5)
     blobs = {
         "w16": (rng.standard_normal(3 * FRAME // 2 + 5) * 0.02).astype(np.float16),
@@ -268,7 +263,7 @@ def test_the_documented_numpy_reader_decodes_compressed_blobs(tmp_path):
     path = str(tmp_path / "c.db")
     write_native(path, blobs, options=WriteOptions("zstd"))
     assert sorted(_coded_segments(path)) == ["ids", "w16", "w32", "w64"]
-    got = ns["read_native"](path)
+    got = read_native(path)
     arrays = {k: v for k, v in blobs.items() if isinstance(v, np.ndarray)}
     assert sorted(got) == sorted(arrays)
     for k, v in arrays.items():

@@ -5,12 +5,12 @@ the documented numpy reader; a blob whose planes gain nothing stays raw."""
 from __future__ import annotations
 
 import mmap
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zstandard
+from _format_doc import documented_read_native
 
 from epochal.storage.encoding import compress
 from epochal.storage.encoding.compress import WriteOptions
@@ -139,11 +139,7 @@ def test_random_floats_are_stored_raw_and_no_larger(tmp_path, monkeypatch):
 
 @pytest.mark.unit
 def test_the_documented_numpy_reader_decodes_raw_planes(tmp_path):
-    doc = Path(__file__).resolve().parents[1] / "docs" / "format.md"
-    text = doc.read_text()
-    code = re.search(r"```python\n(.*?)```", text[text.index("## Reading a native db without epochal"):], re.S).group(1)
-    ns: dict = {}
-    exec(compile(code, str(doc), "exec"), ns)  # the documented reader, as printed
+    read_native = documented_read_native()  # the documented reader, as printed
     rng = np.random.default_rng(10)
     blobs = {"w32": (rng.standard_normal(6 * FRAME // 4) * 0.02).astype(np.float32),
              "w16": (rng.standard_normal(6 * FRAME // 2 + 1) * 0.02).astype(np.float16)}
@@ -152,7 +148,7 @@ def test_the_documented_numpy_reader_decodes_raw_planes(tmp_path):
     for name in blobs:
         streams, _ = _planes_of(path, name)
         assert streams[0][4] == 0xA0  # a raw frame (single segment, 4-byte content size)
-    got = ns["read_native"](path)
+    got = read_native(path)
     for k, v in blobs.items():
         assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), k
 

@@ -3,25 +3,16 @@ files epochal writes, and compare every array bit for bit; damage is caught."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
+from _format_doc import documented_read_native
 
 from epochal import get_db_type
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
 
 
 @pytest.fixture(scope="module")
 def read_native():
-    text = DOC.read_text()
-    section = text[text.index("## Reading a native db without epochal"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    ns: dict = {}
-    exec(compile(code, str(DOC), "exec"), ns)  # the documented reader itself (our own text)
-    return ns["read_native"]
+    return documented_read_native()
 
 
 def test_the_documented_reader_reads_what_epochal_writes(tmp_path, read_native):

@@ -15,6 +15,7 @@ from ..checkpoint.engine import CheckpointEngine, LoadPlan
 from ..checkpoint.handler.directory import DirectoryMetadataHandler
 from ..checkpoint.tasks.background import BackgroundSaver
 from ..checkpoint.tasks.steps import LoadBlobs, PrepareSaves
+from ..checkpoint.tier import restore_order
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from .parts import DB_TYPE, NODE, RestoreReport, _check_state, _in_steps, _reworded
 from .tier import LocalTier, Source
@@ -92,7 +93,7 @@ class Restoring:
         self._last_save = time.monotonic()
         self._restored = True
         if self._tier is not None:
-            found = self._tier.restore(step, self.steps(), Source("durable", self.handler, self._engine, self.db_path),
+            found = self._tier.restore(step, self.steps(), self._durable(),
                                        lambda src, s: self._load(s, names, state, strict, src))
         else:
             first = self._chosen_step(step)
@@ -141,3 +142,25 @@ class Restoring:
         if load.missing:  # (the db is opened once: no separate listing of its blobs)
             logger.warning("The checkpoint of step %d (%s) has no %s: they keep their current values",
                            step, db, ", ".join(map(repr, load.missing)))
+
+    def _durable(self) -> Source:
+        """The Checkpointer's own directory as a place to restore from."""
+        return Source("durable", self.handler, self._engine, self.db_path)
+
+    def _places(self, step: int | None) -> list[tuple[int | None, str, str]]:
+        """(step, place, directory) a restore tries, in order, for readers of their own (the
+        JAX door): with a local tier every step either place holds, newest first, the local
+        copy first (``step``: that one's copies; CheckpointNotFoundError when neither holds
+        it); else the directory alone, the step chosen there. A pending async save is
+        committed first."""
+        self.wait()
+        if self._tier is None:
+            return [(step, "durable", self.directory)]
+        order: list[tuple[int | None, str, str]] = [
+            (s, src.name, self._tier.directory if src.name == "local" else self.directory)
+            for s, src in restore_order([self._tier.source(), self._durable()]) if step is None or s == step]
+        if not order:
+            raise CheckpointNotFoundError(
+                f"step {step} is committed neither in {self._tier.directory} nor in {self.directory}"
+                if step is not None else f"{self.directory}: no committed step to restore")
+        return order

@@ -27,16 +27,13 @@ import numpy as np
 
 from ..checkpoint.location.retention import RetentionPolicy
 from ..checkpoint.location.view import CheckpointDirectory
-from ..checkpoint.tier import Source as Place
-from ..checkpoint.tier import restore_order
 from ..checkpointer import Checkpointer
-from ..checkpointer.parts import NODE, RestoreReport
+from ..checkpointer.parts import NODE, RestoreReport, check_ranked
 from ..errors import (
     BlobMismatchError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     MissingBlobError,
-    MissingMetricError,
 )
 from ..storage.io.location import location_for
 from ..storage.io.seam import local_path
@@ -124,10 +121,7 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
                              "the same), not a Checkpointer: a Checkpointer holds its directory for one process; "
                              "pass its options (keep_last=, async_save=, ...) to save")
         policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
-        if keep_best is not None and metric and metrics and metric not in metrics \
-                and not (isinstance(pytree, Mapping) and metric in pytree):  # (the Checkpointer's check)
-            raise MissingMetricError(f"keep_best ranks by metric {metric!r}, but the save of step {step} has no "
-                                     f"value of it: metrics given: {', '.join(sorted(map(repr, metrics)))}")
+        check_ranked(policy, step, pytree if isinstance(pytree, Mapping) else {}, metrics)
         i, n = jax.process_index(), jax.process_count()
         return save_processes(path_or_checkpointer, step,
                               lambda: host_state(pytree, names, copy=async_save, process=(i, n)),
@@ -159,27 +153,13 @@ def wait() -> None:
 
 def _places(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int | None,
             storage_options: dict[str, Any] | None = None) -> list[tuple[int | None, str, str]]:
-    """(step, place, directory) to restore from, in order: for a Checkpointer with a local
-    tier (docs/tiers.md) every step either place holds, newest first, the local copy first
-    (``step``: that one's copies); else the one directory (the step chosen there)."""
+    """(step, place, directory) to restore from, in order: a Checkpointer's places (with a
+    local tier, docs/tiers.md, the local copy of a step first), or the one directory given."""
     if not isinstance(path_or_checkpointer, Checkpointer):
         directory = local_path(path_or_checkpointer)
         location_for(directory, storage_options).remember()  # (a URL's: for the dbs opened by path)
         return [(step, "durable", directory)]
-    ck = path_or_checkpointer
-    ck.wait()  # a pending async save is committed first
-    tier = ck._tier
-    if tier is None:
-        return [(step, "durable", ck.directory)]
-    order: list[tuple[int | None, str, str]] = [
-        (s, src.name, tier.directory if src.name == "local" else ck.directory)
-        for s, src in restore_order([tier.source(), Place("durable", ck.handler, ck._engine, ck.db_path)])]
-    if step is not None:
-        order = [o for o in order if o[0] == step]
-    if not order:
-        raise CheckpointNotFoundError(f"step {step} is committed neither in {tier.directory} nor in {ck.directory}"
-                                      if step is not None else f"{ck.directory}: no committed step to restore")
-    return order
+    return path_or_checkpointer._places(step)
 
 
 def _step_source(directory: str, step: int | None, storage_options: dict[str, Any] | None = None

@@ -183,9 +183,11 @@ class DistributedCheckpointer:
         start = time.perf_counter_ns()
         sd, _ = dcp_state(state, self.rank, self.per_rank, None, self.directory)
         persist = self.tier.due(self.preempted) if self.tier is not None else False
-        if self.skip_busy and not (persist or self.tier is None and self.preempted) and self._busy():
-            self.skipped.append(step)  # (on every rank: see the front Checkpointer's when_busy)
-            return
+        if self.skip_busy:  # (see the front Checkpointer's when_busy)
+            forced = persist if self.tier is not None else self.preempted  # (due() counts a SIGTERM in)
+            if not forced and self._busy():  # (collective: every rank skips the same steps)
+                self.skipped.append(step)
+                return
         self.wait()  # the previous background save is committed (or has failed) first
         shared: tuple[dict[str, Any], bool] | None = None
         if self.tier is not None:
