@@ -46,11 +46,16 @@ class Knobs:
     - ``quiet``: True hides the progress display and the runner's notes on stderr; False
       shows them (where a terminal is attached); None (the default) follows the
       ``EPOCHAL_QUIET`` environment variable, read when asked (:func:`is_quiet`).
+    - ``spare_bytes``: how many bytes of compressed segments' output buffers a compressed
+      save gives back for the next save to reuse (:class:`~epochal.storage.encoding.planes.
+      SpareBuffers`: memory already touched, instead of a page fault per 4 KiB page); they
+      stay allocated between saves. 0 keeps none.
     """
 
     zero_copy: bool = True
     switch_interval: float | None = DEFAULT_SWITCH_INTERVAL
     quiet: bool | None = None
+    spare_bytes: int = 1 << 30
 
 
 _current = Knobs()

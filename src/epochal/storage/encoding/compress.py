@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .planes import (
-    _alloc,
+    SPARES,
     _bound,
     _buf,
     _merge,
@@ -231,7 +231,8 @@ def _map(fn: Callable[[int], Any], n: int, threads: int) -> list[Any]:
 class Compressed:
     """A segment's encoded form: codec, planes per frame (1 for zstd), logical bytes per
     frame, logical length, the stored bytes (its streams one after the other), each
-    stream's length and checksum."""
+    stream's length and checksum, and the buffer the stored bytes lie in (to give back to
+    :data:`~.planes.SPARES` once they are written; None: not from there)."""
 
     codec: int
     planes: int
@@ -240,6 +241,7 @@ class Compressed:
     data: memoryview
     lengths: list[int]
     crcs: list[int]
+    buffer: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -261,9 +263,11 @@ PLANE_SAMPLE_MIN = 4 << 20
 PLANE_SAMPLE_BYTES = 16 << 10
 
 
-def _encode(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bool]) -> tuple[np.ndarray, list[int]]:
+def _encode(data: np.ndarray, w: int, level: int, threads: int,
+            raw: Sequence[bool]) -> tuple[np.ndarray, list[int], np.ndarray]:
     """Every frame of ``data`` encoded (as :func:`_frames`), the streams written one after
-    the other into one buffer: (those bytes, each stream's length). The buffer is sized for
+    the other into one buffer: (those bytes, each stream's length, the buffer, from
+    :data:`~.planes.SPARES`: give it back once the bytes are written). It is sized for
     the worst case but touched only where written (a fresh page costs a fault per 4 KiB, so
     streams are never joined afterwards); a raw plane goes from the words straight into it
     and a zstd stream is copied in as it comes. Each of ``threads`` workers encodes a run
@@ -281,7 +285,8 @@ def _encode(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bo
     last = (n - (nframes - 1) * size) // w
     full = bound(size // w)
     starts = [full * k for k in cuts[:-1]]  # (every frame but the last is full)
-    out = _alloc(full * (nframes - 1) + bound(last))
+    buffer = SPARES.take(full * (nframes - 1) + bound(last))
+    out = buffer[:full * (nframes - 1) + bound(last)]
     lengths: list[list[int]] = [[] for _ in range(runs)]
 
     def run(i: int) -> int:
@@ -312,7 +317,7 @@ def _encode(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bo
     for i in range(1, runs):  # (memoryview slice assignment is a memmove: overlap allowed)
         mv[at:at + used[i]] = mv[starts[i]:starts[i] + used[i]]
         at += used[i]
-    return out[:at], [x for ls in lengths for x in ls]
+    return out[:at], [x for ls in lengths for x in ls], buffer
 
 
 def _frames(data: np.ndarray, w: int, level: int, threads: int, raw: Sequence[bool] = ()) -> list[list[Any]]:
@@ -380,14 +385,15 @@ def compress_segment(view: memoryview, width: int, options: WriteOptions, fn: An
         if got * AUTO_MIN_RATIO > len(sample):
             return None
     raw = _raw_planes(data, w) if w > 1 and n >= PLANE_SAMPLE_MIN else []
-    out, lengths = _encode(data, w, options.level, options.threads, raw)
+    out, lengths, buffer = _encode(data, w, options.level, options.threads, raw)
     size = len(out)
     if size >= n or (mode == "auto" and size * AUTO_MIN_RATIO > n):
+        SPARES.give_back([buffer])  # (nothing reads it)
         return None
     stored = out.data
     ends = np.cumsum(lengths).tolist()
     return Compressed(CODEC_PLANES if w > 1 else CODEC_ZSTD, w, FRAME_BYTES, n, stored, lengths,
-                      [fn(stored[e - ln:e], 0) for e, ln in zip(ends, lengths)])
+                      [fn(stored[e - ln:e], 0) for e, ln in zip(ends, lengths)], buffer)
 
 
 # ---------------------------------------------------------------- decode

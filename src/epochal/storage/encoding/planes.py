@@ -1,10 +1,13 @@
-"""Byte planes of float words, and zstd frames of raw blocks, for :mod:`.compress`.
+"""Byte planes of float words, zstd frames of raw blocks, and the spare output buffers
+of compressed segments, for :mod:`.compress`.
 
 A float word of ``w`` bytes (little-endian) is rotated left by one bit, so that the sign
 bit moves to bit 0 and the exponent fills the top byte, and cut into ``w`` byte planes.
 A plane that does not compress is stored as a zstd frame of raw blocks, written straight
 from the words into its place in the segment's stored bytes. Each thread reuses scratch
-arrays from frame to frame (a fresh array costs a page fault per 4 KiB).
+arrays from frame to frame (a fresh array costs a page fault per 4 KiB), and the writer
+gives a segment's output buffer back once its file is written (:class:`SpareBuffers`), for
+the next save.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+
+from ... import knobs
 
 _UINT: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _scratch = threading.local()
@@ -127,13 +132,15 @@ def _raw_frame_into(buf: np.ndarray, values: np.ndarray, n: int) -> int:
     return 9 + 3 * blocks + n
 
 
-#: outputs of at least this many bytes get an anonymous map of their own (:func:`_alloc`);
+#: outputs of at least this many bytes get an anonymous map of their own (:func:`_fresh`);
 #: (so a save holds at most one map per 64 MiB of compressed segments: the kernel caps
 #: a process's maps, at 65,530 by default)
 _MAP_MIN = 64 << 20
+#: outputs of fewer bytes are neither kept nor taken from the spares (malloc reuses its own)
+SPARE_MIN = 1 << 20
 
 
-def _alloc(n: int) -> np.ndarray:
+def _fresh(n: int) -> np.ndarray:
     """``n`` bytes of fresh memory (uint8), untouched until written, so only the pages
     written are ever resident. A large one is an anonymous map of 4 KiB pages: numpy asks
     for huge pages for a large array, measured faster on a 256 MiB segment when the kernel
@@ -142,6 +149,65 @@ def _alloc(n: int) -> np.ndarray:
     if n < _MAP_MIN:
         return np.empty(n, dtype=np.uint8)
     return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+
+
+class SpareBuffers:
+    """Output buffers of compressed segments, given back by the writer once their file is
+    written and handed out again to the next save's segments of about the same size.
+
+    Fresh memory costs a page fault per 4 KiB page on first touch: on this machine, writing
+    170 MB into fresh pages took 8x the time of writing it into pages touched before, and
+    the faults were about 40% of compressing a 256 MiB bf16 segment (bench/RESULTS.md,
+    "bench_bytes.py"). A save in a loop compresses segments of the same sizes every time, so
+    it reuses its own buffers. Kept at most :attr:`~epochal.knobs.Knobs.spare_bytes` in all
+    (the oldest dropped first); a buffer serves a request of ``n`` bytes when it holds
+    between ``n`` and ``1.25 n``. Only the writer gives buffers back, after the write that
+    read them ended (written or failed), so no live view of a given-back buffer is read again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[np.ndarray] = []  # (oldest first)
+        self.kept_bytes = 0
+        #: buffers made fresh / taken from the spares (for tests and benches)
+        self.fresh = 0
+        self.reused = 0
+
+    def take(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes (uint8): a spare one of at most ``1.25 n``
+        bytes when there is one (the smallest), else fresh memory (:func:`_fresh`)."""
+        if n >= SPARE_MIN:
+            with self._lock:
+                fits = [i for i, b in enumerate(self._kept) if n <= len(b) <= n + n // 4]
+                if fits:
+                    i = min(fits, key=lambda i: len(self._kept[i]))
+                    buf = self._kept.pop(i)
+                    self.kept_bytes -= len(buf)
+                    self.reused += 1
+                    return buf
+        self.fresh += 1
+        return _fresh(n)
+
+    def give_back(self, buffers: Sequence[np.ndarray]) -> None:
+        """Keep ``buffers`` (each one :meth:`take` returned, whose bytes nobody reads any
+        more) for later saves, dropping the oldest beyond the ``spare_bytes`` knob."""
+        cap = knobs.get().spare_bytes
+        with self._lock:
+            for b in buffers:
+                if len(b) >= SPARE_MIN and len(b) <= cap:
+                    self._kept.append(b)
+                    self.kept_bytes += len(b)
+            while self.kept_bytes > cap:
+                self.kept_bytes -= len(self._kept.pop(0))
+
+    def clear(self) -> None:
+        """Drop every spare buffer (their memory goes back to the system)."""
+        with self._lock:
+            self._kept.clear()
+            self.kept_bytes = 0
+
+
+#: the process's spare output buffers
+SPARES = SpareBuffers()
 
 
 def _bound(n: int) -> int:

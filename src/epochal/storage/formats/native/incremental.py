@@ -292,5 +292,6 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
             ))
         return out.phys
     finally:
+        plan.release()  # (compressed segments' buffers, for the next save)
         if old is not None:
             old.close()

@@ -29,6 +29,7 @@ from ...encoding.compress import (
     numpy_width,
     plane_widths,
 )
+from ...encoding.planes import SPARES
 from ...io import tuning
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ...io.seam import ByteSink, PinnedSink, committed, store_for
@@ -90,6 +91,14 @@ class Plan:
     #: the compressed segments (CODED_DTYPE) and their streams (STREAM_DTYPE), version 3
     coded: np.ndarray
     streams: np.ndarray
+    #: the buffers the compressed segments lie in: given back (:meth:`release`) once the
+    #: file is written, for the next save's segments
+    spare: tuple[np.ndarray, ...] = ()
+
+    def release(self) -> None:
+        """Give the compressed segments' buffers back for reuse (after the write ended;
+        :attr:`views` of compressed segments must not be read after this)."""
+        SPARES.give_back(self.spare)
 
     @property
     def version(self) -> tuple[int, int]:
@@ -188,7 +197,7 @@ def plan_file(blobs: Mapping[str, Any], options: WriteOptions | None = None, fn:
                 views.append(flat_segment(seg))
 
     n, nseg = len(names_b), len(views)
-    coded, streams = _compress(views, widths, options, fn) if compress else (_NO_CODED, _NO_STREAMS)
+    coded, streams, spare = _compress(views, widths, options, fn) if compress else (_NO_CODED, _NO_STREAMS, ())
     lengths = np.fromiter((v.nbytes for v in views), dtype=np.uint64, count=nseg)
     # every segment starts at a multiple of ALIGN and owns the zero padding up to the next
     padded = (lengths + np.uint64(ALIGN - 1)) // np.uint64(ALIGN) * np.uint64(ALIGN)
@@ -240,7 +249,7 @@ def plan_file(blobs: Mapping[str, Any], options: WriteOptions | None = None, fn:
     )
     return Plan(
         views, recs, segs, moffs, order, names_heap, metas_text, index_offset, index_length,
-        int(lengths.sum()), groups, coded, streams,
+        int(lengths.sum()), groups, coded, streams, spare,
     )
 
 
@@ -248,17 +257,21 @@ _NO_CODED = np.zeros(0, dtype=CODED_DTYPE)
 _NO_STREAMS = np.zeros(0, dtype=STREAM_DTYPE)
 
 
-def _compress(views: list[memoryview], widths: list[int], options: WriteOptions, fn: Any) -> tuple[np.ndarray, np.ndarray]:
+def _compress(views: list[memoryview], widths: list[int], options: WriteOptions,
+              fn: Any) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
     """Compress the segments ``views`` in place (each replaced by its streams, joined, when
-    that is smaller); their codec records and streams."""
+    that is smaller); their codec records and streams, and the buffers they lie in."""
     fn = fn or checksum_function(default_algorithm())
     rows: list[tuple[int, int, int, int, int, int]] = []
     lens: list[int] = []
     crcs: list[int] = []
+    spare: list[np.ndarray] = []
     for k, v in enumerate(views):
         c = compress_segment(v, widths[k], options, fn)
         if c is None:
             continue
+        if c.buffer is not None:
+            spare.append(c.buffer)
         rows.append((k, c.codec, c.planes, c.frame_bytes, len(lens), c.logical))
         lens.extend(c.lengths)
         crcs.extend(c.crcs)
@@ -267,7 +280,7 @@ def _compress(views: list[memoryview], widths: list[int], options: WriteOptions,
     streams = np.zeros(len(lens), dtype=STREAM_DTYPE)
     streams["length"] = lens
     streams["crc"] = crcs
-    return coded, streams
+    return coded, streams, tuple(spare)
 
 
 def plan_groups(lengths: np.ndarray, padded: np.ndarray, coded: Any = ()) -> np.ndarray:
@@ -366,6 +379,13 @@ def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algo
     algorithm = algorithm or default_algorithm()
     fn = checksum_function(algorithm)
     plan = plan_file(blobs, options, fn)
+    try:
+        return _write_planned(path, plan, algorithm, fn)
+    finally:
+        plan.release()
+
+
+def _write_planned(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
     file_size = plan.index_offset + plan.index_length
     store = store_for(path)
     create = store.create
