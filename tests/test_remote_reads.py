@@ -220,3 +220,42 @@ def test_damage_is_found_in_a_whole_fetch_and_big_objects_keep_the_open_round_tr
     with pytest.raises(CheckpointCorruptError):
         backend.read(url)
     assert fetched[0][0] == [(0, 64), (size - tuning.REMOTE_TAIL, size)]
+
+
+def test_segments_side_by_side_come_in_one_request_up_to_a_piece(
+    where: str, fetched: list[tuple[list[tuple[int, int]], str]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A db of many tensors of a few MiB (a model's layers): the segments a load wants that
+    follow each other in the file are fetched together, one ranged request of up to a piece,
+    not one request per segment; every byte once, bit-exact; a damaged byte in a segment in
+    the middle of a request still names its blob; a load without checks reads the same."""
+    piece = 8 << 20
+    monkeypatch.setattr(tuning, "REMOTE_PIECE", piece)
+    rng = np.random.default_rng(3)
+    blobs = {f"layer{i:02d}": rng.standard_normal(190_000 + 17 * i) for i in range(12)}  # 1.5 MB each
+    url = f"{where}/trainer_0.9"
+    backend = get_db_type("native")
+    size = backend.write(url, blobs)
+    assert size > tuning.REMOTE_WHOLE
+    names = sorted(blobs)
+    fetched.clear()
+    got = backend.read(url, names)
+    assert all(got[n].tobytes() == blobs[n].tobytes() for n in names)
+    data = [ranges for ranges, _ in fetched[1:]]  # (after the open's header + tail)
+    assert all(len(r) == 1 for r in data)
+    lengths = sorted(b - a for r in data for a, b in r)
+    total = sum(v.nbytes for v in blobs.values())
+    assert len(lengths) == 3 and max(lengths) <= piece  # 18 MB in 8 MiB requests, not 12
+    assert total <= sum(lengths) < total + 12 * 64  # every byte once (and the paddings)
+    starts = sorted(a for r in data for a, _ in r)
+    ends = sorted(b for r in data for _, b in r)
+    assert starts[1:] == ends[:-1]  # requests tile the data area
+    fetched.clear()
+    unchecked = backend.read(url, names, verify=False)
+    assert all(unchecked[n].tobytes() == blobs[n].tobytes() for n in names)
+    assert len(fetched) - 1 == 3
+    middle = "layer05"  # inside the first request, neither at its start nor its end
+    _flip(url, lambda d, b: d.find(b[middle].tobytes()) + 1000, blobs, 0x40)
+    with pytest.raises(CheckpointCorruptError) as e:
+        backend.read(url, names)
+    assert url in str(e.value) and middle in str(e.value) and DAMAGED_DATA in str(e.value)
