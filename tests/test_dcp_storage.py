@@ -180,3 +180,60 @@ def test_cuda_tensors_round_trip_bit_equal(tmp_path: Path) -> None:  # pragma: n
     dcp.load(dst, storage_reader=EpochalStorageReader(path))
     for k, v in src.items():
         assert dst[k].is_cuda and bits(dst[k].cpu()) == bits(v.cpu()), k
+
+
+def test_an_incremental_save_lists_the_records_once_and_reads_one_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One process, a long history: each incremental save finds its base with one listing of
+    the records and one manifest read (the newest committed step before it), not a read of
+    every manifest; the location is marked incremental once per writer. Every step restores
+    bit-equal, and each later db stores a fraction of the state (its base found)."""
+    from epochal.checkpoint.location.view import CheckpointDirectory as View
+
+    calls = {"files": 0, "read_manifest": 0}
+    real_epochs, real_read, real_has = View.manifest_epochs, View.read_manifest, View.has_incremental
+
+    def epochs(self: Any) -> list[int]:
+        calls["files"] += 1
+        return real_epochs(self)
+
+    def read(self: Any, epoch: int) -> Any:
+        calls["read_manifest"] += 1
+        return real_read(self, epoch)
+
+    def has(self: Any) -> bool:
+        calls["files"] += 1
+        return real_has(self)
+
+    path = tmp_path / "ckpt"
+    w = EpochalStorageWriter(path, incremental=True)
+    base = torch.randn(256, 1024)
+    states = []
+    for step in range(8):
+        if step == 7:
+            monkeypatch.setattr(View, "manifest_epochs", epochs)
+            monkeypatch.setattr(View, "read_manifest", read)
+            monkeypatch.setattr(View, "has_incremental", has)
+        state = {"base": base, "adapter": torch.full((64,), float(step)), "step": step}
+        states.append({k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()})
+        w.step = step
+        w.reset()
+        before = dict(calls)
+        dcp.save(state, storage_writer=w)
+        if step == 7:
+            writes = {k: calls[k] - before[k] for k in calls}
+    # the save of step 7 (seven committed before it): the db's base from one listing and one
+    # manifest (the commit's own bookkeeping lists and reads on top: counted apart below)
+    d = CheckpointDirectory(str(path))
+    assert d.committed_epochs() == list(range(8))
+    sizes = [sum(os.path.getsize(d.db_path(n, s)) for n in d.read_manifest(s).nodes) for s in range(8)]
+    assert all(s < sizes[0] // 4 for s in sizes[1:]), sizes
+    monkeypatch.undo()
+    for step in (0, 3, 7):
+        live = {"base": torch.zeros(256, 1024), "adapter": torch.zeros(64), "step": -1}
+        dcp.load(live, storage_reader=EpochalStorageReader(path, step=step))
+        assert bits(live["base"]) == bits(states[step]["base"]) and live["step"] == step
+        assert bits(live["adapter"]) == bits(states[step]["adapter"])
+    # (the commit itself: one listing and two manifest reads, whatever the history)
+    assert writes["files"] <= 2 and writes["read_manifest"] <= 3, writes

@@ -151,6 +151,7 @@ class EpochalStorageWriter(AtPath, StorageWriter):
         #: each rank writes only the bytes its own db of the newest committed step before this
         #: one does not hold (docs/format.md, incremental dbs); the rest are references
         self.incremental = bool(incremental)
+        self._marked: str | None = None  # (the location marked incremental by this writer)
         self._pending_target: Target | None = None
         #: write_data snapshots the rank's items into host memory and returns; the db is
         #: written by :meth:`write_deferred` and the step committed by :meth:`commit_deferred`
@@ -303,11 +304,20 @@ class EpochalStorageWriter(AtPath, StorageWriter):
             write_native(db, blobs)
             return
         d = CheckpointDirectory(self.path)
-        d.mark_incremental()  # (before the first incremental db: retention then follows references)
+        if self._marked != self.path:  # (before the first incremental db: retention then
+            d.mark_incremental()       # follows references; marked once per location)
+            self._marked = self.path
         base: str | None = None
-        older = [e for e in d.committed_epochs() if e < target.step]
-        if older and target.node in d.read_manifest(max(older)).nodes:
-            base = d.db_path(target.node, max(older))
+        for e in reversed(d.manifest_epochs()):  # the newest committed step before this one:
+            if e >= target.step:                 # one listing, one manifest read (not all)
+                continue
+            try:
+                nodes = d.read_manifest(e).nodes
+            except CheckpointError:
+                continue  # (not committed: a damaged or partial manifest)
+            if target.node in nodes:
+                base = d.db_path(target.node, e)
+            break
         write_incremental(db, blobs, base=base, step=target.step)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
