@@ -14,11 +14,16 @@ Variants, side by side on the same bytes: epochal's codec
 (:mod:`epochal.storage.encoding.compress`: byte planes of floats, sign bit rotated to bit 0,
 then zstd, in 4 MiB frames) on one thread and on every core, against zstd level 3 on the raw
 buffer (one frame; DCP's ``ZStandard`` extension streams the raw bytes through the same
-zstd at level 3, so its ratio is this one). The ``zipnn`` package is not installed here (it
-would need a download), so it is not measured. Speeds are logical bytes per second, divided
-by the threads used ("per core"): on one thread (t=1, and zstd -3) the thread's CPU time,
-so that a loaded machine does not count the time others ran; on several, wall time. Each
-figure is the median of ``--rounds`` runs.
+zstd at level 3, so its ratio is this one), and the ``zipnn`` package when it is installed
+(``pip install --no-deps zipnn safetensors``; ZipNN with ``threads=1`` on the tensor, in the
+process's CPU time, since its C code may run threads of its own; its ``compress`` reorders
+the bytes of the tensor it is given in place, so each round gets a copy, made outside the
+timing). Speeds are logical bytes per second, divided by the threads used ("per core"): on
+one thread (t=1, and zstd -3) the thread's CPU time, so that a loaded machine does not count
+the time others ran; on several, wall time. Each figure is the median of ``--rounds`` runs.
+epochal's codec is timed as saves in a loop run it (``comp/core``: each round's output buffer
+given back for the next, as the writer does once a file is written) and as a process's first
+save does (``comp first``: into fresh memory every round).
 
 Then a save (fsynced) and a load (every checksum checked) of the bf16 and fp32 tensors with
 compression off and on, in paired rounds, on this disk (``--dir``) and with ``--s3`` at an
@@ -26,9 +31,8 @@ compression off and on, in paired rounds, on this disk (``--dir``) and with ``--
 
 With ``--against TREE`` (another checkout of epochal), the N(0, 0.02) tensors are first
 compressed by this tree's codec and by TREE's, loaded side by side in this process, in
-alternating rounds on one thread (thread CPU time): the medians of the paired speed ratios,
-for the codec alone and for the segment's stored bytes in one buffer (what the writer
-writes: where the codec returns separate streams, their join is counted).
+alternating rounds on one thread (thread CPU time), each as saves in a loop use it: the
+medians of the paired speed ratios.
 
     .venv/bin/python bench/bench_bytes.py --mib 64 --rounds 3 --s3
     .venv/bin/python bench/bench_bytes.py --mib 256 --rounds 9 --against ../main --only-against
@@ -139,6 +143,7 @@ def bench_codec(data: np.ndarray, width: int, rounds: int, threads: int) -> dict
             s, _ = _median(lambda t=t, c=c, streams=streams, out=out: compress.decode_frames(
                 c.codec, c.planes, c.frame_bytes, c.logical, 0, streams, out, t), rounds, clock)
             row[f"dec/core t={t}"] = n / s / t / 1e9
+    row.update(bench_zipnn(data, width, rounds))
     z = zstandard.ZstdCompressor(level=3)
     s, blob = _median(lambda: z.compress(mv), rounds, time.thread_time)
     row["zstd3 ratio"] = n / len(blob)
@@ -147,6 +152,36 @@ def bench_codec(data: np.ndarray, width: int, rounds: int, threads: int) -> dict
     s, _ = _median(lambda: d.decompress(blob), rounds, time.thread_time)
     row["zstd3 dec"] = n / s / 1e9
     return row
+
+
+def bench_zipnn(data: np.ndarray, width: int, rounds: int) -> dict[str, float]:
+    """The ``zipnn`` package on the same bytes as a torch tensor of its dtype (bf16 or fp32):
+    ratio, compress and decompress GB/s in the process's CPU time, every round's output
+    checked bit-exact; {} when zipnn is not installed."""
+    try:
+        import torch
+        from zipnn import ZipNN
+    except ImportError:
+        return {}
+    dtype = {2: torch.bfloat16, 4: torch.float32}.get(width)
+    if dtype is None:
+        return {}
+    original = torch.from_numpy(data.copy()).view(dtype)
+    z = ZipNN(input_format="torch", threads=1)
+    n = data.nbytes
+    comp, dec, blob = [], [], b""
+    for _ in range(rounds):
+        t = original.clone()  # (compress reorders its input's bytes in place)
+        t0 = time.process_time()
+        blob = z.compress(t)
+        comp.append(time.process_time() - t0)
+        t0 = time.process_time()
+        back = z.decompress(blob)
+        dec.append(time.process_time() - t0)
+        if not torch.equal(back.view(torch.uint8), original.view(torch.uint8)):
+            raise AssertionError("zipnn did not give the bytes back")
+    return {"zipnn ratio": n / len(blob), "zipnn comp": n / statistics.median(comp) / 1e9,
+            "zipnn dec": n / statistics.median(dec) / 1e9}
 
 
 def load_codec(tree: str) -> Any:
