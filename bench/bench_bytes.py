@@ -117,7 +117,8 @@ def bench_codec(data: np.ndarray, width: int, rounds: int, threads: int) -> dict
         clock = time.thread_time if t == 1 else time.perf_counter
         opts = WriteOptions("zstd", threads=t)
 
-        def save_in_a_loop(o: WriteOptions = opts, fresh: bool = False) -> tuple[float, Any]:
+        def save_in_a_loop(o: WriteOptions = opts, fresh: bool = False,
+                           clock: Callable[[], float] = clock) -> tuple[float, Any]:
             # as saves in a loop do: each round's output buffer given back once "written"
             # (outside the timing), for the next round to reuse; fresh=True: none kept, so
             # every round compresses into fresh memory (a process's first save)
