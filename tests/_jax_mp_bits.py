@@ -127,6 +127,25 @@ def main() -> None:
     elif ACTION == "restore":
         shards = [compare(ej.restore(DIR, tree(seed, flip, True), step, storage_options=OPTS), seed) for flip in (False, True)]
         print(json.dumps({"shards": shards, "process": jax.process_index()}))
+    elif ACTION in ("zsave", "zrestore"):  # with a compressible array sharded over both processes
+        assert step is not None
+        z = (np.random.default_rng(seed).normal(0, 0.02, (512, 256)).astype(np.float32)
+             .view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+        sh = NamedSharding(mesh(), P("x", "y"))
+        if ACTION == "zsave":
+            t = tree(seed, False, False)
+            t["z"] = jax.make_array_from_callback(z.shape, sh, lambda idx: z[idx])
+            ej.save(DIR, step, t, compression="zstd", keep_last=2)
+            print(json.dumps({"saved": step, "process": jax.process_index()}))
+        else:
+            t = tree(seed, False, True)
+            t["z"] = jax.ShapeDtypeStruct(z.shape, z.dtype, sharding=sh)
+            got = ej.restore(DIR, t, step)
+            n = compare(got, seed)
+            for s in got["z"].addressable_shards:
+                assert np.array_equal(bits(np.asarray(s.data)), bits(z[s.index])), s.index
+                n += 1
+            print(json.dumps({"shards": n, "process": jax.process_index()}))
     elif ACTION == "differ":
         assert step is not None
         t = tree(seed, False, False)
@@ -137,8 +156,8 @@ def main() -> None:
 
         real = multiprocess.write_native
 
-        def write_then_die(path: str, blobs: Any) -> int:
-            size = real(path, blobs)
+        def write_then_die(path: str, blobs: Any, **kw: Any) -> int:
+            size = real(path, blobs, **kw)
             if jax.process_index() == 1:
                 os._exit(17)  # written, durable, never agreed to commit
             return size
@@ -191,13 +210,13 @@ def background(step: int, seed: int) -> dict[str, Any]:
 
     real, go = multiprocess.write_native, threading.Event()
 
-    def held_write(path: str, blobs: Any) -> int:
+    def held_write(path: str, blobs: Any, **kw: Any) -> int:
         assert go.wait(120), "the save never let the write go"
         if ACTION == "async_die" and jax.process_index() == 1:
             os._exit(17)
         if ACTION == "async_fail" and jax.process_index() == 1:
             raise OSError(28, "No space left on device (injected)", path)
-        return real(path, blobs)
+        return real(path, blobs, **kw)
 
     multiprocess.write_native = held_write  # type: ignore[assignment]
     if ACTION == "async_die":

@@ -262,6 +262,34 @@ def test_a_save_to_a_directory_takes_the_checkpointers_retention_and_async_optio
         assert ckpt.steps() == []
 
 
+def test_a_save_to_a_directory_compresses_when_asked_and_restores_bit_exact_in_a_fresh_process(tmp_path: Any) -> None:
+    import hashlib
+
+    from epochal.storage.formats.native import NativeFile
+
+    rng = np.random.default_rng(5)
+    z = (rng.normal(0, 0.02, (256, 256)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    zb = jax.device_put(z.view(ml_dtypes.bfloat16))
+    raw, packed = str(tmp_path / "raw"), str(tmp_path / "z")
+    ej.save(raw, 1, {"z": zb, "count": 1})
+    ej.save(packed, 1, {"z": zb, "count": 1}, compression="zstd")
+    (db_raw,), (db_z,) = ([os.path.join(d, f) for f in os.listdir(d) if not f.startswith(".")] for d in (raw, packed))
+    with NativeFile(db_z, mmap=False) as f:
+        assert f.stat().format_version.startswith("3.")
+    assert os.path.getsize(db_z) < 0.8 * os.path.getsize(db_raw)  # bf16 N(0, 0.02): about 1.5x
+    code = ("import sys, hashlib, numpy as np, jax, epochal.jax as ej\n"
+            "got = ej.restore(sys.argv[1], {'z': np.empty((256, 256), 'bfloat16'), 'count': 0})\n"
+            "print(got['count'], hashlib.sha256(got['z'].tobytes()).hexdigest())")
+    out = subprocess.run([sys.executable, "-c", code, packed], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["1", hashlib.sha256(z.tobytes()).hexdigest()]
+    with pytest.raises(ValueError, match="compression must be one of"):
+        ej.save(str(tmp_path / "bad"), 1, {"z": zb}, compression="lz4")
+    with epochal.Checkpointer(str(tmp_path / "c")) as ckpt:
+        with pytest.raises(ValueError, match="compression are options of a save to a directory"):
+            ej.save(ckpt, 1, {"z": zb}, compression="zstd")
+
+
 @pytest.mark.parametrize("change, error, words", [
     (lambda a: a["params"].update(w=jax.ShapeDtypeStruct((32, 25), np.float32)), BlobMismatchError,
      ["step 4", "params/w", "(32, 24)", "(32, 25)"]),

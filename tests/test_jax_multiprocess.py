@@ -326,3 +326,25 @@ def test_a_process_dying_in_a_background_write_makes_wait_raise_on_the_others(tm
     # process 0's db of step 6, never committed: step 5 stays the newest
     assert CheckpointDirectory(d).committed_epochs() == [5]
     assert sorted(os.listdir(d)) == [".epochal", "proc0.5", "proc0.6", "proc1.5"]
+
+
+@pytest.mark.system
+def test_two_processes_save_compressed_dbs_that_restore_bit_exact_on_two_and_on_one(tmp_path: Any) -> None:
+    """``compression="zstd"`` in a job of two processes: each process's db is written
+    compressed (format 3, its share of a bf16 array stored in fewer bytes than raw), and the
+    step restores bit-exact on two processes and on one; retention applies as without."""
+    from epochal.storage.formats.native import NativeFile
+
+    d = str(tmp_path)
+    for step in (1, 2, 3):
+        assert job("zsave", d, 2, str(step), step) == [{"saved": step, "process": 0}, {"saved": step, "process": 1}]
+    assert CheckpointDirectory(d).committed_epochs() == [2, 3]
+    assert sorted(f for f in os.listdir(d) if f.startswith("proc")) == ["proc0.2", "proc0.3", "proc1.2", "proc1.3"]
+    for proc in ("proc0.3", "proc1.3"):
+        with NativeFile(os.path.join(d, proc), mmap=False) as f:
+            assert f.stat().format_version.startswith("3."), proc  # a compressed segment
+            assert f.info("z").nbytes == 128 << 10  # its half of z (as the stored tree's leaf)
+        # the half of z alone is 128 KiB raw; compressed (about 1.5x) the whole db is smaller
+        assert os.path.getsize(os.path.join(d, proc)) < 110 << 10, proc
+    assert job("zrestore", d, 2, "3", 3) == [{"shards": 17, "process": 0}, {"shards": 17, "process": 1}]
+    assert job("zrestore", d, 1, "2", 2) == [{"shards": 33, "process": 0}]

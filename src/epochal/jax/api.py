@@ -35,6 +35,7 @@ from ..errors import (
     CheckpointNotFoundError,
     MissingBlobError,
 )
+from ..storage.encoding.compress import check_compression
 from ..storage.io.location import location_for
 from ..storage.io.seam import local_path
 from .background import PendingSave, join_pending, one_process_pending
@@ -91,8 +92,8 @@ def host_state(pytree: Any, names: NameMap | None = None, *, copy: bool = False,
 def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int, pytree: Any, *,
          metrics: Mapping[str, float] | None = None, names: NameMap | None = None,
          keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
-         mode: str = "min", async_save: bool = False, storage_options: dict[str, Any] | None = None
-         ) -> PendingSave | None:
+         mode: str = "min", async_save: bool = False, storage_options: dict[str, Any] | None = None,
+         compression: str | None = None) -> PendingSave | None:
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
@@ -100,8 +101,9 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
     the stored name of each leaf (:mod:`.mapping`; default: the pytree's own).
 
     ``keep_last``/``keep_best``/``metric``/``mode`` (retention), ``async_save`` and
-    ``storage_options`` (fsspec's, for a URL) are the Checkpointer's options, for a save to
-    a directory (given a Checkpointer, its own hold):
+    ``storage_options`` (fsspec's, for a URL) and ``compression`` (None, ``"zstd"`` or
+    ``"auto"``: each array stored losslessly compressed, docs/pytorch.md) are the
+    Checkpointer's options, for a save to a directory (given a Checkpointer, its own hold):
     with ``async_save`` the save returns once the arrays are copied to host, with a
     :class:`~.background.PendingSave` whose ``wait()`` commits it; the next save, a
     restore, :func:`wait` or the end of the process joins it too.
@@ -110,7 +112,9 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
     the same directory, step and options: each writes its own shards into a db of its own
     and process 0 commits the step once every db is durable, then applies the retention
     (:mod:`.multiprocess`; async: :mod:`.background`)."""
-    options = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "storage_options": storage_options}
+    check_compression(compression)
+    options = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "storage_options": storage_options,
+               "compression": compression}
     given = [k for k, v in options.items() if v is not None] + (["async_save"] if async_save else [])
     if isinstance(path_or_checkpointer, Checkpointer) and given:
         raise ValueError(f"epochal.jax.save: {', '.join(given)} are options of a save to a directory; a "
@@ -126,14 +130,15 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
         return save_processes(path_or_checkpointer, step,
                               lambda: host_state(pytree, names, copy=async_save, process=(i, n)),
                               plain_digest(flat_leaves(pytree)), metrics=metrics, policy=policy,
-                              background=async_save, storage_options=storage_options)
+                              background=async_save, storage_options=storage_options, compression=compression)
     join_pending()
     state = host_state(pytree, names)
     if isinstance(path_or_checkpointer, Checkpointer):
         path_or_checkpointer.save(step, state, metrics=metrics)
         return None
     ckpt = Checkpointer(path_or_checkpointer, progress=False, async_save=async_save, keep_last=keep_last,
-                        keep_best=keep_best, metric=metric, mode=mode, storage_options=storage_options)
+                        keep_best=keep_best, metric=metric, mode=mode, storage_options=storage_options,
+                        compression=compression)
     try:
         ckpt.save(step, state, metrics=metrics)
     except BaseException:

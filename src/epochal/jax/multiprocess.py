@@ -47,6 +47,7 @@ from ..checkpoint.handler.metadata import DbReport
 from ..checkpoint.location.retention import RetentionPolicy
 from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointError
+from ..storage.encoding.compress import WriteOptions
 from ..storage.formats.native.reader import stat_native
 from ..storage.formats.native.writer import write_native
 from ..storage.io.location import location_for
@@ -99,7 +100,8 @@ def plain_digest(leaves: Iterable[Leaf]) -> int:
 
 def save_processes(directory: str | os.PathLike[str], step: int, build: Callable[[], dict[str, Any]], plain: int,
                    *, metrics: Mapping[str, float] | None = None, policy: RetentionPolicy | None = None,
-                   background: bool = False, storage_options: dict[str, Any] | None = None) -> PendingSave | None:
+                   background: bool = False, storage_options: dict[str, Any] | None = None,
+                   compression: str | None = None) -> PendingSave | None:
     """Save step ``step`` in ``directory`` from every process of the job (collective; see the
     module doc). ``build``: this process's part of the state (nested dicts of host values;
     with ``background``, none sharing memory with a live buffer); ``plain``: the
@@ -109,7 +111,8 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
     the other two agreements and the commit on a thread (:mod:`.background`); its handle is
     returned. A save still in flight from an earlier call is joined first (its error raised).
     ``storage_options``: fsspec's, for a URL ``directory`` (every process's db is named with
-    one writer token, process 0's, as the ranks of a ``dcp.save`` name theirs)."""
+    one writer token, process 0's, as the ranks of a ``dcp.save`` name theirs).
+    ``compression``: how each process's db is written (:class:`WriteOptions`; None: raw)."""
     join_pending()
     i = jax.process_index()
     path = local_path(directory)
@@ -149,8 +152,10 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
     tok = None if d.location.is_local else f"w{int(got[0, 3]):012x}"
     dbs = [d.token_db_path(PROCESS_NODE.format(r), step, tok) for r in range(jax.process_count())]
 
+    write = WriteOptions(compression)
+
     def finish(agree: Agree) -> None:
-        _finish(d, path, step, state, dbs, agree, metrics, policy, storage_options)
+        _finish(d, path, step, state, dbs, agree, metrics, policy, storage_options, write)
 
     if not background:
         finish(lambda phase, failed: _gather([int(failed)])[:, 0])
@@ -160,13 +165,13 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
 
 def _finish(d: CheckpointDirectory, path: str, step: int, state: dict[str, Any], dbs: list[str], agree: Agree,
             metrics: Mapping[str, float] | None, policy: RetentionPolicy | None,
-            options: dict[str, Any] | None) -> None:
-    """Every process: write its db (of ``dbs``, by process), agree; process 0: commit (and
-    apply ``policy``); agree."""
+            options: dict[str, Any] | None, write: WriteOptions | None = None) -> None:
+    """Every process: write its db (of ``dbs``, by process; as ``write`` says), agree;
+    process 0: commit (and apply ``policy``); agree."""
     i, n = jax.process_index(), jax.process_count()
     problem: BaseException | None = None
     try:
-        write_native(dbs[i], state)  # temp file, fsync, rename, dir fsync (at a URL: an upload, then in place)
+        write_native(dbs[i], state, options=write)  # temp file, fsync, rename, dir fsync (at a URL: an upload, then in place)
     except Exception as ex:
         problem = ex
     finally:

@@ -24,7 +24,7 @@ from ..frames import CodedTable
 from ..items import DECODE_ERRORS, LoadItem, Opened
 from ..layout import DAMAGED_DATA, DAMAGED_PAD, corrupt
 
-__all__ = ["read_coded", "read_range", "stats", "verify_coded"]
+__all__ = ["read_coded", "read_coded_bytes", "read_range", "stats", "verify_coded"]
 
 
 @dataclass
@@ -94,15 +94,32 @@ def read_coded(f: Opened, ids: list[int], verify: bool) -> list[LoadItem]:
             raise corrupt(f.path, f"bad {kind} meta: {e}", name) from None
         if [b.nbytes for b in bufs] != sizes or any(b.readonly for b in bufs):
             raise corrupt(f.path, f"codec buffers do not fit the {len(sizes)} segments", name)
-        for j, k in enumerate(idx.seg_range(i)):
-            if table.row(k) is None:
-                _raw(f, k, bufs[j], name, verify)
-                continue
-            stored, row = _segment(f, k, name, verify)
-            _, _, lengths, _ = table.stream_range(row, 0, table.frame_count(row))
-            _decode(f, table, row, 0, table.frame_count(row), _split(stored, lengths), bufs[j], name)
+        _fill(f, i, bufs, name, verify)
         items.append(LoadItem(i, name, kind, meta, codec, bufs))
     return items
+
+
+def read_coded_bytes(f: Opened, i: int, verify: bool) -> list[memoryview]:
+    """Blob ``i``'s segments (one of them at least compressed), read, checked and decoded
+    into fresh buffers of their logical sizes, without its codec: for a reader that
+    interprets the meta itself (a process's part of a JAX array, which its codec alone
+    refuses to decode)."""
+    bufs = [memoryview(bytearray(n)) for n in f.index.sizes(i)]
+    _fill(f, i, bufs, f.index.name(i), verify)
+    return bufs
+
+
+def _fill(f: Opened, i: int, bufs: list[memoryview], name: str, verify: bool) -> None:
+    """Every segment of blob ``i`` into ``bufs``: raw ones read, compressed ones decoded."""
+    table = f.index.coded
+    assert table is not None
+    for j, k in enumerate(f.index.seg_range(i)):
+        if table.row(k) is None:
+            _raw(f, k, bufs[j], name, verify)
+            continue
+        stored, row = _segment(f, k, name, verify)
+        _, _, lengths, _ = table.stream_range(row, 0, table.frame_count(row))
+        _decode(f, table, row, 0, table.frame_count(row), _split(stored, lengths), bufs[j], name)
 
 
 def _raw(f: Opened, k: int, buf: memoryview, name: str, verify: bool) -> None:

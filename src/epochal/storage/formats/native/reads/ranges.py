@@ -94,9 +94,8 @@ class RangedFile:
         """Blob ``i``'s segments, read, checked and decoded (once), at offsets past the file."""
         segs = self._found.get(i)
         if segs is None:
-            item = coded.read_coded(Opened(self.path, self.src, self.index), [i], True)[0]
             segs = []
-            for buf in item.bufs:
+            for buf in coded.read_coded_bytes(Opened(self.path, self.src, self.index), i, True):
                 self._decoded.append((self._next, buf))
                 segs.append((self._next, buf.nbytes, self.fn(buf, 0)))
                 self._next += buf.nbytes + 1  # (+1: no two share an offset, empty ones neither)
