@@ -107,8 +107,8 @@ def _windows(rng: np.random.Generator, size: int) -> list[tuple[int, int]]:
 def _check(files: Files, ext: Ext, nsrc: int, rng: np.random.Generator, direct: list[bool] | None = None) -> FilePlan:
     size = int(ext[1][-1])
     direct = direct or [True] * nsrc
-    plan = FilePlan(ext, nsrc, direct)
     junk = memoryview(bytearray(MERGE_GAP))
+    plan = FilePlan(ext, nsrc, direct, junk)
     for offset, n in _windows(rng, size):
         want = _reference(files, ext, offset, n)
         old = bytearray(n)
@@ -116,7 +116,7 @@ def _check(files: Files, ext: Ext, nsrc: int, rng: np.random.Generator, direct: 
         assert bytes(old) == want, (offset, n)
         if plan.usable:
             got = bytearray(n)
-            plan.read(memoryview(got), offset, junk, files.read_iov, files.read_parts)
+            plan.read(memoryview(got), offset, files.read_iov, files.read_parts)
             assert bytes(got) == want, (offset, n)
     return plan
 
@@ -161,7 +161,7 @@ def test_the_file_plan_cuts_spans_like_the_window_planner(tmp_path: Path) -> Non
         assert plan.usable
         files.calls = 0
         got = bytearray(size)
-        plan.read(memoryview(got), 0, memoryview(bytearray(MERGE_GAP)), files.read_iov, files.read_parts)
+        plan.read(memoryview(got), 0, files.read_iov, files.read_parts)
         assert bytes(got) == _reference(files, ext, 0, size)
         # one bulk read, then file 1's spans: 1500 + 1400 back to back (2 + 2 reads of at
         # most MAX_PIECES_READ buffers) and the hundred far away, cut once by MERGE_SPAN

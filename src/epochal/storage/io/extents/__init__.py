@@ -304,10 +304,10 @@ class ExtentSource:
             if starts.searchsorted(offset + dest.nbytes) - starts.searchsorted(offset) >= MIN_EXTENTS:
                 with self._plan_lock:
                     if self._plan is None:
-                        self._plan = FilePlan(self._ext, len(self._srcs), self._direct)
+                        self._plan = FilePlan(self._ext, len(self._srcs), self._direct, self._junk)
                     plan = self._plan
         if plan is not None and plan.usable and not dest.readonly:
-            plan.read(dest, offset, self._junk, self._fill_iov, self._fill)
+            plan.read(dest, offset, self._fill_iov, self._fill)
         else:
             extent_reads.gather(dest, offset, self._ext, self._junk, len(self._srcs), self._direct,
                                 self._fill_iov, self._fill)

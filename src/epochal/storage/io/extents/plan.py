@@ -43,8 +43,12 @@ class FilePlan:
     table does not allow one (then read window by window with :func:`.reads.gather`)."""
 
     def __init__(self, ext: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], nsrc: int,
-                 direct: Sequence[bool]) -> None:
+                 direct: Sequence[bool], junk: memoryview) -> None:
+        """``ext``: the extents' logical starts, ends, sources and offsets there (int64,
+        logical order); ``direct[k]``: source ``k`` takes iovec arrays; ``junk``: where the
+        gaps between the pieces of one read go (never read back)."""
         starts, ends, srcs, soffs = ext
+        self._junk = junk
         self.usable = False
         self.bulk = -1
         self.delta = 0
@@ -82,26 +86,28 @@ class FilePlan:
         #: piece k at row pos[k], a gap before it at pos[k] - 1
         self._pos = pos = np.arange(n) + np.cumsum(has)
         rows = n + int(has.sum())
-        #: per row: logical start (-1: a gap), length, offset in its source, source, and
-        #: whether it starts a span
-        self._rel = np.full(rows, -1, dtype=np.int64)
-        self._len = np.empty(rows, dtype=np.int64)
+        #: per row: its iovec as far as the plan knows it (a piece: its logical start, to which
+        #: a window adds its buffer's address less its offset; a gap: the junk buffer) and
+        #: length, whether it is a piece (1) or a gap (0), its offset in its source, its
+        #: source, and whether it starts a span
+        self._iov = np.empty((rows, 2), dtype=np.uint64)
+        self._piece = np.zeros(rows, dtype=np.uint64)
         self._where = np.empty(rows, dtype=np.int64)
         self._src = np.empty(rows, dtype=np.int64)
         self._span = np.zeros(rows, dtype=bool)
-        self._rel[pos], self._len[pos], self._where[pos], self._src[pos] = lo, ln, soff, src
-        self._span[pos] = cut
         g = pos[has] - 1
-        self._len[g], self._where[g], self._src[g] = gap[has], soff[has] - gap[has], src[has]
-        self._gap = self._rel < 0
+        self._iov[pos, 0], self._iov[pos, 1], self._piece[pos] = lo, ln, 1
+        self._iov[g, 0], self._iov[g, 1] = address(junk), gap[has]
+        self._where[pos], self._src[pos], self._span[pos] = soff, src, cut
+        self._where[g], self._src[g] = soff[has] - gap[has], src[has]
         #: the pieces' (source, logical start) and (source, logical end) keys, sorted
-        self._sources = src[new]
+        self._keys = src[new] << _KEY_BITS
         self._kstart = (src << _KEY_BITS) | lo
         self._kend = (src << _KEY_BITS) | hi
         self._lo, self._hi = lo, hi
         self.usable = True
 
-    def read(self, dest: memoryview, offset: int, junk: memoryview, read_iov: ReadIov, read_parts: ReadParts) -> None:
+    def read(self, dest: memoryview, offset: int, read_iov: ReadIov, read_parts: ReadParts) -> None:
         """Fill ``dest`` (flat, writable bytes) with the logical bytes from ``offset``: the
         bulk source's share in one read, then every other source's pieces over it."""
         end = offset + dest.nbytes
@@ -110,11 +116,10 @@ class FilePlan:
         if a < b:
             lo, hi = max(int(bs[a]), offset), min(int(be[b - 1]), end)
             read_parts(self.bulk, [dest[lo - offset : hi - offset]], lo + self.delta, hi - lo)
-        if not len(self._sources):
+        if not len(self._keys):
             return
-        key = self._sources << _KEY_BITS
-        first = self._kend.searchsorted(key | offset, "right")  # each source's first piece here
-        last = self._kstart.searchsorted(key | end, "left")  # ... and the one after its last
+        first = self._kend.searchsorted(self._keys | offset, "right")  # each source's first piece here
+        last = self._kstart.searchsorted(self._keys | end, "left")  # ... and the one after its last
         some = first < last
         if not some.any():
             return
@@ -124,24 +129,24 @@ class FilePlan:
         at = np.zeros(len(count) + 1, dtype=np.int64)  # where each source's rows begin in iov
         np.cumsum(count, out=at[1:])
         idx = np.arange(int(at[-1])) + np.repeat(ra - at[:-1], count)
-        iov = np.empty((len(idx), 2), dtype=np.uint64)
-        iov[:, 0] = np.where(self._gap[idx], address(junk), self._rel[idx] + (address(dest) - offset))
-        iov[:, 1] = self._len[idx]
-        where = self._where[idx]
+        iov = self._iov[idx]
+        iov[:, 0] += self._piece[idx] * np.uint64(address(dest) - offset)
         head = np.maximum(offset - self._lo[first], 0)  # pieces begun before the window: clipped
         tail = np.maximum(self._hi[last - 1] - end, 0)  # ... and those ending after it
         top = at[:-1]
         iov[top, 0] += head.astype(np.uint64)
         iov[top, 1] -= head.astype(np.uint64)
-        where[top] += head
         iov[at[1:] - 1, 1] -= tail.astype(np.uint64)
         span = self._span[idx]
         span[top] = True
-        firsts = np.flatnonzero(span).tolist()
+        firsts = np.flatnonzero(span)
+        where = self._where[idx[firsts]]
+        where[np.searchsorted(firsts, top)] += head
+        srcs = self._src[idx[firsts]].tolist()
         cum = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(iov[:, 1], out=cum[1:])
-        srcs = self._src[idx]
-        for x0, y0 in zip(firsts, [*firsts[1:], len(idx)]):
+        bounds = firsts.tolist()
+        for s, w, x0, y0 in zip(srcs, where.tolist(), bounds, [*bounds[1:], len(idx)]):
             for x in range(x0, y0, MAX_PIECES_READ):
                 y = min(y0, x + MAX_PIECES_READ)
-                read_iov(int(srcs[x]), iov[x:y], int(where[x]), int(cum[y] - cum[x]))
+                read_iov(s, iov[x:y], w if x == x0 else int(self._where[idx[x]]), int(cum[y] - cum[x]))
