@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from epochal.storage.io.extents.plan import FilePlan
-from epochal.storage.io.extents.reads import MAX_PIECES_READ, MERGE_GAP, MERGE_SPAN, gather, preadv_iov
+from epochal.storage.io.extents.reads import (
+    MAX_PIECES_READ,
+    MERGE_GAP,
+    MERGE_SPAN,
+    gather,
+    preadv_iov,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,14 @@ import epochal as ep
 from epochal.checkpoint.location.manifest import encode_manifest
 from epochal.errors import CheckpointCorruptError
 from epochal.storage.io.checksum import checksum_function
-from epochal.storage.io.extents import EXT_DTYPE, HEAD, HEAD_SIZE, open_db, pack_extents, read_extents
+from epochal.storage.io.extents import (
+    EXT_DTYPE,
+    HEAD,
+    HEAD_SIZE,
+    open_db,
+    pack_extents,
+    read_extents,
+)
 from epochal.storage.io.seam import store_for
 
 ROWS, DIM, STEPS = 4096, 256, 4  # a 4 MiB float32 table of 1 KiB rows

@@ -6,8 +6,9 @@ reference to a stored range of an older step's file in the same folder (one leve
 :func:`open_db` opens any db: a plain file as it is, an extent file as an
 :class:`ExtentSource` of the logical bytes, so every format's read path reads it without
 knowing; the format's own checksums cover the logical bytes, so a damaged older file is
-found before any live byte is written. The read plan of a range is :mod:`.reads`'s; the sink
-that writes an extent file, :mod:`.sink`'s.
+found before any live byte is written. The table's decoding is :mod:`.table`'s; the read
+plan, :mod:`.plan`'s (one per file) or :mod:`.reads`'s (per range); the sink that writes an
+extent file, :mod:`.sink`'s.
 
 Layout (little-endian; docs/format.md, "Incremental db files")::
 
@@ -49,7 +50,7 @@ from .. import seam
 from ..checksum import ALGORITHM_NAMES, checksum_function
 from . import reads as extent_reads
 from .plan import MIN_EXTENTS, FilePlan
-from .table import PACKED_COLUMNS, PACKED_ROW, columns_of, unpack_extents
+from .table import PACKED_COLUMNS, columns_of, unpack_extents
 
 __all__ = [
     "CHUNK_DTYPE", "EXT_DTYPE", "EXTENT_MAGIC", "ExtentSource", "Extents", "RefFile", "blame_refs",

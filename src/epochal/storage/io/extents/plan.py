@@ -13,18 +13,20 @@ calls each time on tables that the window's own bytes have pushed out of the cac
   source's pieces, and its merged spans (gaps of at most ``MERGE_GAP``, at most
   ``MERGE_SPAN`` long) are runs of spans planned once.
 
-A window then costs a few binary searches, its bulk read and, per source it touches, one
-``iovec`` array sliced from the planned rows (addresses shifted to the window's buffer, the
-first and last pieces clipped to the window) read in one ``preadv`` per span. A table that
+A window then costs a few binary searches (all sources at once, on keys of source and
+logical offset), its bulk read, and one ``iovec`` array gathered from the planned rows of
+every source it touches (the pieces' addresses shifted to the window's buffer, each source's
+first and last piece clipped to the window), read in one ``preadv`` per span. A table that
 does not allow it (an extent read from another place of the bulk file, pieces of one source
-out of order, a remote source) is read by :func:`.reads.gather`, window by window, as before:
-the same bytes either way. Nothing is checked here: the format's checksums cover the
-logical bytes.
+out of order or overlapping there, a source that takes no iovec array: a remote one) is read
+by :func:`.reads.gather`, planned window by window: the same bytes either way. Nothing is
+checked here: the format's checksums cover the logical bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import numpy as np
 
 from .reads import MAX_PIECES_READ, MERGE_GAP, MERGE_SPAN, ReadIov, ReadParts, address
