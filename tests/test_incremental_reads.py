@@ -1,6 +1,6 @@
 """The restore of an incremental step whose bytes span many older steps: bit-identical, its
-extent table parsed once and its reads planned once (not per window), and every older file
-read in about as many calls as it has merged spans (not one per extent). The restore runs in a fresh process that counts the parses and
+extent table parsed once, and every older file read in about as many calls as it has merged
+spans (not one per extent). The restore runs in a fresh process that counts the parses and
 the read calls per file through wrappers."""
 
 from __future__ import annotations
@@ -56,11 +56,6 @@ RESTORE = textwrap.dedent("""
         calls[name(self.fd)] += 1
         return read_into(self, views, offset, **k)
     local.LocalSource.read_into = counted_read_into
-    plans, plan = [0], extents.FilePlan
-    def counted_plan(*a, **k):
-        plans[0] += 1
-        return plan(*a, **k)
-    extents.FilePlan = counted_plan
     gather = extents.ExtentSource.read_into
     def counted_window(self, views, offset, **k):
         windows[0] += 1
@@ -70,7 +65,7 @@ RESTORE = textwrap.dedent("""
     with ep.Checkpointer(d, progress=False) as ck:
         step = ck.restore(st)
     np.save(out, st["emb"])
-    print(json.dumps({"step": step, "parses": parses[0], "plans": plans[0], "calls": calls, "windows": windows[0]}))
+    print(json.dumps({"step": step, "parses": parses[0], "calls": calls, "windows": windows[0]}))
 """).replace("ROWS", str(ROWS)).replace("DIM", str(DIM))
 
 
@@ -108,7 +103,6 @@ def test_a_step_spanning_many_older_steps_restores_bit_exact_with_one_parse_and_
     assert info["step"] == STEPS
     assert np.load(out).view(np.uint32).tobytes() == _table(STEPS).view(np.uint32).tobytes()
     assert info["parses"] == 1, info  # the step's extent table, once per restore
-    assert info["plans"] == 1, info  # its reads planned once (none for the small reads of its head)
     windows = info["windows"]
     for k, r in enumerate(refs, 1):
         sel = ext["source"] == k

@@ -6,9 +6,8 @@ reference to a stored range of an older step's file in the same folder (one leve
 :func:`open_db` opens any db: a plain file as it is, an extent file as an
 :class:`ExtentSource` of the logical bytes, so every format's read path reads it without
 knowing; the format's own checksums cover the logical bytes, so a damaged older file is
-found before any live byte is written. The table's decoding is :mod:`.table`'s; the read
-plan, :mod:`.plan`'s (one per file) or :mod:`.reads`'s (per range); the sink that writes an
-extent file, :mod:`.sink`'s.
+found before any live byte is written. The table's decoding is :mod:`.table`'s; the read plan
+of a range, :mod:`.reads`'s; the sink that writes an extent file, :mod:`.sink`'s.
 
 Layout (little-endian; docs/format.md, "Incremental db files")::
 
@@ -49,7 +48,6 @@ from ....errors import CheckpointCorruptError
 from .. import seam
 from ..checksum import ALGORITHM_NAMES, checksum_function
 from . import reads as extent_reads
-from .plan import MIN_EXTENTS, FilePlan
 from .table import PACKED_COLUMNS, columns_of, unpack_extents
 
 __all__ = [
@@ -235,9 +233,6 @@ class ExtentSource:
         self._fn = checksum_function(ex.algorithm)
         #: where the gaps between the pieces of one read go (never read back: shared by threads)
         self._junk = memoryview(bytearray(extent_reads.MERGE_GAP))
-        #: the read plan of the whole table, made at the first read (:mod:`.plan`)
-        self._plan: FilePlan | None = None
-        self._plan_lock = threading.Lock()
         try:
             for r in ex.refs:  # every referenced file, there and of its recorded size, now
                 self._srcs.append(self._open_ref(r))
@@ -296,22 +291,8 @@ class ExtentSource:
         return end - offset
 
     def _gather(self, dest: memoryview, offset: int) -> None:
-        """Fill ``dest`` from logical ``offset``: from the file's one read plan (:mod:`.plan`,
-        made at the first read of many extents) where the table allows one, else planned
-        for this range alone (:func:`.reads.gather`)."""
-        plan = self._plan
-        if plan is None and not dest.readonly:
-            starts = self._ext[0]
-            if starts.searchsorted(offset + dest.nbytes) - starts.searchsorted(offset) >= MIN_EXTENTS:
-                with self._plan_lock:
-                    if self._plan is None:
-                        self._plan = FilePlan(self._ext, len(self._srcs), self._direct, self._junk)
-                    plan = self._plan
-        if plan is not None and plan.usable and not dest.readonly:
-            plan.read(dest, offset, self._fill_iov, self._fill)
-        else:
-            extent_reads.gather(dest, offset, self._ext, self._junk, len(self._srcs), self._direct,
-                                self._fill_iov, self._fill)
+        extent_reads.gather(dest, offset, self._ext, self._junk, len(self._srcs), self._direct,
+                            self._fill_iov, self._fill)
 
     def _fill_iov(self, source: int, iov: np.ndarray, off: int, total: int) -> None:
         """Read the buffers of ``iov`` ((address, length) rows) in order from ``off`` of

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_PIECES_READ", "MERGE_GAP", "MERGE_SPAN", "ReadIov", "ReadParts", "address", "gather", "preadv_iov"]
+__all__ = ["MAX_PIECES_READ", "MERGE_GAP", "MERGE_SPAN", "gather", "preadv_iov"]
 
 #: a read takes the extents of one source in one span when they lie at most this far apart
 MERGE_GAP = 256 << 10
@@ -56,8 +56,8 @@ def preadv_iov(fd: int, iov: np.ndarray, offset: int) -> int:
             raise OSError(e, os.strerror(e))
 
 
-def address(view: memoryview) -> int:
-    """The address of ``view``'s first byte (0 for an empty view)."""
+def _address(view: memoryview) -> int:
+    """The address of ``view``'s first byte (0 for an empty view; no ctypes object made)."""
     return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]) if view.nbytes else 0
 
 
@@ -125,11 +125,11 @@ def gather(dest: memoryview, offset: int, ext: tuple[np.ndarray, np.ndarray, np.
     where = np.empty(rows, dtype=np.int64)  # each row's offset in its source
     rel = np.full(rows, -1, dtype=np.int64)  # each row's place in dest (-1: a gap)
     rel[pos] = r_dst
-    iov[pos, 0] = np.uint64(address(dest)) + r_dst.astype(np.uint64)
+    iov[pos, 0] = np.uint64(_address(dest)) + r_dst.astype(np.uint64)
     iov[pos, 1] = r_len
     where[pos] = r_soff
     g = pos[has] - 1
-    iov[g, 0] = address(junk)
+    iov[g, 0] = _address(junk)
     iov[g, 1] = gap[has]
     where[g] = r_soff[has] - gap[has]
     span_first = pos[cut].tolist()
