@@ -6,8 +6,8 @@ reference to a stored range of an older step's file in the same folder (one leve
 :func:`open_db` opens any db: a plain file as it is, an extent file as an
 :class:`ExtentSource` of the logical bytes, so every format's read path reads it without
 knowing; the format's own checksums cover the logical bytes, so a damaged older file is
-found before any live byte is written. The read plan of a range is :mod:`.reads`'s; the sink
-that writes an extent file, :mod:`.sink`'s.
+found before any live byte is written. The table's decoding is :mod:`.table`'s; the read plan
+of a range, :mod:`.reads`'s; the sink that writes an extent file, :mod:`.sink`'s.
 
 Layout (little-endian; docs/format.md, "Incremental db files")::
 
@@ -39,7 +39,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,7 @@ from ....errors import CheckpointCorruptError
 from .. import seam
 from ..checksum import ALGORITHM_NAMES, checksum_function
 from . import reads as extent_reads
+from .table import PACKED_COLUMNS, columns_of, unpack_extents
 
 __all__ = [
     "CHUNK_DTYPE", "EXT_DTYPE", "EXTENT_MAGIC", "ExtentSource", "Extents", "RefFile", "blame_refs",
@@ -65,9 +66,6 @@ EXT_DTYPE = np.dtype([("loff", "<u8"), ("length", "<u8"), ("source", "<u4"), ("c
 CHUNK_DTYPE = np.dtype([("loff", "<u8"), ("length", "<u8"), ("digest", "V16")])
 #: the largest refs text read (a few hundred file names)
 MAX_REFS_TEXT = 1 << 24
-#: version 2's extent columns: length, source, checksum, offset in the source less the logical one
-PACKED_COLUMNS = (("length", "<u8"), ("source", "<u4"), ("crc", "<u4"), ("rel", "<i8"))
-PACKED_ROW = sum(np.dtype(t).itemsize for _, t in PACKED_COLUMNS)
 def pack_extents(ext: np.ndarray) -> bytes:
     """Version 2's extent table: the columns of ``ext`` (EXT_DTYPE) split into byte planes and
     zlib-compressed (delta-like columns compress well; a step's table is a few bytes per extent)."""
@@ -76,34 +74,6 @@ def pack_extents(ext: np.ndarray) -> bytes:
     planes = b"".join(np.ascontiguousarray(cols[c].astype(t)).view(np.uint8).reshape(len(ext), -1).T.tobytes()
                       for c, t in PACKED_COLUMNS)
     return zlib.compress(planes, 1)  # (level 6: 17% smaller, 6x the time)
-
-
-def _unpack_extents(path: str, packed: bytes, count: int) -> np.ndarray:
-    want = count * PACKED_ROW
-    d = zlib.decompressobj()
-    try:
-        raw = d.decompress(packed, want + 1)
-    except zlib.error as e:
-        raise _corrupt(path, f"incremental db extent table cannot be decoded: {e}") from None
-    if len(raw) != want or d.unconsumed_tail or not d.eof:
-        raise _corrupt(path, "incremental db extent table does not hold its extents")
-    ext = np.zeros(count, dtype=EXT_DTYPE)
-    pos, cols = 0, {}
-    for c, t in PACKED_COLUMNS:
-        size = np.dtype(t).itemsize
-        cols[c] = np.frombuffer(raw, np.uint8, count * size, pos).reshape(size, count).T.copy().view(t).ravel()
-        pos += count * size
-    ext["length"], ext["source"], ext["crc"] = cols["length"], cols["source"], cols["crc"]
-    loff = np.zeros(count, dtype=np.int64)
-    if count:
-        np.cumsum(cols["length"][:-1].astype(np.int64), out=loff[1:])
-    if count and (loff[-1] < 0 or np.any(cols["length"] > np.uint64(1 << 62))):
-        raise _corrupt(path, "incremental db extents do not tile the logical file")
-    soff = loff + cols["rel"]
-    if count and soff.min() < 0:
-        raise _corrupt(path, "incremental db extent points before the start of its source")
-    ext["loff"], ext["soff"] = loff, soff
-    return ext
 
 
 def is_extent_file(head: bytes) -> bool:
@@ -135,6 +105,8 @@ class Extents:
     size: int
     #: the format version (1: every extent carries its checksum; 2: stored extents only)
     version: int = EXTENT_VERSION
+    #: the extents' logical starts, ends, sources and offsets there, as int64 (set by the parse)
+    columns: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def where(self) -> str:
         return f"step {self.step} ({os.path.basename(self.path)})" if self.step >= 0 else self.path
@@ -166,8 +138,9 @@ def parse_extents(path: str, head: bytes, tables: bytes, size: int) -> Extents:
         raise _corrupt(path, "incremental db table checksum mismatch (tables damaged)")
     if version == 1:
         ext = np.frombuffer(tables, EXT_DTYPE, next_, 0)
+        cols = columns_of(ext)
     else:
-        ext = _unpack_extents(path, tables[:ext_bytes], next_)
+        ext, cols = unpack_extents(path, tables[:ext_bytes], next_, EXT_DTYPE)
     chunks = np.frombuffer(tables, CHUNK_DTYPE, nchunk, ext_bytes)
     try:
         raw = json.loads(bytes(tables[ext_bytes + chunks.nbytes:]).decode("utf-8"))
@@ -177,15 +150,17 @@ def parse_extents(path: str, head: bytes, tables: bytes, size: int) -> Extents:
     for r in refs:
         if not r.file or "/" in r.file or "\\" in r.file or r.file in (".", ".."):
             raise _corrupt(path, f"incremental db refers to {r.file!r}, not a file name in its folder")
-    loff, ln = ext["loff"].astype(np.int64), ext["length"].astype(np.int64)
-    src, soff = ext["source"].astype(np.int64), ext["soff"].astype(np.int64)
+    loff, ln, src, soff = cols  # (int64: a value over 2**63 is negative here, refused below)
     if next_ and (
-        ext["loff"].max() > lsize or ext["length"].max() > lsize or np.any(ln <= 0) or loff[0] != 0
-        or np.any(loff[1:] != (loff + ln)[:-1]) or loff[-1] + ln[-1] != lsize or np.any(src > len(refs))
+        int(loff.min()) < 0 or int(loff.max()) > lsize or int(ln.max()) > lsize or int(ln.min()) <= 0
+        or loff[0] != 0 or np.any(loff[1:] != (loff + ln)[:-1]) or loff[-1] + ln[-1] != lsize
+        or int(src.max()) > len(refs)
     ):
         raise _corrupt(path, "incremental db extents do not tile the logical file")
     if not next_ and lsize:
         raise _corrupt(path, "incremental db without extents")
+    if next_ and int(soff.min()) < 0:
+        raise _corrupt(path, "incremental db extent points before the start of its source")
     own = src == 0
     if np.any(own):
         o_off, o_len = soff[own], ln[own]
@@ -193,11 +168,16 @@ def parse_extents(path: str, head: bytes, tables: bytes, size: int) -> Extents:
             raise _corrupt(path, "incremental db stored extents do not tile its data area")
     elif toff != HEAD_SIZE:
         raise _corrupt(path, "incremental db data area without extents")
-    for k, r in enumerate(refs, 1):
-        sel = src == k
-        if np.any(sel) and np.any(soff[sel] + ln[sel] > r.size):
-            raise _corrupt(path, f"incremental db extent points past the end of {r.file}")
-    return Extents(path, algorithm, int(lsize), int(step), ext, chunks, refs, size, version)
+    if refs and next_:  # every reference within its file (as its size was recorded)
+        limit = np.array([toff, *(r.size for r in refs)], dtype=np.int64)
+        past = soff > limit[src] - ln
+        if np.any(past):
+            bad = refs[int(src[past].min()) - 1]
+            raise _corrupt(path, f"incremental db extent points past the end of {bad.file}")
+    end = loff + ln
+    ex = Extents(path, algorithm, int(lsize), int(step), ext, chunks, refs, size, version)
+    ex.columns = (loff, end, src, soff)
+    return ex
 
 
 def read_extents(src: seam.ByteSource, path: str) -> Extents:
@@ -245,10 +225,11 @@ class ExtentSource:
         self.ex = ex
         self.remote = bool(getattr(own, "remote", False))
         self._srcs: list[seam.ByteSource] = [own]
-        loff = ex.ext["loff"].astype(np.int64)
+        if ex.columns is None:
+            loff, ln, src, soff = columns_of(ex.ext)
+            ex.columns = (loff, loff + ln, src, soff)
         #: the extents' logical starts, ends, sources and offsets there (the read plan's input)
-        self._ext = (loff, loff + ex.ext["length"].astype(np.int64),
-                     ex.ext["source"].astype(np.int64), ex.ext["soff"].astype(np.int64))
+        self._ext = ex.columns
         self._fn = checksum_function(ex.algorithm)
         #: where the gaps between the pieces of one read go (never read back: shared by threads)
         self._junk = memoryview(bytearray(extent_reads.MERGE_GAP))

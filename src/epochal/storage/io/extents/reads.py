@@ -57,7 +57,8 @@ def preadv_iov(fd: int, iov: np.ndarray, offset: int) -> int:
 
 
 def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+    """The address of ``view``'s first byte (0 for an empty view; no ctypes object made)."""
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]) if view.nbytes else 0
 
 
 #: read ``source``'s iovec rows ``iov`` from its offset ``off`` (``total`` bytes in all)
