@@ -41,6 +41,7 @@ from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ...io.extents import ExtentSource, RefFile
 from ...io.extents.sink import ExtentSink, digest
 from ...io.seam import committed, is_url, store_for
+from .kept import Keeper, take
 from .layout import SUPERBLOCK_SIZE, pack_superblock
 from .reads.ranges import RangedFile
 from .writer import index_bytes, plan_file, write_data
@@ -169,13 +170,16 @@ def _open_base(base: str | None, path: str, refs: list[RefFile]) -> _Base | None
     return _Base(base, ranged, ranged.src, refs)
 
 
-def _diff(base: _Base, old_at: int, data: memoryview) -> np.ndarray | None:
-    """``data`` against the base's logical bytes at ``old_at``, in units of ``DIFF_UNIT``:
-    equal runs become references, changed ones are stored (pieces as int64 rows, in order);
-    None when more than ``DIFF_MAX`` of it changed. Vectorised: the units compared as rows
-    of words, runs found where the changed flag flips."""
+def _diff(base: _Base, old_at: int, data: memoryview,
+          old: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+    """``data`` against the base's logical bytes at ``old_at`` (``old``: those bytes, kept
+    from the save that wrote them; None: read), in units of ``DIFF_UNIT``: equal runs become
+    references, changed ones are stored (pieces as int64 rows, in order; None when more than
+    ``DIFF_MAX`` of it changed), and the changed flag per unit. Vectorised: the units
+    compared as rows of words, runs found where the changed flag flips."""
     n = data.nbytes
-    old = base.read(old_at, n)
+    if old is None:
+        old = base.read(old_at, n)
     new = np.frombuffer(data, dtype=np.uint8)
     units = -(-n // DIFF_UNIT)
     whole = n // DIFF_UNIT * DIFF_UNIT
@@ -190,9 +194,9 @@ def _diff(base: _Base, old_at: int, data: memoryview) -> np.ndarray | None:
     if whole < n:
         changed[-1] = not np.array_equal(new[whole:], old[whole:])
     if not changed.any():
-        return base.resolve(old_at, n, 0)
+        return base.resolve(old_at, n, 0), changed
     if changed.mean() > DIFF_MAX:
-        return None
+        return None, changed
     bounds = np.concatenate([[0], np.flatnonzero(changed[1:] != changed[:-1]) + 1, [units]])
     lo = bounds[:-1] * DIFF_UNIT
     hi = np.minimum(bounds[1:] * DIFF_UNIT, n)
@@ -201,7 +205,7 @@ def _diff(base: _Base, old_at: int, data: memoryview) -> np.ndarray | None:
     kept[:, 0], kept[:, 1] = lo[mine], (hi - lo)[mine]
     refs = base.resolve(old_at + lo[~mine], (hi - lo)[~mine], lo[~mine])
     out = np.concatenate([kept, refs])
-    return out[np.argsort(out[:, 0], kind="stable")]
+    return out[np.argsort(out[:, 0], kind="stable")], changed
 
 
 def _sources(pieces: np.ndarray) -> int:
@@ -210,32 +214,45 @@ def _sources(pieces: np.ndarray) -> int:
     return len(np.unique(refs)) if len(refs) else 0
 
 
-def _pieces(base: _Base | None, counterpart: dict[int, int], loff: int,
+def _pieces(base: _Base | None, counterpart: dict[int, int], keeper: Keeper | None, loff: int,
             data: memoryview) -> tuple[Any, bytes | None]:
-    """How chunk ``data`` at logical ``loff`` is written, and its digest (see the module doc)."""
+    """How chunk ``data`` at logical ``loff`` is written, and its digest (see the module doc);
+    its bytes kept for the next save (``keeper``; None: none kept)."""
+    got, buf, changed = _decide(base, counterpart, keeper, loff, data)
+    if keeper is not None:
+        keeper.keep(loff, data, buf, changed, DIFF_UNIT)
+    return got
+
+
+def _decide(base: _Base | None, counterpart: dict[int, int], keeper: Keeper | None, loff: int,
+            data: memoryview) -> tuple[tuple[Any, bytes | None], np.ndarray | None, np.ndarray | None]:
+    """:func:`_pieces`' answer, with the base's kept buffer of the chunk (None: not kept) and
+    the changed flags of its units (None: the buffer differs anywhere)."""
     n = data.nbytes
     whole = [(0, n, 0, 0)]
     if base is None:
-        return whole, digest(data)
+        return (whole, digest(data)), None, None
     old_at = counterpart.get(loff)
+    buf = keeper.old(old_at, n) if keeper is not None and old_at is not None else None
+    changed = None
     if old_at is not None and base.local:  # the base's bytes are at hand: compare, no hashing
-        pieces = _diff(base, old_at, data)
+        pieces, changed = _diff(base, old_at, data, buf)
         if pieces is not None:
             if _sources(pieces) > MAX_SOURCES or len(pieces) > MAX_PIECES:
-                return whole, digest(data)  # compaction: the chunk is stored again, whole
+                return (whole, digest(data)), buf, changed  # compaction: stored again, whole
             same = len(pieces) and bool(np.all(pieces[:, 2] != 0))
-            return pieces, (base.digest_at(old_at, n) if same else None)
+            return (pieces, (base.digest_at(old_at, n) if same else None)), buf, changed
     dig = digest(data)
     hit = base.by_digest.get(dig)
     if hit is not None and hit[1] == n:
         pieces = base.resolve(hit[0], n, 0)
         if _sources(pieces) <= MAX_SOURCES and len(pieces) <= MAX_PIECES:
-            return pieces, dig
+            return (pieces, dig), buf, changed
     if old_at is not None and not base.local:
-        pieces = _diff(base, old_at, data)
+        pieces, _ = _diff(base, old_at, data)
         if pieces is not None and _sources(pieces) <= MAX_SOURCES and len(pieces) <= MAX_PIECES:
-            return pieces, dig
-    return whole, dig
+            return (pieces, dig), buf, changed
+    return (whole, dig), buf, changed
 
 
 def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, base: str | None = None,
@@ -251,6 +268,8 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
     file_size = plan.index_offset + plan.index_length
     refs: list[RefFile] = []
     old = _open_base(base, path, refs)
+    keeper = None if is_url(path) else take(path, base if old is not None else None,
+                                            [f.file for f in old.files] if old is not None else [])
     try:
         chunks: list[tuple[int, int]] = []
         counterpart: dict[int, int] = {}
@@ -274,7 +293,7 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
         inner = store_for(path).create(path, size=file_size)
         try:
             out = ExtentSink(inner, algorithm, file_size, chunks,
-                             lambda lo, data: _pieces(old, counterpart, lo, data), refs,
+                             lambda lo, data: _pieces(old, counterpart, keeper, lo, data), refs,
                              step=step, breaks=[SUPERBLOCK_SIZE])
         except BaseException:
             inner.abort()
@@ -290,6 +309,8 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
                 ALGORITHM_IDS[algorithm], plan.index_offset, plan.index_length, file_size,
                 len(plan.recs), len(plan.segs), plan.data_bytes, fn(index, 0), fn, plan.version,
             ))
+        if keeper is not None:
+            keeper.commit(path, [r.file for r in refs])
         return out.phys
     finally:
         if old is not None:
