@@ -1,4 +1,4 @@
-"""The content chunks of this process's last incremental save, per folder, kept for the next.
+"""The content chunks of the last incremental save in a folder, kept in memory for the next.
 
 An incremental save on this machine compares each chunk with the same bytes of its base
 step. Reading those bytes back (through the page cache, over the base's extents) cost more
@@ -12,10 +12,12 @@ bytes from are the ones written: each file's identity (device, inode, size, modi
 and change times) is recorded when the save commits and checked before the next save uses
 them. Any difference (another process rewrote a step, a file was replaced or removed, the
 base is not the step this process wrote last) and the kept bytes are dropped: the save
-reads the base as before. A save takes its folder's kept bytes for itself as it starts and
-hands back the new ones only once it has committed, so a failed save leaves none.
-``KEEP_BYTES`` bounds the memory, all folders together; chunks past it are not kept (their
-next save reads them).
+reads the base as before. A save takes the kept bytes for itself as it starts and hands back
+the new ones only once it has committed, so a failed save leaves none.
+
+A :class:`KeptBytes` belongs to whoever saves in the folder (the ``Checkpointer``: freed with
+it); ``KEEP_BYTES`` bounds its memory, chunks past it are not kept (their next save reads
+them).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ import numpy as np
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["KEEP_BYTES", "Keeper", "forget", "take"]
+__all__ = ["KEEP_BYTES", "KeptBytes", "Keeper"]
 
-#: the most bytes of content chunks kept in memory, all folders together
+#: the most bytes of content chunks one :class:`KeptBytes` holds
 KEEP_BYTES = 2 << 30
 
 _Ident = tuple[int, int, int, int, int]
@@ -45,10 +47,6 @@ class _Entry:
         self.file, self.ids, self.chunks, self.nbytes = file, ids, chunks, nbytes
 
 
-_lock = threading.Lock()
-_kept: dict[str, _Entry] = {}
-
-
 def _ident(path: str) -> _Ident | None:
     try:
         st = os.stat(path)
@@ -58,11 +56,11 @@ def _ident(path: str) -> _Ident | None:
 
 
 class Keeper:
-    """The kept chunks of one save: those of the save before (``prior``, taken from the
-    folder's entry) and those it keeps for the next (``chunks``), at most ``room`` bytes."""
+    """The kept chunks of one save: those of the save before (``prior``, taken from
+    ``owner``) and those it keeps for the next (``chunks``), at most ``room`` bytes."""
 
-    def __init__(self, folder: str, prior: dict[int, np.ndarray], room: int) -> None:
-        self.folder, self.prior, self.room = folder, prior, room
+    def __init__(self, owner: KeptBytes, folder: str, prior: dict[int, np.ndarray], room: int) -> None:
+        self.owner, self.folder, self.prior, self.room = owner, folder, prior, room
         self.chunks: dict[int, np.ndarray] = {}
         self.nbytes = 0
 
@@ -106,34 +104,37 @@ class Keeper:
             if ident is None:
                 return
             ids[name] = ident
-        with _lock:
-            _kept[self.folder] = _Entry(os.path.basename(path), ids, self.chunks, self.nbytes)
+        with self.owner.lock:
+            self.owner.entry = _Entry(os.path.basename(path), ids, self.chunks, self.nbytes)
 
 
-def take(path: str, base: str | None, files: list[str]) -> Keeper:
-    """The :class:`Keeper` of a save at ``path`` on ``base`` (a file of the same folder whose
-    own refs are ``files``, itself first; None: no base): the folder's kept bytes when they
-    are that file's, every file's identity unchanged; none otherwise. The folder's entry is
-    taken in any case (a save's chunks replace it once it commits)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    with _lock:
-        entry = _kept.pop(folder, None)
-        room = KEEP_BYTES - sum(e.nbytes for e in _kept.values())
-    if entry is None or base is None:
-        return Keeper(folder, {}, room)
-    if (entry.file != os.path.basename(base) or os.path.dirname(os.path.abspath(base)) != folder
-            or set(entry.ids) != set(files)
-            or any(_ident(os.path.join(folder, name)) != ident for name, ident in entry.ids.items())):
-        logger.debug("Incremental save of %s: the kept bytes of %s do not match %s on disk; reading it",
-                     path, entry.file, base)
-        return Keeper(folder, {}, room)
-    return Keeper(folder, entry.chunks, room)
+class KeptBytes:
+    """The kept bytes of the last save committed in one folder (module doc)."""
 
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = KEEP_BYTES if budget is None else int(budget)
+        self.lock = threading.Lock()
+        self.entry: _Entry | None = None
 
-def forget(folder: str | None = None) -> None:
-    """Drop the kept bytes of ``folder`` (None: of every folder)."""
-    with _lock:
-        if folder is None:
-            _kept.clear()
-        else:
-            _kept.pop(os.path.abspath(folder), None)
+    def take(self, path: str, base: str | None, files: list[str]) -> Keeper:
+        """The :class:`Keeper` of a save at ``path`` on ``base`` (a file of the same folder
+        that takes bytes from ``files``, itself first; None: no base): with the kept bytes
+        when they are that file's and every file's identity is unchanged; none otherwise.
+        The kept bytes are taken in any case (the save's own replace them once it commits)."""
+        folder = os.path.dirname(os.path.abspath(path))
+        with self.lock:
+            entry, self.entry = self.entry, None
+        if entry is None or base is None:
+            return Keeper(self, folder, {}, self.budget)
+        if (entry.file != os.path.basename(base) or os.path.dirname(os.path.abspath(base)) != folder
+                or set(entry.ids) != set(files)
+                or any(_ident(os.path.join(folder, name)) != ident for name, ident in entry.ids.items())):
+            logger.debug("Incremental save of %s: the kept bytes of %s do not match %s on disk; reading it",
+                         path, entry.file, base)
+            return Keeper(self, folder, {}, self.budget)
+        return Keeper(self, folder, entry.chunks, self.budget)
+
+    def forget(self) -> None:
+        """Drop the kept bytes (the next save reads its base)."""
+        with self.lock:
+            self.entry = None
