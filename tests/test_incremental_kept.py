@@ -158,3 +158,15 @@ def test_chunks_past_the_memory_bound_are_read(tmp_path, reads, monkeypatch):
         got = [_save(ck, reads, s, _table(s)) for s in range(1, 4)]
     assert got == [0, TABLE - 2 * incremental.CHUNK_BYTES, TABLE - 2 * incremental.CHUNK_BYTES]
     assert _restore_fresh(d, 3, tmp_path).tobytes() == _table(3).tobytes()
+
+
+@pytest.mark.system
+def test_background_saves_compare_with_the_kept_bytes(tmp_path, reads):
+    d = tmp_path / "ck"
+    with ep.Checkpointer(str(d), incremental=True, async_save=True, progress=False) as ck:
+        for s in range(1, 4):
+            _save(ck, reads, s, _table(s))
+            ck.wait()  # (each background write counted as its own save's)
+    assert reads == [0, 0, 0]
+    assert os.path.getsize(d / "local.3") < TABLE // 20
+    assert _restore_fresh(d, 3, tmp_path).tobytes() == _table(3).tobytes()
