@@ -17,7 +17,7 @@ the new ones only once it has committed, so a failed save leaves none.
 
 A :class:`KeptBytes` belongs to whoever saves in the folder (the ``Checkpointer``: freed with
 it); ``KEEP_BYTES`` bounds its memory, chunks past it are not kept (their next save reads
-them).
+them). While a save runs, buffers of the save before that it has not reused yet are held too.
 """
 
 from __future__ import annotations
@@ -133,8 +133,3 @@ class KeptBytes:
                          path, entry.file, base)
             return Keeper(self, folder, {}, self.budget)
         return Keeper(self, folder, entry.chunks, self.budget)
-
-    def forget(self) -> None:
-        """Drop the kept bytes (the next save reads its base)."""
-        with self.lock:
-            self.entry = None
