@@ -89,7 +89,9 @@ class Checkpointer(Restoring):
     ``incremental``: each save writes only the bytes that differ from the newest step committed
     before it (whole chunks found there by content digest, and changed runs of a chunk); the
     rest are references to the older steps' files, which retention then keeps as long as a
-    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md). Across
+    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md). A save
+    compares with a copy of the chunks the previous one wrote, kept in memory (up to 2 GiB)
+    while their files are unchanged, rather than reading them back. Across
     ranks each rank's db is written against its own db of that step.
     ``storage_options``: fsspec's, for a URL directory. ``max_failed_saves`` (default 1): how many saves in a row may fail before
     :meth:`save` raises. With 1 every failed save raises its own error (OSError, ...), as a
