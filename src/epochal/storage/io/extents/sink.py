@@ -158,7 +158,7 @@ class ExtentSink:
         rows[:, 2] = source[first]
         rows[:, 4] = soff[first]
         keep = np.ones(len(rows), dtype=bool)
-        si = np.flatnonzero(rows[:, 2] == 0)  # the stored runs (thousands a save: no Python step each but one)
+        si = np.flatnonzero(rows[:, 2] == 0)  # the stored runs (thousands a save: numpy, no loop over rows)
         lns = rows[si, 1].tolist()
         stored = [data[a:a + n] for a, n in zip((rows[si, 0] - start).tolist(), lns)]
         fn, small = self.fn, self.fn_small
