@@ -48,6 +48,7 @@ from ..jobs.cadence import Cadence, parse_interval
 from ..jobs.events import auto_progress
 from ..jobs.preemption import SignalGuard
 from ..storage.encoding.compress import WriteOptions, write_options
+from ..storage.formats.native.kept import KeptBytes
 from ..storage.io.seam import is_url, local_path
 from .parts import (
     DB_TYPE,
@@ -88,7 +89,9 @@ class Checkpointer(Restoring):
     ``incremental``: each save writes only the bytes that differ from the newest step committed
     before it (whole chunks found there by content digest, and changed runs of a chunk); the
     rest are references to the older steps' files, which retention then keeps as long as a
-    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md). Across
+    kept step uses them (docs/format.md, "Incremental db files"; docs/reliability.md). A save
+    compares with a copy of the chunks the previous one wrote, kept in memory (up to 2 GiB)
+    while their files are unchanged, rather than reading them back. Across
     ranks each rank's db is written against its own db of that step.
     ``storage_options``: fsspec's, for a URL directory. ``max_failed_saves`` (default 1): how many saves in a row may fail before
     :meth:`save` raises. With 1 every failed save raises its own error (OSError, ...), as a
@@ -191,6 +194,7 @@ class Checkpointer(Restoring):
             raise ValueError("Checkpointer(group=...): this process is in no torch.distributed process group")
         #: each save writes only the bytes the newest committed step before it does not hold
         self.incremental = bool(incremental)
+        self._kept: KeptBytes | None = None
         self.directory = local_path(directory)  # file:// is the local disk
         #: the fsspec options every step of this Checkpointer carries (a URL directory)
         self._storage_options = dict(storage_options) if storage_options else None
@@ -333,6 +337,9 @@ class Checkpointer(Restoring):
             older = [e for e in self._dir.manifest_epochs() if e < save.epoch]
             save.incremental = True
             save.base = self.db_path(max(older)) if older else None
+            if self._kept is None:  # (what the last save wrote, compared with instead of re-read)
+                self._kept = KeptBytes()
+            save.kept = self._kept
         return save
 
     def _warn_older(self, step: int) -> None:
@@ -394,6 +401,7 @@ class Checkpointer(Restoring):
                 with _in_steps():
                     self._tier.persist(self.handler.committed_epochs())
         finally:
+            self._kept = None  # (the last save's kept bytes: memory)
             if self._tier is not None:
                 self._tier.close()
             self._saver.close()

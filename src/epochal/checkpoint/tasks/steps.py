@@ -287,6 +287,8 @@ class SaveBlobs:
         #: this one; set just before the save runs), a native db only (docs/format.md)
         self.incremental = False
         self.base: str | None = None
+        #: the bytes the last save in this folder kept (a KeptBytes of the saver; None: none)
+        self.kept: Any = None
 
     def writer(self) -> Callable[[str, Mapping[str, Any]], int]:
         """How this save writes its db: the db type's write, or an incremental one."""
@@ -296,8 +298,8 @@ class SaveBlobs:
             raise CheckpointError(f"incremental saves write native dbs, not {self.db_type!r}")
         from ...storage.formats.native.incremental import write_incremental
 
-        base, step = self.base, self.epoch
-        return lambda path, blobs: write_incremental(path, blobs, base=base, step=step)
+        base, step, kept = self.base, self.epoch, self.kept
+        return lambda path, blobs: write_incremental(path, blobs, base=base, step=step, kept=kept)
 
     def _where(self) -> str:
         return f"node {self.node!r}, epoch {self.epoch} ({self.db})"

@@ -7,10 +7,11 @@ same logical bytes: superblock, segments, index) and streams it into an
 start); each chunk is
 
 * on this machine, when the base holds the same blob's same segment at the same length,
-  compared with those bytes (page cache; no hashing) in units of ``DIFF_UNIT``: equal
-  throughout, a reference whole; equal runs references and changed runs stored (an embedding
-  table with 2% of its rows changed writes about 2% of its bytes), unless more than
-  ``DIFF_MAX`` of it changed;
+  compared with those bytes (no hashing: the copy the save that wrote the base kept, while
+  its files are unchanged, :mod:`.kept`; else read through the page cache) in units of
+  ``DIFF_UNIT``: equal throughout, a reference whole; equal runs references and changed runs
+  stored (an embedding table with 2% of its rows changed writes about 2% of its bytes),
+  unless more than ``DIFF_MAX`` of it changed;
 * else a reference to the older bytes when its BLAKE2b-128 digest is one the base file
   records (a frozen layer, an optimizer state no step touched: whatever moved in the file);
 * else, at a URL, compared with the base's same segment as above (a read there is a
@@ -41,6 +42,7 @@ from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ...io.extents import ExtentSource, RefFile
 from ...io.extents.sink import ExtentSink, digest
 from ...io.seam import committed, is_url, store_for
+from .kept import Keeper, KeptBytes
 from .layout import SUPERBLOCK_SIZE, pack_superblock
 from .reads.ranges import RangedFile
 from .writer import index_bytes, plan_file, write_data
@@ -54,7 +56,7 @@ CHUNK_BYTES = 4 << 20
 #: segments smaller than this are stored whole (their records would cost more than they save)
 MIN_CHUNKED = 64 << 10
 #: the unit in which a changed chunk is compared with the same bytes of the base step
-DIFF_UNIT = 256  # (a multiple of 64)
+DIFF_UNIT = 256  # (a multiple of 64, at least 128)
 #: a chunk of which more than this fraction changed is stored whole
 DIFF_MAX = 0.5
 #: compaction: a chunk whose bytes would lie in more than this many older files, or in more
@@ -86,6 +88,7 @@ class _Base:
         self.ref_id: dict[str, int] = {}
         self._scratch: np.ndarray | None = None
         self._neq: np.ndarray | None = None  # (the comparison's word flags, reused too)
+        self._acc: np.ndarray | None = None
         #: base source k -> this file's source for it (-1: not referenced yet)
         self.src_map = np.full(len(self.files), -1, dtype=np.int64)
 
@@ -149,6 +152,12 @@ class _Base:
         self.src.read_into([memoryview(buf.data)], loff)
         return buf
 
+    def acc(self, units: int) -> np.ndarray:
+        """A word per unit for the comparison, reused from chunk to chunk."""
+        if self._acc is None or len(self._acc) < units:
+            self._acc = np.empty(units, dtype=np.uint64)
+        return self._acc[:units]
+
     def close(self) -> None:
         self.ranged.close()
 
@@ -169,13 +178,16 @@ def _open_base(base: str | None, path: str, refs: list[RefFile]) -> _Base | None
     return _Base(base, ranged, ranged.src, refs)
 
 
-def _diff(base: _Base, old_at: int, data: memoryview) -> np.ndarray | None:
-    """``data`` against the base's logical bytes at ``old_at``, in units of ``DIFF_UNIT``:
-    equal runs become references, changed ones are stored (pieces as int64 rows, in order);
-    None when more than ``DIFF_MAX`` of it changed. Vectorised: the units compared as rows
-    of words, runs found where the changed flag flips."""
+def _diff(base: _Base, old_at: int, data: memoryview,
+          old: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+    """``data`` against the base's logical bytes at ``old_at`` (``old``: those bytes, kept
+    from the save that wrote them; None: read), in units of ``DIFF_UNIT``: equal runs become
+    references, changed ones are stored (pieces as int64 rows, in order; None when more than
+    ``DIFF_MAX`` of it changed), and the changed flag per unit. Vectorised: the units
+    compared as rows of words, runs found where the changed flag flips."""
     n = data.nbytes
-    old = base.read(old_at, n)
+    if old is None:
+        old = base.read(old_at, n)
     new = np.frombuffer(data, dtype=np.uint8)
     units = -(-n // DIFF_UNIT)
     whole = n // DIFF_UNIT * DIFF_UNIT
@@ -184,15 +196,20 @@ def _diff(base: _Base, old_at: int, data: memoryview) -> np.ndarray | None:
         base._neq = np.empty(whole // 8, dtype=bool)
     neq = base._neq[: whole // 8]  # (reused: no fresh pages per chunk)
     np.not_equal(new[:whole].view(np.uint64), old[:whole].view(np.uint64), out=neq)
-    # a unit's word flags read as DIFF_UNIT // 64 words: any of them nonzero (a third faster
-    # than numpy's any over the unit's bools)
-    changed[: whole // DIFF_UNIT] = neq.view(np.uint64).reshape(-1, DIFF_UNIT // 64).any(axis=1)
+    # a unit's word flags read as DIFF_UNIT // 64 words, OR-ed column by column (numpy's any
+    # along a short axis cost several times more)
+    cols = neq.view(np.uint64).reshape(-1, DIFF_UNIT // 64)
+    acc = base.acc(len(cols))
+    np.bitwise_or(cols[:, 0], cols[:, 1], out=acc)
+    for j in range(2, DIFF_UNIT // 64):
+        np.bitwise_or(acc, cols[:, j], out=acc)
+    np.not_equal(acc, 0, out=changed[: whole // DIFF_UNIT])
     if whole < n:
         changed[-1] = not np.array_equal(new[whole:], old[whole:])
     if not changed.any():
-        return base.resolve(old_at, n, 0)
+        return base.resolve(old_at, n, 0), changed
     if changed.mean() > DIFF_MAX:
-        return None
+        return None, changed
     bounds = np.concatenate([[0], np.flatnonzero(changed[1:] != changed[:-1]) + 1, [units]])
     lo = bounds[:-1] * DIFF_UNIT
     hi = np.minimum(bounds[1:] * DIFF_UNIT, n)
@@ -201,7 +218,7 @@ def _diff(base: _Base, old_at: int, data: memoryview) -> np.ndarray | None:
     kept[:, 0], kept[:, 1] = lo[mine], (hi - lo)[mine]
     refs = base.resolve(old_at + lo[~mine], (hi - lo)[~mine], lo[~mine])
     out = np.concatenate([kept, refs])
-    return out[np.argsort(out[:, 0], kind="stable")]
+    return out[np.argsort(out[:, 0], kind="stable")], changed
 
 
 def _sources(pieces: np.ndarray) -> int:
@@ -210,40 +227,55 @@ def _sources(pieces: np.ndarray) -> int:
     return len(np.unique(refs)) if len(refs) else 0
 
 
-def _pieces(base: _Base | None, counterpart: dict[int, int], loff: int,
+def _pieces(base: _Base | None, counterpart: dict[int, int], keeper: Keeper | None, loff: int,
             data: memoryview) -> tuple[Any, bytes | None]:
-    """How chunk ``data`` at logical ``loff`` is written, and its digest (see the module doc)."""
+    """How chunk ``data`` at logical ``loff`` is written, and its digest (see the module doc);
+    its bytes kept for the next save (``keeper``; None: none kept)."""
+    got, buf, changed = _decide(base, counterpart, keeper, loff, data)
+    if keeper is not None:
+        keeper.keep(loff, data, buf, changed, DIFF_UNIT)
+    return got
+
+
+def _decide(base: _Base | None, counterpart: dict[int, int], keeper: Keeper | None, loff: int,
+            data: memoryview) -> tuple[tuple[Any, bytes | None], np.ndarray | None, np.ndarray | None]:
+    """:func:`_pieces`' answer, with the base's kept buffer of the chunk (None: not kept) and
+    the changed flags of its units (None: the buffer differs anywhere)."""
     n = data.nbytes
     whole = [(0, n, 0, 0)]
     if base is None:
-        return whole, digest(data)
+        return (whole, digest(data)), None, None
     old_at = counterpart.get(loff)
+    buf = keeper.old(old_at, n) if keeper is not None and old_at is not None else None
+    changed = None
     if old_at is not None and base.local:  # the base's bytes are at hand: compare, no hashing
-        pieces = _diff(base, old_at, data)
+        pieces, changed = _diff(base, old_at, data, buf)
         if pieces is not None:
             if _sources(pieces) > MAX_SOURCES or len(pieces) > MAX_PIECES:
-                return whole, digest(data)  # compaction: the chunk is stored again, whole
+                return (whole, digest(data)), buf, changed  # compaction: stored again, whole
             same = len(pieces) and bool(np.all(pieces[:, 2] != 0))
-            return pieces, (base.digest_at(old_at, n) if same else None)
+            return (pieces, (base.digest_at(old_at, n) if same else None)), buf, changed
     dig = digest(data)
     hit = base.by_digest.get(dig)
     if hit is not None and hit[1] == n:
         pieces = base.resolve(hit[0], n, 0)
         if _sources(pieces) <= MAX_SOURCES and len(pieces) <= MAX_PIECES:
-            return pieces, dig
+            return (pieces, dig), buf, changed
     if old_at is not None and not base.local:
-        pieces = _diff(base, old_at, data)
+        pieces, _ = _diff(base, old_at, data)
         if pieces is not None and _sources(pieces) <= MAX_SOURCES and len(pieces) <= MAX_PIECES:
-            return pieces, dig
-    return whole, dig
+            return (pieces, dig), buf, changed
+    return (whole, dig), buf, changed
 
 
 def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, base: str | None = None,
-                      step: int = -1, algorithm: str | None = None) -> int:
+                      step: int = -1, algorithm: str | None = None, kept: KeptBytes | None = None) -> int:
     """Write ``blobs`` at ``path`` as an incremental db (module doc): the logical file is what
     :func:`~.writer.write_native` writes; stored are only the bytes that ``base`` (the db of
     the newest committed step before this one, same folder; None: none) does not hold.
-    Atomic and durable as a full save. Returns the bytes written (the file's size)."""
+    ``kept``: the bytes the last save in this folder kept (:mod:`.kept`): compared with
+    instead of the base's when they are still its; this save's are kept there once it
+    commits. Atomic and durable as a full save. Returns the bytes written (the file's size)."""
     path = os.fspath(path)
     algorithm = algorithm or default_algorithm()
     fn = checksum_function(algorithm)
@@ -251,6 +283,8 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
     file_size = plan.index_offset + plan.index_length
     refs: list[RefFile] = []
     old = _open_base(base, path, refs)
+    keeper = None if kept is None or is_url(path) else kept.take(
+        path, base if old is not None else None, [f.file for f in old.files] if old is not None else [])
     try:
         chunks: list[tuple[int, int]] = []
         counterpart: dict[int, int] = {}
@@ -274,7 +308,7 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
         inner = store_for(path).create(path, size=file_size)
         try:
             out = ExtentSink(inner, algorithm, file_size, chunks,
-                             lambda lo, data: _pieces(old, counterpart, lo, data), refs,
+                             lambda lo, data: _pieces(old, counterpart, keeper, lo, data), refs,
                              step=step, breaks=[SUPERBLOCK_SIZE])
         except BaseException:
             inner.abort()
@@ -290,6 +324,8 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
                 ALGORITHM_IDS[algorithm], plan.index_offset, plan.index_length, file_size,
                 len(plan.recs), len(plan.segs), plan.data_bytes, fn(index, 0), fn, plan.version,
             ))
+        if keeper is not None:
+            keeper.commit(path, [r.file for r in refs])
         return out.phys
     finally:
         plan.release()  # (compressed segments' buffers, for the next save)
