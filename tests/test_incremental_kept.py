@@ -149,15 +149,19 @@ def test_a_failed_save_leaves_no_kept_bytes(tmp_path, reads, monkeypatch):
 
 
 @pytest.mark.system
-def test_chunks_past_the_memory_bound_are_read(tmp_path, reads, monkeypatch):
-    from epochal.storage.formats.native import kept
+def test_chunks_past_the_memory_bound_are_read(tmp_path, reads):
+    from epochal import knobs
 
-    monkeypatch.setattr(kept, "KEEP_BYTES", 2 * incremental.CHUNK_BYTES)
     d = tmp_path / "ck"
-    with ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
-        got = [_save(ck, reads, s, _table(s)) for s in range(1, 4)]
+    with knobs.override(kept_bytes=2 * incremental.CHUNK_BYTES):
+        with ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
+            got = [_save(ck, reads, s, _table(s)) for s in range(1, 4)]
     assert got == [0, TABLE - 2 * incremental.CHUNK_BYTES, TABLE - 2 * incremental.CHUNK_BYTES]
     assert _restore_fresh(d, 3, tmp_path).tobytes() == _table(3).tobytes()
+    with knobs.override(kept_bytes=0):  # none kept: every save reads its base whole
+        with ep.Checkpointer(str(tmp_path / "none"), incremental=True, progress=False) as ck:
+            got = [_save(ck, reads, s, _table(s)) for s in range(1, 4)]
+    assert got == [0, TABLE, TABLE]
 
 
 @pytest.mark.system

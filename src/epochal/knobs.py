@@ -50,12 +50,18 @@ class Knobs:
       save gives back for the next save to reuse (:class:`~epochal.storage.encoding.planes.
       SpareBuffers`: memory already touched, instead of a page fault per 4 KiB page); they
       stay allocated between saves. 0 keeps none.
+    - ``kept_bytes``: how many bytes of the content chunks an incremental save of a
+      ``Checkpointer`` keeps in memory (a copy, :mod:`epochal.storage.formats.native.kept`),
+      so that its next save compares against them instead of reading the step before back;
+      freed when the Checkpointer closes. Read when a Checkpointer makes its first
+      incremental save. 0 keeps none (every save reads its base).
     """
 
     zero_copy: bool = True
     switch_interval: float | None = DEFAULT_SWITCH_INTERVAL
     quiet: bool | None = None
     spare_bytes: int = 1 << 30
+    kept_bytes: int = 2 << 30
 
 
 _current = Knobs()

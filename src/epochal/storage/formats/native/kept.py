@@ -16,7 +16,8 @@ reads the base as before. A save takes the kept bytes for itself as it starts an
 the new ones only once it has committed, so a failed save leaves none.
 
 A :class:`KeptBytes` belongs to whoever saves in the folder (the ``Checkpointer``: freed with
-it); ``KEEP_BYTES`` bounds its memory, chunks past it are not kept (their next save reads
+it); the ``kept_bytes`` knob (:mod:`epochal.knobs`, 2 GiB; 0 keeps none) bounds its memory,
+chunks past it are not kept (their next save reads
 them). While a save runs, buffers of the save before that it has not reused yet are held too.
 """
 
@@ -29,12 +30,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from .... import knobs
+
 logger = logging.getLogger("epochal")
 
-__all__ = ["KEEP_BYTES", "KeptBytes", "Keeper"]
-
-#: the most bytes of content chunks one :class:`KeptBytes` holds
-KEEP_BYTES = 2 << 30
+__all__ = ["KeptBytes", "Keeper"]
 
 _Ident = tuple[int, int, int, int, int]
 
@@ -112,7 +112,7 @@ class KeptBytes:
     """The kept bytes of the last save committed in one folder (module doc)."""
 
     def __init__(self, budget: int | None = None) -> None:
-        self.budget = KEEP_BYTES if budget is None else int(budget)
+        self.budget = knobs.get().kept_bytes if budget is None else int(budget)
         self.lock = threading.Lock()
         self.entry: _Entry | None = None
 
