@@ -174,3 +174,39 @@ def test_background_saves_compare_with_the_kept_bytes(tmp_path, reads):
     assert reads == [0, 0, 0]
     assert os.path.getsize(d / "local.3") < TABLE // 20
     assert _restore_fresh(d, 3, tmp_path).tobytes() == _table(3).tobytes()
+
+
+@pytest.mark.system
+def test_dcp_saves_compare_with_the_kept_bytes_of_the_writer_and_restore_bit_exact(tmp_path, reads):
+    """Under ``dcp.save`` (one process, no process group; each rank does the same with its
+    own db): an incremental writer keeps its chunks as the Checkpointer does, so no byte of
+    the base is read after the first save; a writer made per save gets them from its saver
+    (``kept=``); every step restores bit-equal."""
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from epochal.integrations.dcp import EpochalStorageReader, EpochalStorageWriter
+    from epochal.storage.formats.native.kept import KeptBytes
+
+    d = tmp_path / "dcp"
+    kept = KeptBytes()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        for step in range(1, 5):
+            reads.append(0)
+            w = EpochalStorageWriter(d, step=step, incremental=True, kept=kept)  # (a new writer per save)
+            dcp.save({"emb": torch.from_numpy(_table(step))}, storage_writer=w)
+        assert reads == [0, 0, 0, 0]  # step 1 has no base; steps 2-4 compare with the kept chunks
+        sizes = {f: os.path.getsize(d / f) for f in os.listdir(d) if f.startswith("rank0")}
+        assert max(sizes.values()) > TABLE and sorted(sizes.values())[0] < TABLE // 20, sizes
+        for step in (2, 4):
+            live = {"emb": torch.zeros(ROWS, DIM)}
+            dcp.load(live, storage_reader=EpochalStorageReader(d, step=step))
+            assert live["emb"].numpy().tobytes() == _table(step).tobytes(), step
+        reads.append(0)  # a writer without a saver's kept bytes: its own, empty at first
+        dcp.save({"emb": torch.from_numpy(_table(5))},
+                 storage_writer=EpochalStorageWriter(d, step=5, incremental=True))
+        assert reads[-1] == TABLE  # the base read whole, compared as before
+    _verify(d)

@@ -58,6 +58,7 @@ from ...errors import (
     UnsupportedBlobError,
 )
 from ...storage.formats.native.incremental import write_incremental
+from ...storage.formats.native.kept import KeptBytes
 from ...storage.formats.native.reader import stat_native
 from ...storage.formats.native.writer import write_native
 from ...storage.io.location import location_for
@@ -145,12 +146,15 @@ class EpochalStorageWriter(AtPath, StorageWriter):
                  handler: DirectoryMetadataHandler | None = None, lock: bool = True,
                  metrics: dict[str, Any] | None = None, deferred: bool = False, hold_commit: bool = False,
                  staging: HostStaging | None = None, storage_options: dict[str, Any] | None = None,
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, kept: KeptBytes | None = None) -> None:
         super().__init__()
         self.metrics = metrics
         #: each rank writes only the bytes its own db of the newest committed step before this
         #: one does not hold (docs/format.md, incremental dbs); the rest are references
         self.incremental = bool(incremental)
+        #: the chunks this rank's last incremental save wrote, kept to compare the next one
+        #: with instead of reading its base (a saver making a writer per save passes its own)
+        self.kept = kept if kept is not None or not incremental else KeptBytes()
         self._marked: str | None = None  # (the location marked incremental by this writer)
         self._pending_target: Target | None = None
         #: write_data snapshots the rank's items into host memory and returns; the db is
@@ -318,7 +322,7 @@ class EpochalStorageWriter(AtPath, StorageWriter):
             if target.node in nodes:
                 base = d.db_path(target.node, e)
             break
-        write_incremental(db, blobs, base=base, step=target.step)
+        write_incremental(db, blobs, base=base, step=target.step, kept=self.kept)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's write_data returned (its db durable): write

@@ -59,6 +59,7 @@ from ...checkpoint.location.view import CheckpointDirectory, best_of_directory
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...jobs.cadence import Cadence, parse_interval
 from ...storage.encoding.compress import WriteOptions, write_options
+from ...storage.formats.native.kept import KeptBytes
 from ...storage.io.location import location_for
 from ...storage.io.seam import local_path
 from ..dcp import META_NODE, EpochalStorageReader, EpochalStorageWriter, Whole
@@ -106,6 +107,8 @@ class DistributedCheckpointer:
         self._write_options = WriteOptions(compression=compression)
         #: each rank writes only the bytes its db of the step before does not hold
         self.incremental = bool(incremental)
+        #: this rank's kept chunks of its last incremental save (freed on close)
+        self._kept: KeptBytes | None = KeptBytes() if self.incremental else None
         location = location_for(local_path(directory), storage_options)  # file:// is the local disk
         location.remember()  # a URL's options: this process's for every path under it
         self.directory = location.root
@@ -201,7 +204,8 @@ class DistributedCheckpointer:
             return EpochalStorageWriter(self.directory, step=step, handler=self.handler, lock=False,
                                         metrics=recorded or None, deferred=deferred,
                                         hold_commit=self.async_save, staging=self._staging,
-                                        storage_options=self._options, incremental=self.incremental)
+                                        storage_options=self._options, incremental=self.incremental,
+                                        kept=self._kept)
 
         if not self.async_save:
             self._write(step, sd, writer(), self.ranks)
@@ -420,6 +424,7 @@ class DistributedCheckpointer:
                 pending.written.wait()
         finally:
             self._closed = True
+            self._kept = None  # (the kept chunks: memory)
             self._guard.__exit__(None, None, None)
             if self.tier is not None:
                 self.tier.close()
