@@ -32,7 +32,10 @@ compression off and on, in paired rounds, on this disk (``--dir``) and with ``--
 With ``--against TREE`` (another checkout of epochal), the N(0, 0.02) tensors are first
 compressed by this tree's codec and by TREE's, loaded side by side in this process, in
 alternating rounds on one thread (thread CPU time), each as saves in a loop use it: the
-medians of the paired speed ratios.
+medians of the paired speed ratios; then one compressed save of twice ``--mib`` of bf16 (8 MiB
+tensors) in a fresh process per tree, alternating: the growth of its peak RSS over the
+state, its wall and CPU time (a process's first save: what holding every compressed
+segment until the write costs, against compressing each as the write reaches it).
 
     .venv/bin/python bench/bench_bytes.py --mib 64 --rounds 3 --s3
     .venv/bin/python bench/bench_bytes.py --mib 256 --rounds 9 --against ../main --only-against
@@ -185,6 +188,45 @@ def bench_zipnn(data: np.ndarray, width: int, rounds: int) -> dict[str, float]:
             "zipnn dec": n / statistics.median(dec) / 1e9}
 
 
+_ONE_SAVE = """
+import os, resource, sys, tempfile, time
+import numpy as np, torch
+from epochal.storage.encoding.compress import WriteOptions, write_options
+from epochal.storage.formats.native import write_native
+torch.manual_seed(0)
+n = int(sys.argv[1])
+blobs = {f"w{i}": (torch.randn(4 << 20) * 0.02).to(torch.bfloat16).view(torch.int16).numpy() for i in range(n // 8)}
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with tempfile.TemporaryDirectory(dir=sys.argv[2]) as d:
+    t, c = time.perf_counter(), time.process_time()
+    with write_options(WriteOptions("zstd")):
+        write_native(os.path.join(d, "a.db"), blobs)
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, time.perf_counter() - t,
+          time.process_time() - c, os.path.getsize(os.path.join(d, "a.db")) / 2**20)
+"""
+
+
+def bench_memory(mib: int, trees: dict[str, str], rounds: int, where: str | None) -> None:
+    """One compressed save of ``mib`` MiB of bf16 (tensors of 8 MiB) in a fresh process per
+    tree (alternating): the growth of its peak RSS over the state it saves, wall and CPU time."""
+    import subprocess
+
+    print(f"\none compressed save of {mib} MiB of bf16 (8 MiB tensors) in a fresh process, {rounds} rounds"
+          " (peak RSS growth MiB, wall s, CPU s, file MiB)")
+    got: dict[str, list[list[float]]] = {k: [] for k in trees}
+    for r in range(rounds):
+        for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            env = dict(os.environ, PYTHONPATH=str(Path(trees[name]) / "src"))
+            out = subprocess.run([sys.executable, "-c", _ONE_SAVE, str(mib), where or tempfile.gettempdir()],
+                                 env=env, capture_output=True, text=True, check=True)
+            got[name].append([float(x) for x in out.stdout.split()])
+    for name, rows in got.items():
+        a = np.array(rows)
+        print(f"  {name:10} RSS +{np.median(a[:, 0]):.0f} MiB, {np.median(a[:, 1]):.2f} s wall, "
+              f"{np.median(a[:, 2]):.2f} s CPU, file {a[0, 3]:.0f} MiB; rounds: "
+              + "; ".join(f"+{x[0]:.0f} {x[1]:.2f} {x[2]:.2f}" for x in rows))
+
+
 def load_codec(tree: str) -> Any:
     """The compression module of the epochal checkout at ``tree``, as a module of its own:
     its packages are made without running their ``__init__`` (the codec needs only its own
@@ -297,6 +339,8 @@ def main() -> None:
     data = workloads(a.mib, a.steps)
     if a.against:
         bench_against(data, load_codec(a.against), a.rounds)
+        bench_memory(a.mib * 2, {"this": str(Path(__file__).resolve().parents[1]), "other": a.against},
+                     a.rounds, a.dir)
         if a.only_against:
             return
     print(f"compression: epochal byte planes + zstd vs zstd -3 on the raw buffer; GB/s per core; "

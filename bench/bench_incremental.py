@@ -6,7 +6,8 @@ frozen base of >= 95% of the bytes, adapters that change every step) and an embe
 of which 2% of the rows (at random) change every step. Each is compared with the same saves
 written whole, in paired rounds (the order flipped each round); wall times, and the
 process's CPU time (all its threads: on a loaded machine, the work done). Usage:
-``python bench/bench_incremental.py [--mb 256] [--steps 8] [--rounds 3]``.
+``python bench/bench_incremental.py [--mb 256] [--steps 8] [--rounds 3] [--cold]`` (``--cold``:
+each restore reads the directory's files from the disk, not the page cache; best of 3).
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 import numpy as np
 
 import epochal as ep
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import evict  # noqa: E402
+
+#: restores read cold (``--cold``)
+COLD = False
 
 
 def lora(mb: int, step: int) -> dict[str, np.ndarray]:
@@ -58,6 +66,10 @@ def run(make, mb: int, steps: int, incremental: bool) -> tuple[list[int], list[f
     target = {k: np.zeros_like(v) for k, v in states[-1].items()}
     best, best_cpu = float("inf"), float("inf")
     for _ in range(3):  # warm cache: the cost of following references, not of the disk
+        if COLD:  # (--cold: every file of the directory dropped from the page cache first)
+            for f in os.listdir(d):
+                if os.path.isfile(os.path.join(d, f)):
+                    evict(os.path.join(d, f))
         with ep.Checkpointer(d, progress=False) as ck:
             t, c = time.perf_counter(), time.process_time()
             ck.restore(target)
@@ -72,7 +84,11 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cold", action="store_true",
+                    help="restore with the directory's files dropped from the page cache (fsync + DONTNEED)")
     a = ap.parse_args()
+    global COLD
+    COLD = a.cold
     for label, make in (("lora", lora), ("embedding 2% rows", embedding)):
         ch = [changed_bytes(make, a.mb, s) for s in range(2, a.steps + 1)]
         save_x, rest_x, ratios, fulls, incs, save_cx, rest_cx = [], [], [], [], [], [], []

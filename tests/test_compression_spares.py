@@ -84,10 +84,27 @@ def test_a_smaller_output_in_a_bigger_reused_buffer_stores_only_its_bytes(tmp_pa
 
 
 @pytest.mark.unit
-def test_a_failed_write_gives_its_buffers_back_and_the_knob_bounds_what_is_kept(tmp_path):
+def test_a_failed_write_gives_its_buffers_back_and_the_knob_bounds_what_is_kept(tmp_path, monkeypatch):
+    from epochal.storage.io import local
+
+    fresh = SPARES.fresh
     with pytest.raises(FileNotFoundError):
         _save(tmp_path / "missing" / "a.db", _state(0))
-    assert SPARES.kept_bytes > 2 * MIB  # given back although the write failed
+    assert SPARES.fresh == fresh  # nothing compressed before the file could be made
+    real, calls = local.LocalSink.write, []
+
+    def failing(self, data):
+        calls.append(1)
+        if len(calls) > 4:  # (after the first segment's pieces)
+            raise OSError(28, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(local.LocalSink, "write", failing)
+    with pytest.raises(OSError, match="No space"):
+        _save(tmp_path / "b.db", _state(0))
+    monkeypatch.undo()
+    assert not (tmp_path / "b.db").exists()
+    assert SPARES.kept_bytes > 2 * MIB  # the segment compressed before the failure: given back
     SPARES.clear()
     with knobs.override(spare_bytes=0):
         _save(tmp_path / "a.db", _state(0))
@@ -139,3 +156,66 @@ def test_a_file_written_from_reused_buffers_loads_bit_exact_in_a_fresh_process(t
             v = _state(10 + i)[k]
             want.append(f"{i} {k} {v.dtype} {hashlib.sha256(v.tobytes()).hexdigest()}")
     assert out.stdout.split("\n")[:-1] == want
+
+
+def _mixed() -> dict[str, object]:
+    rng = np.random.default_rng(9)
+    out: dict[str, object] = {f"small{i}": rng.normal(0, 1, 300).astype(np.float32) for i in range(80)}  # grouped
+    for i in range(3):
+        out[f"w{i}"] = _state(i, 2)["w"]  # compressed
+    out["noise"] = rng.integers(0, 256, 3 * MIB, dtype=np.uint8)  # stored raw: does not compress
+    out["mid"] = rng.normal(0, 0.02, 5000).astype(np.float32)  # 20 KB: compressed, in no group
+    out["step"] = 7
+    return out
+
+
+@pytest.mark.unit
+def test_a_file_compressed_segment_by_segment_is_the_file_compressed_all_first(tmp_path):
+    """write_native compresses each segment as the write reaches it; the file is byte for
+    byte the one laid out after compressing every segment first (offsets, paddings, index,
+    groups, superblock), and reads back bit-exact."""
+    from epochal.storage.formats.native import writer
+    from epochal.storage.io.checksum import checksum_function, default_algorithm
+
+    blobs = _mixed()
+    options = WriteOptions("zstd", threads=1)
+    with compress.write_options(options):
+        write_native(str(tmp_path / "streamed.db"), blobs)
+    fn = checksum_function(default_algorithm())
+    plan = writer.plan_file(blobs, options, fn)  # (every segment compressed first)
+    assert not plan.lazy and len(plan.coded) == 4 and len(plan.groups) >= 1
+    writer._write_planned(str(tmp_path / "planned.db"), plan, default_algorithm(), fn)
+    a, b = (tmp_path / "streamed.db").read_bytes(), (tmp_path / "planned.db").read_bytes()
+    assert len(a) == len(b) and a == b
+    got = _read(tmp_path / "streamed.db")
+    for k, v in blobs.items():
+        assert (got[k] == v) if k == "step" else got[k].tobytes() == v.tobytes(), k
+
+
+@pytest.mark.unit
+def test_a_compressed_save_holds_a_few_segments_compressed_bytes_not_all_of_them(tmp_path):
+    """Twelve segments of 2 MiB: each one's compressed bytes are given back once written (and
+    checksummed), so the save takes at most a few buffers at a time, reusing them."""
+    held, most = [0], [0]
+    take, give = SPARES.take, SPARES.give_back
+
+    def counted_take(n):
+        held[0] += 1
+        most[0] = max(most[0], held[0])
+        return take(n)
+
+    def counted_give(bufs):
+        held[0] -= len(bufs)
+        give(bufs)
+
+    blobs = {f"w{i}": _state(20 + i, 2)["w"][: MIB] for i in range(12)}
+    SPARES.take, SPARES.give_back = counted_take, counted_give  # type: ignore[method-assign]
+    try:
+        fresh = SPARES.fresh
+        _save(tmp_path / "a.db", blobs)
+    finally:
+        del SPARES.take, SPARES.give_back
+    assert held[0] == 0 and most[0] <= 4, most  # (the checksum thread gives each back)
+    assert SPARES.fresh - fresh <= 4
+    got = _read(tmp_path / "a.db")
+    assert all(got[k].tobytes() == v.tobytes() for k, v in blobs.items())

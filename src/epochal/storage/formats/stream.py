@@ -12,7 +12,7 @@ are cut with numpy over the segment sizes, so the per-segment Python work is one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,21 +42,29 @@ def stream_segments(
     big: int | None = None,
     chunk: int = 0,
     groups: Sequence[tuple[int, int]] = (),
+    produce: Callable[[int], tuple[Any, int, Callable[[], None] | None]] | None = None,
+    lazy: Sequence[int] = (),
 ) -> list[int]:
     """Write ``head`` (not checksummed), then every ``views[k]`` (``sizes[k]`` bytes) followed
     by ``pads[k]`` zero bytes (< 64), in order, to ``out``; return each view's checksum
     (continuing from 0 with ``fn``), then the checksum of each of ``groups``: ``(first,
     count)`` runs of views, each checksummed as one range (its views and their padding, in
-    order)."""
+    order). The views ``lazy`` (none of them in a group) are made only when the write
+    reaches them: ``produce(k)`` gives ``(view, pad, done)``, written on its own in pieces as
+    a big view is; ``done`` (or None) is called once its checksum is taken (its buffer may
+    then be reused: a compressed segment's, :func:`~.native.writer.write_native`)."""
     n = len(views)
     ck = Checksummer(fn, n + len(groups))
     g_first = np.asarray([a for a, _ in groups], dtype=np.int64)
     g_end = g_first + np.asarray([c for _, c in groups], dtype=np.int64)
+    made = frozenset(lazy) if produce is not None else frozenset()
     try:
         size_a = np.asarray(sizes, dtype=np.int64).reshape(n)
         pad_l = list(pads) if pads is not None else None
         cum = np.cumsum(size_a + (np.asarray(pad_l, dtype=np.int64) if pad_l is not None else 0))
         big_at = np.flatnonzero(size_a >= big) if big is not None else np.empty(0, dtype=np.int64)
+        if made:
+            big_at = np.union1d(big_at, np.asarray(sorted(made), dtype=np.int64))
         zpads = [_PAD_VIEWS[p] for p in pad_l] if pad_l is not None else None
         per = 2 if zpads is not None else 1
         max_segs = (atomic.IOV_MAX - len(head) - 2) // per
@@ -69,19 +77,29 @@ def stream_segments(
                 if carry:
                     out.write(carry)
                     report_progress(carry_bytes)
-                mv = views[i]
+                done = None
+                if i in made:
+                    assert produce is not None
+                    mv, pad, done = produce(i)
+                    size, zpad = mv.nbytes, _PAD_VIEWS[pad]
+                else:
+                    mv, size = views[i], sizes[i]
+                    pad = pad_l[i] if pad_l is not None else 0
+                    zpad = zpads[i] if zpads is not None else _ZEROS[:0]
                 # the checksum slot of its group, or -1 (a group may hold big views too)
                 gi = int(np.searchsorted(g_end, i, side="right"))
                 g = n + gi if gi < len(g_first) and g_first[gi] <= i else -1
-                for start in range(0, sizes[i], chunk):
+                for start in range(0, size, chunk):
                     piece = mv[start : start + chunk]
                     ck.submit([(i, piece), (g, piece)] if g >= 0 else [(i, piece)])
                     out.write(piece)
                     report_progress(piece.nbytes)
-                if g >= 0 and zpads is not None and pad_l is not None and pad_l[i]:
-                    ck.submit([(g, zpads[i])])
-                carry = [zpads[i]] if zpads is not None and pad_l is not None and pad_l[i] else []
-                carry_bytes = pad_l[i] if carry and pad_l is not None else 0
+                if done is not None:
+                    ck.after(done)
+                if g >= 0 and pad:
+                    ck.submit([(g, zpad)])
+                carry = [zpad] if pad else []
+                carry_bytes = pad
                 i += 1
                 continue
             before = int(cum[i - 1]) if i else 0

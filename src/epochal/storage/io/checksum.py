@@ -124,7 +124,7 @@ class Checksummer:
     def __init__(self, fn: ChecksumFn, nslots: int) -> None:
         self._fn = fn
         self._values = [0] * nslots
-        self._queue: queue.SimpleQueue[list[tuple[int, Any]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[tuple[int, Any]] | Callable[[], None] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="epochal-checksum", daemon=True)
         self._thread.start()
@@ -137,6 +137,9 @@ class Checksummer:
             batch = self._queue.get()
             if batch is None:
                 return
+            if callable(batch):  # (after(): the work queued before it is done)
+                batch()
+                continue
             if self._error is not None:
                 continue
             try:
@@ -155,6 +158,11 @@ class Checksummer:
         """Queue ``(slot, bytes-like)`` pairs (or ``(slot, [bytes-like, ...])``: several in
         order); each continues that slot's checksum."""
         self._queue.put(list(batch))
+
+    def after(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the worker once the work queued so far is done (a buffer
+        whose checksums are queued can then be reused: the callback gives it back)."""
+        self._queue.put(callback)
 
     def results(self) -> list[int]:
         """Wait for all queued work; the checksum of every slot."""

@@ -5,11 +5,14 @@ before anything touches the disk, so an unsupported blob is reported first. :fun
 streams the superblock placeholder and the segments in large sequential writes, straight
 from the values' memory, checksummed on a background thread; :func:`write_native` then
 appends the index, fills in the superblock and commits the file through the byte store
-(local: temp name, fsync, rename, directory fsync).
+(local: temp name, fsync, rename, directory fsync). With compression, the segments to
+compress are laid out at their raw lengths and compressed one at a time as the stream reaches
+them (:func:`_write_compressing`); the layout then follows their stored lengths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -23,6 +26,7 @@ from ....errors import UnsupportedBlobError
 from ...encoding import codecs as _codecs
 from ...encoding.codecs import flat_segment
 from ...encoding.compress import (
+    MIN_BYTES,
     WRITE_OPTIONS,
     WriteOptions,
     compress_segment,
@@ -94,6 +98,11 @@ class Plan:
     #: the buffers the compressed segments lie in: given back (:meth:`release`) once the
     #: file is written, for the next save's segments
     spare: tuple[np.ndarray, ...] = ()
+    #: segments left to compress as the write reaches them (:func:`write_native`), with the
+    #: float width of each segment and the options: laid out here at their raw lengths
+    lazy: tuple[int, ...] = ()
+    widths: tuple[int, ...] = ()
+    options: WriteOptions | None = None
 
     def release(self) -> None:
         """Give the compressed segments' buffers back for reuse (after the write ended;
@@ -109,11 +118,13 @@ class Plan:
         return V2 if len(self.groups) else V1
 
 
-def plan_file(blobs: Mapping[str, Any], options: WriteOptions | None = None, fn: Any = None) -> Plan:
+def plan_file(blobs: Mapping[str, Any], options: WriteOptions | None = None, fn: Any = None,
+              *, defer: bool = False) -> Plan:
     """Encode every blob and lay the file out; UnsupportedBlobError before anything is written.
     With ``options.compression`` (default: the context's :data:`WRITE_OPTIONS`), segments
     are compressed here (:mod:`epochal.storage.encoding.compress`), each stream checksummed
-    with ``fn``, so the layout has their stored lengths."""
+    with ``fn``, so the layout has their stored lengths; with ``defer``, those of at least
+    MIN_BYTES are only marked (:attr:`Plan.lazy`), for the write to compress one at a time."""
     options = options or WRITE_OPTIONS.get()
     compress = options.compression is not None
     widths: list[int] = []
@@ -197,7 +208,15 @@ def plan_file(blobs: Mapping[str, Any], options: WriteOptions | None = None, fn:
                 views.append(flat_segment(seg))
 
     n, nseg = len(names_b), len(views)
-    coded, streams, spare = _compress(views, widths, options, fn) if compress else (_NO_CODED, _NO_STREAMS, ())
+    lazy: tuple[int, ...] = ()
+    spare: tuple[np.ndarray, ...]
+    if compress and defer:
+        coded, streams, spare = _NO_CODED, _NO_STREAMS, ()
+        lazy = tuple(k for k, v in enumerate(views) if v.nbytes >= MIN_BYTES)
+    elif compress:
+        coded, streams, spare = _compress(views, widths, options, fn)
+    else:
+        coded, streams, spare = _NO_CODED, _NO_STREAMS, ()
     lengths = np.fromiter((v.nbytes for v in views), dtype=np.uint64, count=nseg)
     # every segment starts at a multiple of ALIGN and owns the zero padding up to the next
     padded = (lengths + np.uint64(ALIGN - 1)) // np.uint64(ALIGN) * np.uint64(ALIGN)
@@ -235,7 +254,7 @@ def plan_file(blobs: Mapping[str, Any], options: WriteOptions | None = None, fn:
         raise UnsupportedBlobError("too many blobs or names for one native db file")
 
     order = np.asarray(sorted(range(n), key=names_b.__getitem__), dtype="<u4")
-    groups = plan_groups(lengths, padded, coded["seg"])
+    groups = plan_groups(lengths, padded, list(lazy) or coded["seg"])
     index_length = (
         INDEX_HEAD.size
         + recs.nbytes
@@ -249,7 +268,8 @@ def plan_file(blobs: Mapping[str, Any], options: WriteOptions | None = None, fn:
     )
     return Plan(
         views, recs, segs, moffs, order, names_heap, metas_text, index_offset, index_length,
-        int(lengths.sum()), groups, coded, streams, spare,
+        int(lengths.sum()), groups, coded, streams, spare, lazy, tuple(widths) if lazy else (),
+        options if lazy else None,
     )
 
 
@@ -378,11 +398,75 @@ def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algo
     path = os.fspath(path)
     algorithm = algorithm or default_algorithm()
     fn = checksum_function(algorithm)
-    plan = plan_file(blobs, options, fn)
+    plan = plan_file(blobs, options, fn, defer=True)
+    if plan.lazy:
+        return _write_compressing(path, plan, algorithm, fn)
     try:
         return _write_planned(path, plan, algorithm, fn)
     finally:
         plan.release()
+
+
+def _write_compressing(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
+    """Write a file whose segments ``plan.lazy`` are compressed as the write reaches them,
+    one at a time, each written and its buffer given back (once its checksum is taken) for
+    the next: a compressed save holds one or two segments' compressed bytes, not the whole
+    file's, and reuses their memory within the save. The layout is then that of the stored
+    lengths (the same bytes as compressing every segment first): the index is written after
+    the data and the superblock last, as always; the file's size is known only at the end."""
+    options = plan.options
+    assert options is not None
+    made: dict[int, Any] = {}
+
+    def produce(k: int) -> tuple[Any, int, Any]:
+        c = compress_segment(plan.views[k], plan.widths[k], options, fn)
+        if c is None:  # (stored raw)
+            v = plan.views[k]
+            return v, -v.nbytes % ALIGN, None
+        made[k] = c
+        buf = c.buffer
+        return c.data, -c.nbytes % ALIGN, (lambda: SPARES.give_back([buf])) if buf is not None else None
+
+    g = plan.groups
+    with committed(store_for(path).create(path)) as out:
+        crcs = stream_segments(
+            out, fn, plan.views, plan.segs["length"].tolist(), batch_bytes=tuning.BATCH_BYTES,
+            pads=plan.segs["pad"].tolist(), head=[_ZEROS], big=tuning.BIG_SEGMENT, chunk=tuning.CHUNK,
+            groups=list(zip(g["seg_first"].tolist(), g["seg_count"].tolist())), produce=produce, lazy=plan.lazy,
+        )
+        segs = plan.segs.copy()
+        rows: list[tuple[int, int, int, int, int, int]] = []
+        lens: list[int] = []
+        stream_crcs: list[int] = []
+        for k in sorted(made):
+            c = made[k]
+            rows.append((k, c.codec, c.planes, c.frame_bytes, len(lens), c.logical))
+            lens.extend(c.lengths)
+            stream_crcs.extend(c.crcs)
+            segs["length"][k] = c.nbytes
+        made.clear()  # (their data: given back already)
+        segs["pad"] = (-segs["length"].astype(np.int64)) % ALIGN
+        padded = segs["length"] + segs["pad"]
+        segs["offset"][0:1] = SUPERBLOCK_SIZE
+        if len(segs) > 1:
+            segs["offset"][1:] = SUPERBLOCK_SIZE + np.cumsum(padded[:-1])
+        nseg = len(segs)
+        segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
+        plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
+        streams = np.zeros(len(lens), dtype=STREAM_DTYPE)
+        streams["length"], streams["crc"] = lens, stream_crcs
+        done = dataclasses.replace(
+            plan, segs=segs, coded=np.array(rows, dtype=CODED_DTYPE) if rows else _NO_CODED, streams=streams,
+            index_offset=SUPERBLOCK_SIZE + int(padded.sum()), data_bytes=int(segs["length"].sum()), lazy=(),
+        )
+        index = index_bytes(done)
+        file_size = done.index_offset + len(index)
+        out.write(index)
+        out.patch(0, pack_superblock(
+            ALGORITHM_IDS[algorithm], done.index_offset, len(index), file_size, len(done.recs), nseg,
+            done.data_bytes, fn(index, 0), fn, done.version,
+        ))
+    return file_size
 
 
 def _write_planned(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
