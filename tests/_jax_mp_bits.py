@@ -127,12 +127,21 @@ def main() -> None:
     elif ACTION == "restore":
         shards = [compare(ej.restore(DIR, tree(seed, flip, True), step, storage_options=OPTS), seed) for flip in (False, True)]
         print(json.dumps({"shards": shards, "process": jax.process_index()}))
-    elif ACTION in ("zsave", "zrestore"):  # with a compressible array sharded over both processes
-        assert step is not None
-        z = (np.random.default_rng(seed).normal(0, 0.02, (512, 256)).astype(np.float32)
-             .view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    elif ACTION in ("zsave", "zrestore", "isave", "irestore"):  # with a compressible array sharded over both processes
+        assert step is not None  # (isave: incremental saves of steps 1..step, z the same in all)
+        inc = ACTION in ("isave", "irestore")  # (shards of 256 KiB: chunked for reuse, over 64 KiB)
+        z = (np.random.default_rng(0 if inc else seed).normal(0, 0.02, (2048, 512) if inc else (512, 256))
+             .astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
         sh = NamedSharding(mesh(), P("x", "y"))
-        if ACTION == "zsave":
+        if ACTION == "isave":
+            for s in range(1, step + 1):
+                t = tree(s, False, False)
+                t["z"] = jax.make_array_from_callback(z.shape, sh, lambda idx: z[idx])
+                ej.save(DIR, s, t, incremental=True, keep_last=2, async_save=s % 2 == 0,
+                        storage_options=OPTS)
+            ej.wait()
+            print(json.dumps({"saved": step, "process": jax.process_index()}))
+        elif ACTION == "zsave":
             t = tree(seed, False, False)
             t["z"] = jax.make_array_from_callback(z.shape, sh, lambda idx: z[idx])
             ej.save(DIR, step, t, compression="zstd", keep_last=2)

@@ -290,6 +290,19 @@ def test_a_save_to_a_directory_compresses_when_asked_and_restores_bit_exact_in_a
             ej.save(ckpt, 1, {"z": zb}, compression="zstd")
 
 
+def test_a_save_to_a_directory_writes_incremental_steps_when_asked(tmp_path: Any) -> None:
+    frozen = np.random.default_rng(1).normal(0, 1, (512, 512)).astype(np.float32)  # 1 MiB
+    d = str(tmp_path)
+    for step in (1, 2, 3):
+        ej.save(d, step, {"base": jax.device_put(frozen), "head": np.full(64, float(step), np.float32)},
+                incremental=True, keep_last=2)
+    files = {f: os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("local.")}
+    assert epochal.CheckpointDirectory(d).committed_epochs() == [2, 3] and "local.1" in files  # (referenced)
+    assert files["local.3"] < files["local.1"] // 8, files
+    got = ej.restore(d, {"base": np.empty((512, 512), np.float32), "head": np.empty(64, np.float32)})
+    assert got["base"].tobytes() == frozen.tobytes() and got["head"].tolist() == [3.0] * 64
+
+
 @pytest.mark.parametrize("change, error, words", [
     (lambda a: a["params"].update(w=jax.ShapeDtypeStruct((32, 25), np.float32)), BlobMismatchError,
      ["step 4", "params/w", "(32, 24)", "(32, 25)"]),

@@ -348,3 +348,26 @@ def test_two_processes_save_compressed_dbs_that_restore_bit_exact_on_two_and_on_
         assert os.path.getsize(os.path.join(d, proc)) < 110 << 10, proc
     assert job("zrestore", d, 2, "3", 3) == [{"shards": 17, "process": 0}, {"shards": 17, "process": 1}]
     assert job("zrestore", d, 1, "2", 2) == [{"shards": 33, "process": 0}]
+
+
+@pytest.mark.system
+def test_two_processes_save_incremental_dbs_that_restore_bit_exact_on_two_and_on_one(tmp_path: Any) -> None:
+    """``incremental=True`` in a job of two processes (sync and async saves alternating,
+    ``keep_last=2``): each process writes only what its own db of the step before lacks (a
+    frozen sharded array costs references), retention keeps the older files the kept steps
+    take bytes from, and step 4 restores bit-exact on two processes and on one."""
+    d = str(tmp_path)
+    assert job("isave", d, 2, "4", 0) == [{"saved": 4, "process": 0}, {"saved": 4, "process": 1}]
+    view = CheckpointDirectory(d)
+    assert view.committed_epochs() == [3, 4] and view.has_incremental()
+    sizes = {f: os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("proc")}
+    for i in (0, 1):
+        assert f"proc{i}.1" in sizes  # (step 1 dropped, its dbs kept: steps 3 and 4 take bytes from them)
+        assert sizes[f"proc{i}.1"] > 1 << 20  # its half of z (1 MiB) stored
+        assert sizes[f"proc{i}.4"] < sizes[f"proc{i}.1"] // 4, sizes  # references, not z again
+        entry = view.read_manifest(4).nodes[f"proc{i}"]
+        assert entry.size == sizes[f"proc{i}.4"]  # the manifest records the bytes stored
+    out = subprocess.run([sys.executable, "-m", "epochal", "verify", d], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert job("irestore", d, 2, "4", 4) == [{"shards": 17, "process": 0}, {"shards": 17, "process": 1}]
+    assert job("irestore", d, 1, "3", 3) == [{"shards": 33, "process": 0}]

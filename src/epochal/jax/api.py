@@ -93,7 +93,7 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
          metrics: Mapping[str, float] | None = None, names: NameMap | None = None,
          keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
          mode: str = "min", async_save: bool = False, storage_options: dict[str, Any] | None = None,
-         compression: str | None = None) -> PendingSave | None:
+         compression: str | None = None, incremental: bool = False) -> PendingSave | None:
     """Save ``pytree`` (a container of ``jax.Array`` leaves, sharded or not, numpy arrays and
     plain values) as checkpoint ``step`` of a Checkpointer, or of a directory (a
     Checkpointer is opened for this one save). Each array's shards with ``replica_id == 0``
@@ -101,9 +101,10 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
     the stored name of each leaf (:mod:`.mapping`; default: the pytree's own).
 
     ``keep_last``/``keep_best``/``metric``/``mode`` (retention), ``async_save`` and
-    ``storage_options`` (fsspec's, for a URL) and ``compression`` (None, ``"zstd"`` or
-    ``"auto"``: each array stored losslessly compressed, docs/pytorch.md) are the
-    Checkpointer's options, for a save to a directory (given a Checkpointer, its own hold):
+    ``storage_options`` (fsspec's, for a URL), ``compression`` (None, ``"zstd"`` or
+    ``"auto"``: each array stored losslessly compressed, docs/pytorch.md) and
+    ``incremental`` (only the bytes the step before lacks written; the rest references) are
+    the Checkpointer's options, for a save to a directory (given a Checkpointer, its own hold):
     with ``async_save`` the save returns once the arrays are copied to host, with a
     :class:`~.background.PendingSave` whose ``wait()`` commits it; the next save, a
     restore, :func:`wait` or the end of the process joins it too.
@@ -115,7 +116,8 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
     check_compression(compression)
     options = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "storage_options": storage_options,
                "compression": compression}
-    given = [k for k, v in options.items() if v is not None] + (["async_save"] if async_save else [])
+    given = ([k for k, v in options.items() if v is not None] + (["async_save"] if async_save else [])
+             + (["incremental"] if incremental else []))
     if isinstance(path_or_checkpointer, Checkpointer) and given:
         raise ValueError(f"epochal.jax.save: {', '.join(given)} are options of a save to a directory; a "
                          f"Checkpointer's own hold for its saves ({path_or_checkpointer!r})")
@@ -130,7 +132,8 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
         return save_processes(path_or_checkpointer, step,
                               lambda: host_state(pytree, names, copy=async_save, process=(i, n)),
                               plain_digest(flat_leaves(pytree)), metrics=metrics, policy=policy,
-                              background=async_save, storage_options=storage_options, compression=compression)
+                              background=async_save, storage_options=storage_options, compression=compression,
+                              incremental=incremental)
     join_pending()
     state = host_state(pytree, names)
     if isinstance(path_or_checkpointer, Checkpointer):
@@ -138,7 +141,7 @@ def save(path_or_checkpointer: str | os.PathLike[str] | Checkpointer, step: int,
         return None
     ckpt = Checkpointer(path_or_checkpointer, progress=False, async_save=async_save, keep_last=keep_last,
                         keep_best=keep_best, metric=metric, mode=mode, storage_options=storage_options,
-                        compression=compression)
+                        compression=compression, incremental=incremental)
     try:
         ckpt.save(step, state, metrics=metrics)
     except BaseException:

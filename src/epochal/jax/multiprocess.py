@@ -47,7 +47,8 @@ from ..checkpoint.handler.metadata import DbReport
 from ..checkpoint.location.retention import RetentionPolicy
 from ..checkpoint.location.view import CheckpointDirectory
 from ..errors import CheckpointError
-from ..storage.encoding.compress import WriteOptions
+from ..storage.encoding.compress import WriteOptions, write_options
+from ..storage.formats.native.incremental import write_incremental
 from ..storage.formats.native.reader import stat_native
 from ..storage.formats.native.writer import write_native
 from ..storage.io.location import location_for
@@ -101,7 +102,7 @@ def plain_digest(leaves: Iterable[Leaf]) -> int:
 def save_processes(directory: str | os.PathLike[str], step: int, build: Callable[[], dict[str, Any]], plain: int,
                    *, metrics: Mapping[str, float] | None = None, policy: RetentionPolicy | None = None,
                    background: bool = False, storage_options: dict[str, Any] | None = None,
-                   compression: str | None = None) -> PendingSave | None:
+                   compression: str | None = None, incremental: bool = False) -> PendingSave | None:
     """Save step ``step`` in ``directory`` from every process of the job (collective; see the
     module doc). ``build``: this process's part of the state (nested dicts of host values;
     with ``background``, none sharing memory with a live buffer); ``plain``: the
@@ -112,7 +113,10 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
     returned. A save still in flight from an earlier call is joined first (its error raised).
     ``storage_options``: fsspec's, for a URL ``directory`` (every process's db is named with
     one writer token, process 0's, as the ranks of a ``dcp.save`` name theirs).
-    ``compression``: how each process's db is written (:class:`WriteOptions`; None: raw)."""
+    ``compression``: how each process's db is written (:class:`WriteOptions`; None: raw).
+    ``incremental``: each process writes its db against its own db of the newest step
+    committed before (docs/format.md, "Incremental db files"; none there: whole), the
+    location marked incremental first, so retention keeps what a kept step references."""
     join_pending()
     i = jax.process_index()
     path = local_path(directory)
@@ -136,13 +140,16 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
     except Exception as ex:
         problem = ex
     sent = step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < (1 << 62) else 0
-    got = _gather([int(problem is not None), sent, plain, token, int(background)])
+    got = _gather([int(problem is not None), sent, plain, token, int(background), int(incremental)])
     _settle(got[:, 0], problem, path, step, "prepare their part")
     if len(set(got[:, 1].tolist())) > 1:
         raise CheckpointError(f"{path}: the processes passed different steps to save ({got[:, 1].tolist()}, by "
                               "process); every process must save the same step (nothing was written)")
     if len(set(got[:, 4].tolist())) > 1:
         raise ValueError(f"{path}: step {step}: async_save differs between the processes ({got[:, 4].tolist()}, "
+                         "by process); every process must save alike (nothing was written)")
+    if len(set(got[:, 5].tolist())) > 1:
+        raise ValueError(f"{path}: step {step}: incremental differs between the processes ({got[:, 5].tolist()}, "
                          "by process); every process must save alike (nothing was written)")
     if len(set(got[:, 2].tolist())) > 1:
         raise ValueError(f"{path}: step {step}: the plain values of the pytree (not arrays) differ between "
@@ -153,9 +160,18 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
     dbs = [d.token_db_path(PROCESS_NODE.format(r), step, tok) for r in range(jax.process_count())]
 
     write = WriteOptions(compression)
+    base: str | None = None
+    if incremental:
+        try:
+            d.mark_incremental()  # (each process: once marked, it stays; the write is idempotent)
+            base = _base_db(d, PROCESS_NODE.format(i), step)
+        except Exception as ex:
+            problem = ex
+        _settle(_gather([int(problem is not None)])[:, 0], problem, path, step, "find the step before")
 
     def finish(agree: Agree) -> None:
-        _finish(d, path, step, state, dbs, agree, metrics, policy, storage_options, write)
+        _finish(d, path, step, state, dbs, agree, metrics, policy, storage_options, write,
+                (base,) if incremental else None)
 
     if not background:
         finish(lambda phase, failed: _gather([int(failed)])[:, 0])
@@ -165,13 +181,19 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
 
 def _finish(d: CheckpointDirectory, path: str, step: int, state: dict[str, Any], dbs: list[str], agree: Agree,
             metrics: Mapping[str, float] | None, policy: RetentionPolicy | None,
-            options: dict[str, Any] | None, write: WriteOptions | None = None) -> None:
-    """Every process: write its db (of ``dbs``, by process; as ``write`` says), agree;
+            options: dict[str, Any] | None, write: WriteOptions | None = None,
+            incremental: tuple[str | None] | None = None) -> None:
+    """Every process: write its db (of ``dbs``, by process; as ``write`` says; given
+    ``incremental``, ``(base,)``: an incremental db on that base, None: none), agree;
     process 0: commit (and apply ``policy``); agree."""
     i, n = jax.process_index(), jax.process_count()
     problem: BaseException | None = None
     try:
-        write_native(dbs[i], state, options=write)  # temp file, fsync, rename, dir fsync (at a URL: an upload, then in place)
+        if incremental is not None:
+            with write_options(write or WriteOptions()):
+                write_incremental(dbs[i], state, base=incremental[0], step=step)
+        else:
+            write_native(dbs[i], state, options=write)  # temp file, fsync, rename, dir fsync (at a URL: an upload, then in place)
     except Exception as ex:
         problem = ex
     finally:
@@ -185,6 +207,20 @@ def _finish(d: CheckpointDirectory, path: str, step: int, state: dict[str, Any],
     _settle(agree("committed", problem is not None), problem, path, step, "commit the step")
 
 
+def _base_db(d: CheckpointDirectory, node: str, step: int) -> str | None:
+    """``node``'s db of the newest step committed before ``step`` (None: none, or that step
+    has no db of ``node``: another process count): one listing, one manifest read."""
+    for e in reversed(d.manifest_epochs()):
+        if e >= step:
+            continue
+        try:
+            nodes = d.read_manifest(e).nodes
+        except CheckpointError:
+            continue  # (not committed)
+        return d.db_path(node, e) if node in nodes else None
+    return None
+
+
 def _commit(d: CheckpointDirectory, path: str, step: int, nodes: dict[str, str],
             metrics: Mapping[str, float] | None, policy: RetentionPolicy | None,
             options: dict[str, Any] | None) -> None:
@@ -194,8 +230,9 @@ def _commit(d: CheckpointDirectory, path: str, step: int, nodes: dict[str, str],
     all under the directory's writer lock (at a URL its fenced lease)."""
     reports = {}
     for node, db in nodes.items():
-        st = stat_native(db)
-        reports[node] = DbReport(st.file_bytes, st.digest, file=os.path.basename(db))
+        st = stat_native(db)  # (an incremental db: the bytes stored, what a check of the records finds)
+        size = d.records.size(db) if d.has_incremental() else st.file_bytes
+        reports[node] = DbReport(size, st.digest, file=os.path.basename(db))
     p = policy or RetentionPolicy()
     h = DirectoryMetadataHandler(keep_last=p.keep_last, keep_every=p.keep_every, keep_best=p.keep_best,
                                  metric=p.metric, mode=p.mode, storage_options=options)
