@@ -189,20 +189,26 @@ def bench_zipnn(data: np.ndarray, width: int, rounds: int) -> dict[str, float]:
 
 
 _ONE_SAVE = """
-import os, resource, sys, tempfile, time
+import os, sys, tempfile, time
 import numpy as np, torch
 from epochal.storage.encoding.compress import WriteOptions, write_options
 from epochal.storage.formats.native import write_native
+
+def hwm():  # this process's peak RSS, MiB (VmHWM: ru_maxrss keeps a parent's across exec)
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 1024
+
 torch.manual_seed(0)
 n = int(sys.argv[1])
-blobs = {f"w{i}": (torch.randn(4 << 20) * 0.02).to(torch.bfloat16).view(torch.int16).numpy() for i in range(n // 8)}
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+blobs = {f"w{i}": (torch.randn(4 << 20) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.float16)
+         for i in range(n // 8)}  # (bf16 bits; a 2-byte float dtype, so split into byte planes)
+before = hwm()
 with tempfile.TemporaryDirectory(dir=sys.argv[2]) as d:
     t, c = time.perf_counter(), time.process_time()
     with write_options(WriteOptions("zstd")):
         write_native(os.path.join(d, "a.db"), blobs)
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, time.perf_counter() - t,
-          time.process_time() - c, os.path.getsize(os.path.join(d, "a.db")) / 2**20)
+    print(hwm() - before, time.perf_counter() - t, time.process_time() - c,
+          os.path.getsize(os.path.join(d, "a.db")) / 2**20)
 """
 
 
