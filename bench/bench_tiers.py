@@ -218,7 +218,12 @@ def worker(a: argparse.Namespace) -> None:
                        source=ck.last_restore.source if ck.last_restore else None,
                        imported_s=t_imported - T_START, group_s=t_group - T_START, opened_s=t_open - T_START,
                        restore_call_s=t_restored - t_open, through_restore_s=t_restored - T_START)
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sys.path.insert(0, HERE)
+    from _measure import _hwm
+
+    # VmHWM, this process's own peak: ru_maxrss keeps the parent's across exec (a bench
+    # parent that had just read 1 GiB made every rank started after it look that big)
+    out["peak_rss"] = _hwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(a.dir, f"{a.phase}.{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
