@@ -187,3 +187,20 @@ def run(script: str, argv: list[str], env: dict[str, str] | None = None, cwd: st
     p = Fresh(script, argv, env, cwd, apart=True)
     out, err = p.communicate(timeout)
     return subprocess.CompletedProcess(p.args, int(p.returncode or 0), out, err or "")
+
+
+def restore_script(script: str, tmp: Any, d: Any, step: int) -> tuple[int, dict[str, Any], Any]:
+    """Run ``script`` (its text) in a new interpreter as ``python restore.py D STEP OUT.npy``:
+    its return code, the JSON of its last stdout line, and the array it saved to ``OUT.npy``
+    (None when it saved none). The tests' fresh-process restores that report in JSON."""
+    import json
+
+    import numpy as np
+
+    path = os.path.join(str(tmp), "restore.py")
+    with open(path, "w") as f:
+        f.write(script)
+    out = os.path.join(str(tmp), f"r{step}.npy")
+    p = subprocess.run([sys.executable, path, str(d), str(step), out], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip(), p.stderr
+    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1]), (np.load(out) if os.path.exists(out) else None)

@@ -274,3 +274,23 @@ def test_a_1_0_reader_refuses_a_2_0_file_by_its_version(tmp_path: Path, monkeypa
     monkeypatch.setattr(layout, "FORMAT_MAJOR", 1)  # what readers of 1.0 check first
     with pytest.raises(CheckpointVersionError, match="version 2.0.*upgrade"):
         NATIVE.read(str(path))
+
+
+@pytest.mark.unit
+def test_the_checksummer_calls_back_after_queued_work_and_raises_what_a_callback_raised():
+    from epochal.storage.io.checksum import Checksummer, checksum_function
+
+    fn = checksum_function("crc32c")
+    data = bytearray(b"x" * (1 << 20))
+    seen = []
+    ck = Checksummer(fn, 2)
+    ck.submit([(0, memoryview(data))])
+    ck.after(lambda: seen.append(bytes(data[:1])))  # (the checksum above is taken by then)
+    ck.after(lambda: data.__setitem__(0, ord("y")))  # a buffer reused after its checksum
+    ck.submit([(1, b"abc")])
+    assert ck.results() == [fn(b"x" * (1 << 20), 0), fn(b"abc", 0)] and seen == [b"x"] and data[0] == ord("y")
+    ck = Checksummer(fn, 1)
+    ck.after(lambda: 1 / 0)
+    ck.submit([(0, b"abc")])
+    with pytest.raises(ZeroDivisionError):
+        ck.results()

@@ -6,7 +6,6 @@ SIGKILLs during incremental saves and retention, and a URL where a reference cos
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _fresh import restore_script
 
 import epochal as ep
 from epochal.storage.formats.native.incremental import CHUNK_BYTES
@@ -64,13 +64,7 @@ RESTORE = textwrap.dedent("""
 
 
 def _restore_fresh(d: Path, step: int, tmp: Path) -> tuple[int, dict[str, Any], np.ndarray | None]:
-    script = tmp / "restore.py"
-    script.write_text(RESTORE)
-    out = tmp / f"r{step}.npy"
-    p = subprocess.run([sys.executable, str(script), str(d), str(step), str(out)], capture_output=True, text=True,
-                       timeout=120)
-    assert p.stdout.strip(), p.stderr
-    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1]), (np.load(out) if out.exists() else None)
+    return restore_script(RESTORE, tmp, d, step)
 
 
 def _flat(s: dict[str, Any]) -> np.ndarray:

@@ -9,13 +9,13 @@ can refuse them."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from _fresh import restore_script
 
 import epochal as ep
 from epochal.checkpoint.location.manifest import encode_manifest
@@ -41,10 +41,12 @@ def _table(step: int) -> np.ndarray:
     return emb
 
 
-def _saved(d: Path) -> None:
+def _saved(d: Path) -> Path:
+    """``STEPS`` incremental steps saved in ``d``; the last one's db."""
     with ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
         for s in range(1, STEPS + 1):
             ck.save(s, {"emb": _table(s)})
+    return d / f"local.{STEPS}"
 
 
 def _rewrite(path: Path, ext: np.ndarray, version: int = 2) -> None:
@@ -93,21 +95,14 @@ RESTORE = textwrap.dedent("""
 """).replace("ROWS", str(ROWS)).replace("DIM", str(DIM))
 
 
-def _restore_fresh(d: Path, step: int, tmp: Path) -> tuple[int, dict, np.ndarray | None]:
-    script = tmp / "restore.py"
-    script.write_text(RESTORE)
-    out = tmp / f"r{step}.npy"
-    p = subprocess.run([sys.executable, str(script), str(d), str(step), str(out)], capture_output=True, text=True,
-                       timeout=120)
-    assert p.stdout.strip(), p.stderr
-    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1]), (np.load(out) if out.exists() else None)
+def _restore_fresh(d: Path, step: int, tmp: Path) -> tuple[int, dict[str, Any], np.ndarray | None]:
+    return restore_script(RESTORE, tmp, d, step)
 
 
 @pytest.mark.system
 def test_a_version_1_table_still_restores_bit_exact_and_names_a_damaged_older_file(tmp_path: Path) -> None:
     d = tmp_path / "ck"
-    _saved(d)
-    last = d / f"local.{STEPS}"
+    last = _saved(d)
     ext, refs, algorithm = _rows(last)
     assert len(refs) == STEPS - 1 and len(ext) > 200
     fn = checksum_function(algorithm)
@@ -140,8 +135,7 @@ def test_a_version_1_table_still_restores_bit_exact_and_names_a_damaged_older_fi
 @pytest.mark.system
 def test_a_reference_past_the_end_of_its_file_is_named_before_any_live_byte(tmp_path: Path) -> None:
     d = tmp_path / "ck"
-    _saved(d)
-    last = d / f"local.{STEPS}"
+    last = _saved(d)
     ext, refs, _ = _rows(last)
     k = int(np.flatnonzero(ext["source"] == refs.index("local.3") + 1)[-1])
     ext["soff"][k] = (d / "local.3").stat().st_size - int(ext["length"][k]) + 1  # one byte past its end
@@ -155,8 +149,7 @@ def test_a_reference_past_the_end_of_its_file_is_named_before_any_live_byte(tmp_
 @pytest.mark.parametrize("forgery", ["gap", "zero_length", "before_start", "huge_offset", "unknown_source"])
 def test_a_table_that_does_not_hold_together_is_refused_naming_the_file(tmp_path: Path, forgery: str) -> None:
     d = tmp_path / "ck"
-    _saved(d)
-    last = d / f"local.{STEPS}"
+    last = _saved(d)
     ext, refs, _ = _rows(last)
     k = int(np.flatnonzero(ext["source"] > 0)[len(refs)])  # a reference inside the table
     want = "do not tile"

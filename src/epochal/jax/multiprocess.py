@@ -164,7 +164,7 @@ def save_processes(directory: str | os.PathLike[str], step: int, build: Callable
     if incremental:
         try:
             d.mark_incremental()  # (each process: once marked, it stays; the write is idempotent)
-            base = _base_db(d, PROCESS_NODE.format(i), step)
+            base = d.base_db(PROCESS_NODE.format(i), step)
         except Exception as ex:
             problem = ex
         _settle(_gather([int(problem is not None)])[:, 0], problem, path, step, "find the step before")
@@ -201,37 +201,24 @@ def _finish(d: CheckpointDirectory, path: str, step: int, state: dict[str, Any],
     _settle(agree("written", problem is not None), problem, path, step, "write their db")
     if i == 0:
         try:
-            _commit(d, path, step, {PROCESS_NODE.format(r): dbs[r] for r in range(n)}, metrics, policy, options)
+            _commit(d, path, step, {PROCESS_NODE.format(r): dbs[r] for r in range(n)}, metrics, policy, options,
+                    incremental is not None)
         except Exception as ex:
             problem = ex
     _settle(agree("committed", problem is not None), problem, path, step, "commit the step")
 
 
-def _base_db(d: CheckpointDirectory, node: str, step: int) -> str | None:
-    """``node``'s db of the newest step committed before ``step`` (None: none, or that step
-    has no db of ``node``: another process count): one listing, one manifest read."""
-    for e in reversed(d.manifest_epochs()):
-        if e >= step:
-            continue
-        try:
-            nodes = d.read_manifest(e).nodes
-        except CheckpointError:
-            continue  # (not committed)
-        return d.db_path(node, e) if node in nodes else None
-    return None
-
-
 def _commit(d: CheckpointDirectory, path: str, step: int, nodes: dict[str, str],
             metrics: Mapping[str, float] | None, policy: RetentionPolicy | None,
-            options: dict[str, Any] | None) -> None:
+            options: dict[str, Any] | None, incremental: bool = False) -> None:
     """Process 0: the manifest of ``step`` naming every process's db (each db's size and
-    digest read from its header), then ``policy``'s retention (the handler's: the dropped
+    digest read from its header; ``incremental``: the bytes each stores), then ``policy``'s retention (the handler's: the dropped
     steps' manifests first, then every process's db of them; never a newer step's files),
     all under the directory's writer lock (at a URL its fenced lease)."""
     reports = {}
     for node, db in nodes.items():
         st = stat_native(db)  # (an incremental db: the bytes stored, what a check of the records finds)
-        size = d.records.size(db) if d.has_incremental() else st.file_bytes
+        size = d.records.size(db) if incremental else st.file_bytes
         reports[node] = DbReport(size, st.digest, file=os.path.basename(db))
     p = policy or RetentionPolicy()
     h = DirectoryMetadataHandler(keep_last=p.keep_last, keep_every=p.keep_every, keep_best=p.keep_best,

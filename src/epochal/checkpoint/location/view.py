@@ -209,6 +209,21 @@ class CheckpointDirectory:
         good, _ = self.read_manifests(self.manifest_epochs())
         return sorted(good)
 
+    def base_db(self, node: str, epoch: int) -> str | None:
+        """``node``'s db of the newest epoch committed before ``epoch``: what an incremental
+        db of ``node`` at ``epoch`` is written against (None: no epoch committed before it, or
+        that epoch has no db of ``node``: another world size). One listing and, unless newer
+        manifests are damaged, one manifest read, however long the history."""
+        for e in reversed(self.manifest_epochs()):
+            if e >= epoch:
+                continue
+            try:
+                nodes = self.read_manifest(e).nodes
+            except CheckpointError:
+                continue  # (not committed: a damaged or partial manifest)
+            return self.db_path(node, e) if node in nodes else None
+        return None
+
     def newest_committed(self) -> tuple[int, Manifest] | None:
         """The newest committed epoch and its manifest (None: none is committed), read from the
         newest down and stopping at the first valid manifest: one listing and, unless newer

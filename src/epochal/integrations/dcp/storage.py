@@ -311,18 +311,7 @@ class EpochalStorageWriter(AtPath, StorageWriter):
         if self._marked != self.path:  # (before the first incremental db: retention then
             d.mark_incremental()       # follows references; marked once per location)
             self._marked = self.path
-        base: str | None = None
-        for e in reversed(d.manifest_epochs()):  # the newest committed step before this one:
-            if e >= target.step:                 # one listing, one manifest read (not all)
-                continue
-            try:
-                nodes = d.read_manifest(e).nodes
-            except CheckpointError:
-                continue  # (not committed: a damaged or partial manifest)
-            if target.node in nodes:
-                base = d.db_path(target.node, e)
-            break
-        write_incremental(db, blobs, base=base, step=target.step, kept=self.kept)
+        write_incremental(db, blobs, base=d.base_db(target.node, target.step), step=target.step, kept=self.kept)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's write_data returned (its db durable): write

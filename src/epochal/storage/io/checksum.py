@@ -138,7 +138,10 @@ class Checksummer:
             if batch is None:
                 return
             if callable(batch):  # (after(): the work queued before it is done)
-                batch()
+                try:
+                    batch()
+                except BaseException as e:  # noqa: BLE001 - re-raised in results()
+                    self._error = self._error or e
                 continue
             if self._error is not None:
                 continue

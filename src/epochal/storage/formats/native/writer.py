@@ -416,14 +416,14 @@ def _write_compressing(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
     the data and the superblock last, as always; the file's size is known only at the end."""
     options = plan.options
     assert options is not None
-    made: dict[int, Any] = {}
+    made: dict[int, tuple[int, int, int, int, list[int], list[int]]] = {}
 
     def produce(k: int) -> tuple[Any, int, Any]:
         c = compress_segment(plan.views[k], plan.widths[k], options, fn)
         if c is None:  # (stored raw)
             v = plan.views[k]
             return v, -v.nbytes % ALIGN, None
-        made[k] = c
+        made[k] = (c.codec, c.planes, c.frame_bytes, c.logical, c.lengths, c.crcs)  # (not its bytes)
         buf = c.buffer
         return c.data, -c.nbytes % ALIGN, (lambda: SPARES.give_back([buf])) if buf is not None else None
 
@@ -439,12 +439,11 @@ def _write_compressing(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
         lens: list[int] = []
         stream_crcs: list[int] = []
         for k in sorted(made):
-            c = made[k]
-            rows.append((k, c.codec, c.planes, c.frame_bytes, len(lens), c.logical))
-            lens.extend(c.lengths)
-            stream_crcs.extend(c.crcs)
-            segs["length"][k] = c.nbytes
-        made.clear()  # (their data: given back already)
+            codec, planes, frame_bytes, logical, lengths, scrcs = made[k]
+            rows.append((k, codec, planes, frame_bytes, len(lens), logical))
+            lens.extend(lengths)
+            stream_crcs.extend(scrcs)
+            segs["length"][k] = sum(lengths)
         segs["pad"] = (-segs["length"].astype(np.int64)) % ALIGN
         padded = segs["length"] + segs["pad"]
         segs["offset"][0:1] = SUPERBLOCK_SIZE
