@@ -6,8 +6,15 @@ frozen base of >= 95% of the bytes, adapters that change every step) and an embe
 of which 2% of the rows (at random) change every step. Each is compared with the same saves
 written whole, in paired rounds (the order flipped each round); wall times, and the
 process's CPU time (all its threads: on a loaded machine, the work done). Usage:
-``python bench/bench_incremental.py [--mb 256] [--steps 8] [--rounds 3] [--cold]`` (``--cold``:
+``python bench/bench_incremental.py [--mb 256] [--steps 8] [--rounds 3] [--cold] [--dim 256]
+[--only lora|embedding]`` (``--cold``:
 each restore reads the directory's files from the disk, not the page cache; best of 3).
+
+``--long 30 [--sources 8 16]``: one run of that many steps of the embedding table per
+compaction bound (the ``incremental_sources`` knob; ``incremental_pieces`` scaled with it):
+the bytes written per save over the whole run against the bytes that changed, how many saves
+rewrote the table whole, and the restore time of every step against a full file's of the
+same size (alternated, best of 3 each), its median and its worst.
 """
 
 from __future__ import annotations
@@ -26,8 +33,12 @@ import epochal as ep
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import evict  # noqa: E402
 
+from epochal import knobs  # noqa: E402
+
 #: restores read cold (``--cold``)
 COLD = False
+#: the embedding table's row width in float32 values (``--dim``; 256: rows of 1 KiB)
+DIM = 256
 
 
 def lora(mb: int, step: int) -> dict[str, np.ndarray]:
@@ -37,7 +48,8 @@ def lora(mb: int, step: int) -> dict[str, np.ndarray]:
     return {"base": base, "adapter": adapter}
 
 
-def embedding(mb: int, step: int, dim: int = 256) -> dict[str, np.ndarray]:
+def embedding(mb: int, step: int, dim: int = 0) -> dict[str, np.ndarray]:
+    dim = dim or DIM
     rows = mb * (1 << 20) // (4 * dim)
     emb = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
     for s in range(1, step + 1):
@@ -79,6 +91,59 @@ def run(make, mb: int, steps: int, incremental: bool) -> tuple[list[int], list[f
     return sizes, times, best, d, cpus, best_cpu
 
 
+def _restore_ms(d: str, step: int, target: dict[str, np.ndarray]) -> float:
+    best = float("inf")
+    for _ in range(3):
+        with ep.Checkpointer(d, progress=False) as ck:
+            t = time.perf_counter()
+            ck.restore(target, step=step)
+            best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def long_run(mb: int, steps: int, sources: int) -> None:
+    """``steps`` saves of the embedding table under the compaction bound ``sources`` (module doc)."""
+    rows = mb * (1 << 20) // (4 * DIM)
+    emb = np.random.default_rng(0).standard_normal((rows, DIM)).astype(np.float32)
+    d, full = tempfile.mkdtemp(prefix="bench_incr_long_"), tempfile.mkdtemp(prefix="bench_incr_full_")
+    written, changed, times, states = [], [], [], {}
+    try:
+        with knobs.override(incremental_sources=sources, incremental_pieces=2048 * sources // 8), \
+                ep.Checkpointer(d, incremental=True, progress=False) as ck:
+            for s in range(1, steps + 1):
+                if s > 1:
+                    pick = np.random.default_rng(s).choice(rows, rows // 50, replace=False)
+                    emb[pick] += np.float32(s)
+                    changed.append(len(pick) * DIM * 4)
+                t = time.perf_counter()
+                ck.save(s, {"emb": emb})
+                times.append(time.perf_counter() - t)
+                written.append(os.path.getsize(os.path.join(d, f"local.{s}")))
+                states[s] = hash(emb.tobytes())
+        with ep.Checkpointer(full, progress=False) as ck:
+            ck.save(steps, {"emb": emb})
+        target = {"emb": np.zeros_like(emb)}
+        ratios, incr_ms, full_ms = [], [], []
+        for s in range(2, steps + 1):  # alternated: incremental step s, then the full file
+            incr_ms.append(_restore_ms(d, s, target))
+            assert hash(target["emb"].tobytes()) == states[s], s
+            full_ms.append(_restore_ms(full, steps, target))
+            ratios.append(incr_ms[-1] / full_ms[-1])
+        w = np.array(written[1:], dtype=np.float64)
+        whole = int((w >= emb.nbytes).sum())
+        print(f"embedding 2% rows of {DIM * 4} bytes ({mb} MiB), {steps} saves, incremental_sources={sources}")
+        print(f"  written per save (steps 2-{steps}): mean {w.mean() / 2**20:.2f} MiB = "
+              f"{w.sum() / sum(changed):.2f}x the bytes changed ({np.mean(changed) / 2**20:.2f} MiB); "
+              f"{whole} of {steps - 1} saves rewrote the table whole; median save "
+              f"{np.median(times[1:]) * 1e3:.1f} ms, longest {max(times[1:]) * 1e3:.1f} ms")
+        print(f"  restore of each step / a full file's: median {np.median(ratios):.2f}x, worst {max(ratios):.2f}x")
+        print("  per step (written MiB, restore ms incremental / full): " + ", ".join(
+            f"{s}: {w[s - 2] / 2**20:.1f}, {incr_ms[s - 2]:.0f}/{full_ms[s - 2]:.0f}" for s in range(2, steps + 1)))
+    finally:
+        shutil.rmtree(d)
+        shutil.rmtree(full)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=256)
@@ -86,10 +151,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cold", action="store_true",
                     help="restore with the directory's files dropped from the page cache (fsync + DONTNEED)")
+    ap.add_argument("--dim", type=int, default=256, help="the embedding's row width (float32 values)")
+    ap.add_argument("--only", choices=("lora", "embedding"), help="run one of the two states")
+    ap.add_argument("--long", type=int, default=0, help="a long run of this many steps instead (module doc)")
+    ap.add_argument("--sources", type=int, nargs="+", default=[8], help="compaction bounds of the long run")
     a = ap.parse_args()
-    global COLD
-    COLD = a.cold
-    for label, make in (("lora", lora), ("embedding 2% rows", embedding)):
+    global COLD, DIM
+    COLD, DIM = a.cold, a.dim
+    if a.long:
+        for sources in a.sources:
+            long_run(a.mb, a.long, sources)
+        return
+    for label, make in (("lora", lora), (f"embedding 2% rows of {DIM * 4} bytes", embedding)):
+        if a.only and not label.startswith(a.only):
+            continue
         ch = [changed_bytes(make, a.mb, s) for s in range(2, a.steps + 1)]
         save_x, rest_x, ratios, fulls, incs, save_cx, rest_cx = [], [], [], [], [], [], []
         for r in range(a.rounds):  # paired rounds, the order flipped from round to round

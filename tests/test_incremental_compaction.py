@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import epochal as ep
+from epochal import knobs
 from epochal.storage.formats.native import incremental
 from epochal.storage.io.extents import open_db
 
@@ -78,17 +79,16 @@ def _emb_range(path: Path) -> tuple[int, int]:
 
 
 @pytest.mark.system
-def test_compaction_bounds_the_files_a_chunk_spans_and_every_step_restores_bit_exact(tmp_path, monkeypatch):
-    monkeypatch.setattr(incremental, "MAX_SOURCES", 2, raising=False)
+def test_compaction_bounds_the_files_a_chunk_spans_and_every_step_restores_bit_exact(tmp_path):
     d = tmp_path / "ck"
-    with ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
+    with knobs.override(incremental_sources=2), ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
         for s in range(1, 8):
             ck.save(s, {"emb": _table(s)})
     lo, hi = _emb_range(d / "local.1")
     sizes = {s: os.path.getsize(d / f"local.{s}") for s in range(1, 8)}
     spans = {s: _sources_per_chunk(d / f"local.{s}", lo, hi) for s in range(2, 8)}
     for s, per in spans.items():
-        assert max(per) <= 2, (s, per)  # never more than MAX_SOURCES older files per chunk
+        assert max(per) <= 2, (s, per)  # never more than incremental_sources older files per chunk
     table = ROWS * DIM * 4
     # steps 2 and 3 reference one and two older files; step 4 would span three: the table is
     # written whole again, and the steps after it reference it
@@ -103,14 +103,31 @@ def test_compaction_bounds_the_files_a_chunk_spans_and_every_step_restores_bit_e
 
 
 @pytest.mark.system
-def test_a_chunk_cut_into_more_pieces_than_the_bound_is_stored_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(incremental, "MAX_PIECES", 100, raising=False)  # a chunk with 2% of 4096 rows changed: ~160 pieces
-    d = tmp_path / "ck"
-    with ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
+def test_a_chunk_cut_into_more_pieces_than_the_bound_is_stored_whole(tmp_path):
+    d = tmp_path / "ck"  # (a chunk with 2% of 4096 rows changed: ~160 pieces)
+    with knobs.override(incremental_pieces=100), ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
         for s in (1, 2):
             ck.save(s, {"emb": _table(s)})
     assert os.path.getsize(d / "local.2") >= ROWS * DIM * 4
     assert _restore_fresh(d, 2, (ROWS, DIM), tmp_path).tobytes() == _table(2).tobytes()
+
+
+@pytest.mark.system
+def test_the_bound_is_a_knob_read_at_each_save(tmp_path):
+    # the same 9 steps under the default bound (8 older files: step 10 would be the first
+    # rewrite) and under 3 (steps 5 and 9 rewrite the table whole), then the default again
+    # in the same process: only the steps the knob rewrote are the table's size
+    table = ROWS * DIM * 4
+    sizes = {}
+    for bound in (None, 3, None):
+        d = tmp_path / f"ck{len(sizes)}"
+        with knobs.override(**({"incremental_sources": bound} if bound else {})), \
+                ep.Checkpointer(str(d), incremental=True, progress=False) as ck:
+            for s in range(1, 10):
+                ck.save(s, {"emb": _table(s)})
+        sizes[len(sizes)] = [s for s in range(2, 10) if os.path.getsize(d / f"local.{s}") >= table]
+        assert _restore_fresh(d, 9, (ROWS, DIM), tmp_path).tobytes() == _table(9).tobytes()
+    assert sizes == {0: [], 1: [5, 9], 2: []}
 
 
 @pytest.mark.system

@@ -55,6 +55,12 @@ class Knobs:
       so that its next save compares against them instead of reading the step before back;
       freed when the Checkpointer closes. Read when a Checkpointer makes its first
       incremental save. 0 keeps none (every save reads its base).
+    - ``incremental_sources`` and ``incremental_pieces``: compaction of incremental saves
+      (:mod:`epochal.storage.formats.native.incremental`): a content chunk whose bytes would
+      lie in more than this many older files, or be cut into more than this many pieces, is
+      stored whole again. Higher: fewer bytes written over a long run of scattered changes,
+      slower restores of the steps between compactions (more files and pieces to read);
+      lower: the reverse (bench_incremental.py ``--long``, RESULTS). Read at each save.
     """
 
     zero_copy: bool = True
@@ -62,6 +68,8 @@ class Knobs:
     quiet: bool | None = None
     spare_bytes: int = 1 << 30
     kept_bytes: int = 2 << 30
+    incremental_sources: int = 8
+    incremental_pieces: int = 2048
 
 
 _current = Knobs()

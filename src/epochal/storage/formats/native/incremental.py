@@ -19,8 +19,9 @@ start); each chunk is
 * else stored whole.
 
 A chunk saved as runs records no digest (a later save compares its bytes). Compaction: a
-chunk whose references would lie in more than ``MAX_SOURCES`` older files or be cut into
-more than ``MAX_PIECES`` pieces is stored whole again (so reads stay bounded).
+chunk whose references would lie in more than ``incremental_sources`` older files or be cut
+into more than ``incremental_pieces`` pieces (:mod:`epochal.knobs`; 8 and 2,048) is stored
+whole again (so reads stay bounded).
 References name stored bytes of older files (never another reference), so a step is read
 with at most one hop; the base is the newest committed step before this one, whose own
 references are carried over. Everything else (superblock, small segments, padding, index)
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from .... import knobs
 from ....errors import CheckpointError
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
 from ...io.extents import ExtentSource, RefFile
@@ -49,7 +51,7 @@ from .writer import index_bytes, plan_file, write_data
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["CHUNK_BYTES", "DIFF_MAX", "DIFF_UNIT", "MAX_PIECES", "MAX_SOURCES", "MIN_CHUNKED", "write_incremental"]
+__all__ = ["CHUNK_BYTES", "DIFF_MAX", "DIFF_UNIT", "MIN_CHUNKED", "write_incremental"]
 
 #: the content chunk: a segment's bytes are matched in pieces of this size (from its start)
 CHUNK_BYTES = 4 << 20
@@ -59,11 +61,14 @@ MIN_CHUNKED = 64 << 10
 DIFF_UNIT = 256  # (a multiple of 64, at least 128)
 #: a chunk of which more than this fraction changed is stored whole
 DIFF_MAX = 0.5
-#: compaction: a chunk whose bytes would lie in more than this many older files, or in more
-#: than MAX_PIECES pieces, is stored whole again (so a restore reads a bounded number of
-#: files and a step's extent table stops growing once every row has moved)
-MAX_SOURCES = 8
-MAX_PIECES = 2048
+
+
+def _bounded(pieces: np.ndarray) -> bool:
+    """Whether ``pieces`` stay within compaction's bounds (the ``incremental_sources`` and
+    ``incremental_pieces`` knobs): else the chunk is stored whole again, so a restore reads a
+    bounded number of files and a step's extent table stops growing once every row moved."""
+    k = knobs.get()
+    return len(pieces) <= k.incremental_pieces and _sources(pieces) <= k.incremental_sources
 
 
 class _Base:
@@ -251,7 +256,7 @@ def _decide(base: _Base | None, counterpart: dict[int, int], keeper: Keeper | No
     if old_at is not None and base.local:  # the base's bytes are at hand: compare, no hashing
         pieces, changed = _diff(base, old_at, data, buf)
         if pieces is not None:
-            if _sources(pieces) > MAX_SOURCES or len(pieces) > MAX_PIECES:
+            if not _bounded(pieces):
                 return (whole, digest(data)), buf, changed  # compaction: stored again, whole
             same = len(pieces) and bool(np.all(pieces[:, 2] != 0))
             return (pieces, (base.digest_at(old_at, n) if same else None)), buf, changed
@@ -259,11 +264,11 @@ def _decide(base: _Base | None, counterpart: dict[int, int], keeper: Keeper | No
     hit = base.by_digest.get(dig)
     if hit is not None and hit[1] == n:
         pieces = base.resolve(hit[0], n, 0)
-        if _sources(pieces) <= MAX_SOURCES and len(pieces) <= MAX_PIECES:
+        if _bounded(pieces):
             return (pieces, dig), buf, changed
     if old_at is not None and not base.local:
         pieces, _ = _diff(base, old_at, data)
-        if pieces is not None and _sources(pieces) <= MAX_SOURCES and len(pieces) <= MAX_PIECES:
+        if pieces is not None and _bounded(pieces):
             return (pieces, dig), buf, changed
     return (whole, dig), buf, changed
 
