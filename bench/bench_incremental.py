@@ -15,6 +15,10 @@ compaction bound (the ``incremental_sources`` knob; ``incremental_pieces`` scale
 the bytes written per save over the whole run against the bytes that changed, how many saves
 rewrote the table whole, and the restore time of every step against a full file's of the
 same size (alternated, best of 3 each), its median and its worst.
+
+``--runner``: a JobRunner job (one node, the embedding table, ``--steps`` epochs, incremental
+dbs) run whole by ``train()``, its nodes' saves comparing with the bytes they kept against
+reading their base (the ``kept_bytes`` knob at 0), alternated over ``--rounds``.
 """
 
 from __future__ import annotations
@@ -144,6 +148,50 @@ def long_run(mb: int, steps: int, sources: int) -> None:
         shutil.rmtree(full)
 
 
+def runner_run(mb: int, epochs: int, kept: bool) -> tuple[float, float]:
+    """Wall and CPU seconds of one ``train()`` of the JobRunner job (module doc)."""
+    from epochal import (
+        Cluster,
+        DirectoryMetadataHandler,
+        Job,
+        JobRunner,
+        LocalSession,
+        MultiNodeCheckpointManager,
+        Node,
+        Task,
+        Workspace,
+        epoch_limiter,
+    )
+
+    rows = mb * (1 << 20) // (4 * DIM)
+    d = tempfile.mkdtemp(prefix="bench_incr_runner_")
+
+    def init(w):
+        w["emb"] = np.random.default_rng(0).standard_normal((rows, DIM)).astype(np.float32)
+        w["e"] = np.int64(0)
+
+    def step(w):
+        e = int(w["e"]) + 1
+        w["emb"][np.random.default_rng(e).choice(rows, rows // 50, replace=False)] += np.float32(e)
+        w["e"] = np.int64(e)
+
+    try:
+        with Cluster():
+            with Job(nodes_to_checkpoint=["n0"]) as job:
+                with Node("n0"):
+                    with job.init_group:
+                        Task(step=init)
+                    epoch_limiter(job, epochs)
+                    Task(step=step)
+            manager = MultiNodeCheckpointManager(d, "native", metadata_handler=DirectoryMetadataHandler(incremental=True))
+            with knobs.override(kept_bytes=(2 << 30) if kept else 0):
+                t, c = time.perf_counter(), time.process_time()
+                JobRunner(job, manager, progress=False).train(LocalSession(Workspace()))
+                return time.perf_counter() - t, time.process_time() - c
+    finally:
+        shutil.rmtree(d)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=256)
@@ -155,9 +203,22 @@ def main() -> None:
     ap.add_argument("--only", choices=("lora", "embedding"), help="run one of the two states")
     ap.add_argument("--long", type=int, default=0, help="a long run of this many steps instead (module doc)")
     ap.add_argument("--sources", type=int, nargs="+", default=[8], help="compaction bounds of the long run")
+    ap.add_argument("--runner", action="store_true", help="a JobRunner job instead (module doc)")
     a = ap.parse_args()
     global COLD, DIM
     COLD, DIM = a.cold, a.dim
+    if a.runner:
+        got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        for r in range(a.rounds):
+            for kept in ((True, False) if r % 2 else (False, True)):
+                got[kept].append(runner_run(a.mb, a.steps, kept))
+        for kept in (True, False):
+            print(f"  train(), nodes' saves {'kept' if kept else 'read'} (wall/CPU ms): "
+                  + " ".join(f"{w * 1e3:.0f}/{c * 1e3:.0f}" for w, c in got[kept]))
+        pairs = list(zip(got[True], got[False]))
+        print(f"JobRunner, {a.steps} epochs of a {a.mb} MiB table, {a.rounds} rounds: train() kept / read: wall "
+              f"{np.median([k[0] / r[0] for k, r in pairs]):.2f}x, CPU {np.median([k[1] / r[1] for k, r in pairs]):.2f}x")
+        return
     if a.long:
         for sources in a.sources:
             long_run(a.mb, a.long, sources)

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -209,4 +210,90 @@ def test_dcp_saves_compare_with_the_kept_bytes_of_the_writer_and_restore_bit_exa
         dcp.save({"emb": torch.from_numpy(_table(5))},
                  storage_writer=EpochalStorageWriter(d, step=5, incremental=True))
         assert reads[-1] == TABLE  # the base read whole, compared as before
+    _verify(d)
+
+
+NODE_JOB_ROWS = 4096  # per node: an 8 MiB table of 2 KiB rows (two content chunks)
+
+
+def _node_job(d: Path, epochs: int, ws: Any) -> int:
+    """A JobRunner job of two nodes, each with a table of which 2% of the rows change per
+    epoch, saved by a MultiNodeCheckpointManager with incremental dbs."""
+    from epochal import (
+        Cluster,
+        DirectoryMetadataHandler,
+        Job,
+        JobRunner,
+        LocalSession,
+        MultiNodeCheckpointManager,
+        Node,
+        Task,
+        epoch_limiter,
+    )
+
+    def init(w: Any) -> None:
+        for node in ("n0", "n1"):
+            w[f"{node}/emb"] = _table(0)[:NODE_JOB_ROWS].copy()
+            w[f"{node}/epoch"] = np.int64(0)
+
+    def step(node: str) -> Any:
+        def run(w: Any) -> None:
+            e = int(w[f"{node}/epoch"]) + 1
+            emb = w[f"{node}/emb"].copy()
+            emb[np.random.default_rng(e + 100 * (node == "n1")).choice(NODE_JOB_ROWS, NODE_JOB_ROWS // 50,
+                                                                          replace=False)] += np.float32(e)
+            w[f"{node}/emb"], w[f"{node}/epoch"] = emb, np.int64(e)
+        return run
+
+    with Cluster():
+        with Job(nodes_to_checkpoint=["n0", "n1"]) as job:
+            with Node("n0"):
+                with job.init_group:
+                    Task(step=init)
+                epoch_limiter(job, epochs)
+                Task(step=step("n0"))
+            with Node("n1"):
+                Task(step=step("n1"))
+        manager = MultiNodeCheckpointManager(str(d), "native",
+                                             metadata_handler=DirectoryMetadataHandler(incremental=True))
+        return JobRunner(job, manager, progress=False).train(LocalSession(ws))
+
+
+def test_the_job_runners_nodes_compare_with_their_kept_bytes(tmp_path, reads, monkeypatch):
+    from epochal import CheckpointDirectory, Workspace
+    from epochal.storage.formats.native import kept
+
+    write = incremental.write_incremental
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        reads.append(0)  # (one total per save: the fixture adds to the last)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(incremental, "write_incremental", counted)
+    d = tmp_path / "ck"
+    ws = Workspace()
+    assert _node_job(d, 4, ws) == 4
+    # epochs 0..4, two nodes: each save after a node's first compared with its kept bytes
+    assert len(reads) == 10 and reads == [0] * 10, reads
+    assert not kept._NODES  # freed as train ended
+    assert CheckpointDirectory(str(d)).committed_epochs() == [0, 1, 2, 3, 4]
+    # the same directory resumed by a new train(): its first save of each node reads its base
+    # (nothing kept across runs), the next ones do not
+    reads.clear()
+    assert _node_job(d, 6, ws) == 6
+    assert len(reads) == 4 and all(r > 0 for r in reads[:2]) and reads[2:] == [0, 0], reads
+    # each node's db of the last epoch (the seed's nodes each save the whole blob list): the
+    # tables the nodes had, read in a fresh process
+    want = {f"{node}/emb": ws[f"{node}/emb"] for node in ("n0", "n1")}
+    dbs = sorted(str(p) for p in d.rglob("*.6") if p.is_file())
+    assert [os.path.basename(p) for p in dbs] == ["n0.6", "n1.6"], dbs
+    code = ("import sys, numpy as np\nfrom epochal.storage.formats.base import get_db_type\n"
+            "for i, path in enumerate(sys.argv[2:]):\n"
+            "    got = get_db_type('native').read(path)\n"
+            "    np.savez(f'{sys.argv[1]}/{i}.npz', **{k.replace('/', '_'): got[k] for k in ('n0/emb', 'n1/emb')})\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path), *dbs], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for i in range(2):
+        got = np.load(tmp_path / f"{i}.npz")
+        assert all(got[k.replace("/", "_")].tobytes() == want[k].tobytes() for k in want), dbs[i]
     _verify(d)

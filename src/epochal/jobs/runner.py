@@ -30,6 +30,7 @@ from ..checkpoint.tasks.handler_calls import NO_RECORDS
 from ..checkpoint.tasks.handles import CheckpointManagerLike, PartialLoads, SessionSave
 from ..checkpoint.tier import Source, check_args
 from ..errors import NodeLostError, Preempted
+from ..storage.formats.native.kept import release as release_kept
 from .blobs import metric_output, metric_values, output_names, warn_added_blobs, warn_untracked
 from .cadence import Cadence
 from .events import DEFAULT_DISPLAY, CheckpointEvent, RunListener, auto_progress
@@ -204,6 +205,7 @@ class JobRunner:
             raise
         finally:
             close_process_saver()  # its writer thread and snapshot pool (when nothing is pending)
+            release_kept()  # the nodes' kept bytes of incremental saves (memory)
             try:
                 if manager:
                     self._engine.close(flush=flush)

@@ -287,7 +287,8 @@ class SaveBlobs:
         #: this one; set just before the save runs), a native db only (docs/format.md)
         self.incremental = False
         self.base: str | None = None
-        #: the bytes the last save in this folder kept (a KeptBytes of the saver; None: none)
+        #: the bytes the last save in this folder kept (a KeptBytes of the saver; None: the
+        #: node's, in the process that runs the save: kept.for_node)
         self.kept: Any = None
 
     def writer(self) -> Callable[[str, Mapping[str, Any]], int]:
@@ -296,9 +297,12 @@ class SaveBlobs:
             return get_db_type(self.db_type).write
         if self.db_type != "native":
             raise CheckpointError(f"incremental saves write native dbs, not {self.db_type!r}")
+        from ...storage.formats.native import kept as kept_bytes
         from ...storage.formats.native.incremental import write_incremental
 
         base, step, kept = self.base, self.epoch, self.kept
+        if kept is None and not is_url(self.db):  # a node's saves: kept in its own process
+            kept = kept_bytes.for_node(self.db, self.node)
         return lambda path, blobs: write_incremental(path, blobs, base=base, step=step, kept=kept)
 
     def _where(self) -> str:

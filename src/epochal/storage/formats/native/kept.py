@@ -16,7 +16,8 @@ reads the base as before. A save takes the kept bytes for itself as it starts an
 the new ones only once it has committed, so a failed save leaves none.
 
 A :class:`KeptBytes` belongs to whoever saves in the folder (the ``Checkpointer``: freed with
-it); the ``kept_bytes`` knob (:mod:`epochal.knobs`, 2 GiB; 0 keeps none) bounds its memory,
+it; a JobRunner's node: :func:`for_node`, held by the process that runs the node's saves
+until :func:`release`, which ``JobRunner.train`` calls as it ends); the ``kept_bytes`` knob (:mod:`epochal.knobs`, 2 GiB; 0 keeps none) bounds its memory,
 chunks past it are not kept (their next save reads
 them). While a save runs, buffers of the save before that it has not reused yet are held too.
 """
@@ -34,7 +35,7 @@ from .... import knobs
 
 logger = logging.getLogger("epochal")
 
-__all__ = ["KeptBytes", "Keeper"]
+__all__ = ["KeptBytes", "Keeper", "for_node", "release"]
 
 _Ident = tuple[int, int, int, int, int]
 
@@ -133,3 +134,28 @@ class KeptBytes:
                          path, entry.file, base)
             return Keeper(self, folder, {}, self.budget)
         return Keeper(self, folder, entry.chunks, self.budget)
+
+
+#: the kept bytes of the JobRunner's nodes, by (folder, node), in the process that runs a
+#: node's saves (a save task crosses to that process without them; see :func:`for_node`)
+_NODES: dict[tuple[str, str], KeptBytes] = {}
+_nodes_lock = threading.Lock()
+
+
+def for_node(db: str, node: str) -> KeptBytes:
+    """The kept bytes of ``node``'s saves in the folder of the local db ``db``, made on the
+    first incremental save of that node in this process (at most the ``kept_bytes`` knob
+    each) and held until :func:`release`."""
+    key = (os.path.dirname(os.path.abspath(db)), node)
+    with _nodes_lock:
+        kept = _NODES.get(key)
+        if kept is None:
+            kept = _NODES[key] = KeptBytes()
+        return kept
+
+
+def release() -> None:
+    """Free every node's kept bytes in this process (a JobRunner's ``train`` ended: its next
+    run's first saves read their base)."""
+    with _nodes_lock:
+        _NODES.clear()
