@@ -225,6 +225,47 @@ def test_incremental_and_compressed_steps_restore_bit_exact(tmp_path: Path) -> N
         assert flat is not None and flat.view(np.uint32).tobytes() == _flat(_state(s)).view(np.uint32).tobytes()
 
 
+@pytest.mark.system
+def test_a_compressed_incremental_save_compresses_each_segment_as_it_streams(tmp_path: Path, monkeypatch) -> None:
+    """With compression, a segment is compressed when the write reaches it (its chunks are
+    known only then), not all first: each compression follows the extents written for the
+    segment before it; the logical file is byte for byte write_native's of the same blobs."""
+    pytest.importorskip("zstandard")
+    from epochal.storage.encoding.compress import WriteOptions, write_options
+    from epochal.storage.formats.native import compressing
+    from epochal.storage.formats.native.incremental import write_incremental
+    from epochal.storage.formats.native.writer import write_native
+    from epochal.storage.io.extents import open_db
+    from epochal.storage.io.extents.sink import ExtentSink
+
+    events: list[str] = []
+    real_compress, real_add = compressing.compress_segment, ExtentSink.add_chunks
+    monkeypatch.setattr(compressing, "compress_segment", lambda *a, **k: events.append("compress") or real_compress(*a, **k))
+    monkeypatch.setattr(ExtentSink, "add_chunks", lambda self, c: events.append("chunks") or real_add(self, c))
+    blobs = [_state(s) for s in (1, 2)]
+    blobs[1]["ints"] = np.arange(1 << 20, dtype=np.int64)  # (8 MiB more, after the floats)
+    with write_options(WriteOptions(compression="zstd")):
+        write_incremental(tmp_path / "local.1", blobs[0], step=1)
+        events.clear()
+        write_incremental(tmp_path / "local.2", blobs[1], base=str(tmp_path / "local.1"), step=2)
+        n = len(events)
+        write_native(tmp_path / "full.2", blobs[1])
+    # each segment of 64 KiB or more (base, emb, ints) chunked right after it is compressed
+    # (the 16 KiB adapter is compressed and stored whole)
+    got = events[:n]
+    assert got.count("chunks") == 3 and all(got[i - 1] == "compress" for i, e in enumerate(got) if e == "chunks"), got
+    src = open_db(str(tmp_path / "local.2"))
+    try:
+        logical = src.read(src.size(), 0)
+    finally:
+        src.close()
+    assert logical == (tmp_path / "full.2").read_bytes()
+    assert os.path.getsize(tmp_path / "local.2") < os.path.getsize(tmp_path / "full.2") / 2  # the base referenced
+    v = subprocess.run([sys.executable, "-m", "epochal", "verify", str(tmp_path / "local.2")], capture_output=True,
+                       text=True, timeout=120)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
 def test_the_format_docs_numpy_reader_rebuilds_an_incremental_db(tmp_path: Path) -> None:
     """docs/format.md's plain-numpy reader of an extent file, run as printed: the logical
     bytes it rebuilds are those every reader sees, a native db holding step 3's values."""

@@ -40,14 +40,15 @@ import numpy as np
 
 from .... import knobs
 from ....errors import CheckpointError
-from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
+from ...io.checksum import checksum_function, default_algorithm
 from ...io.extents import ExtentSource, RefFile
 from ...io.extents.sink import ExtentSink, digest
 from ...io.seam import committed, is_url, store_for
+from .compressing import Compressing
 from .kept import Keeper, KeptBytes
-from .layout import SUPERBLOCK_SIZE, pack_superblock
+from .layout import SUPERBLOCK_SIZE
 from .reads.ranges import RangedFile
-from .writer import index_bytes, plan_file, write_data
+from .writer import finish, plan_file, write_data
 
 logger = logging.getLogger("epochal")
 
@@ -280,59 +281,71 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
     the newest committed step before this one, same folder; None: none) does not hold.
     ``kept``: the bytes the last save in this folder kept (:mod:`.kept`): compared with
     instead of the base's when they are still its; this save's are kept there once it
-    commits. Atomic and durable as a full save. Returns the bytes written (the file's size)."""
+    commits. With compression, each segment is compressed as the stream reaches it (as
+    write_native does), so its chunks are known only then. Atomic and durable as a full save.
+    Returns the bytes written (the file's size)."""
     path = os.fspath(path)
     algorithm = algorithm or default_algorithm()
     fn = checksum_function(algorithm)
-    plan = plan_file(blobs)
-    file_size = plan.index_offset + plan.index_length
+    plan = plan_file(blobs, fn=fn, defer=True)
+    lazy = Compressing(plan, fn) if plan.lazy else None
     refs: list[RefFile] = []
     old = _open_base(base, path, refs)
     keeper = None if kept is None or is_url(path) else kept.take(
         path, base if old is not None else None, [f.file for f in old.files] if old is not None else [])
     try:
-        chunks: list[tuple[int, int]] = []
         counterpart: dict[int, int] = {}
-        names = None
         seg_blob = np.repeat(np.arange(len(plan.recs)), plan.recs["seg_count"].astype(np.int64))
-        big = np.flatnonzero(plan.segs["length"] >= MIN_CHUNKED)
-        for s in big.tolist():
-            off, ln = int(plan.segs["offset"][s]), int(plan.segs["length"][s])
+        names: list[str] = []
+
+        def chunks_of(s: int, off: int, ln: int) -> list[tuple[int, int]]:
+            """The content chunks of segment ``s``, ``ln`` bytes at logical ``off``, and their
+            counterparts in the base (its same blob's same segment, when as long)."""
             at = None
             if old is not None:
-                if names is None:
+                if not names:
                     heap, recs = plan.names_heap, plan.recs
-                    names = [heap[o:o + n].decode("utf-8", "surrogatepass")
-                             for o, n in zip(recs["name_off"].tolist(), recs["name_len"].tolist())]
+                    names.extend(heap[o:o + n].decode("utf-8", "surrogatepass")
+                                 for o, n in zip(recs["name_off"].tolist(), recs["name_len"].tolist()))
                 b = int(seg_blob[s])
                 at = old.same_segment(names[b], s - int(plan.recs["seg_first"][b]), ln)
-            for c in range(0, ln, CHUNK_BYTES):
-                chunks.append((off + c, min(CHUNK_BYTES, ln - c)))
-                if at is not None:
-                    counterpart[off + c] = at + c
-        inner = store_for(path).create(path, size=file_size)
+            if at is not None:
+                counterpart.update((off + c, at + c) for c in range(0, ln, CHUNK_BYTES))
+            return [(off + c, min(CHUNK_BYTES, ln - c)) for c in range(0, ln, CHUNK_BYTES)]
+
+        big = np.flatnonzero(plan.segs["length"] >= MIN_CHUNKED).tolist()
+        chunks: list[tuple[int, int]] = []
+        if lazy is None:
+            for s in big:
+                chunks += chunks_of(s, int(plan.segs["offset"][s]), int(plan.segs["length"][s]))
+        inner = store_for(path).create(path, size=None if lazy else plan.index_offset + plan.index_length)
         try:
-            out = ExtentSink(inner, algorithm, file_size, chunks,
+            out = ExtentSink(inner, algorithm, None if lazy else plan.index_offset + plan.index_length, chunks,
                              lambda lo, data: _pieces(old, counterpart, keeper, lo, data), refs,
                              step=step, breaks=[SUPERBLOCK_SIZE])
         except BaseException:
             inner.abort()
             raise
+
+        def produce(k: int) -> tuple[Any, int, Any]:  # (a segment, when the stream reaches it)
+            assert lazy is not None
+            view, pad, done = lazy.produce(k)
+            if view.nbytes >= MIN_CHUNKED:
+                out.add_chunks(chunks_of(k, out.pos, view.nbytes))
+            return view, pad, done
+
         with committed(out):
-            crcs = write_data(out, plan, algorithm, chunk=CHUNK_BYTES)
-            nseg = len(plan.segs)
-            plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
-            plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
-            index = index_bytes(plan)
-            out.write(index)
-            out.patch(0, pack_superblock(
-                ALGORITHM_IDS[algorithm], plan.index_offset, plan.index_length, file_size,
-                len(plan.recs), len(plan.segs), plan.data_bytes, fn(index, 0), fn, plan.version,
-            ))
+            if lazy is None:
+                crcs = write_data(out, plan, algorithm, chunk=CHUNK_BYTES)
+                nseg = len(plan.segs)
+                plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
+                plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
+                finish(out, plan, algorithm, fn)
+            else:  # (every chunked segment made when reached: its offset follows the stored lengths)
+                finish(out, lazy.laid_out(lazy.stream(out, CHUNK_BYTES, tuple(big), produce)), algorithm, fn)
         if keeper is not None:
             keeper.commit(path, [r.file for r in refs])
         return out.phys
     finally:
-        plan.release()  # (compressed segments' buffers, for the next save)
         if old is not None:
             old.close()

@@ -7,12 +7,11 @@ from the values' memory, checksummed on a background thread; :func:`write_native
 appends the index, fills in the superblock and commits the file through the byte store
 (local: temp name, fsync, rename, directory fsync). With compression, the segments to
 compress are laid out at their raw lengths and compressed one at a time as the stream reaches
-them (:func:`_write_compressing`); the layout then follows their stored lengths.
+them (:mod:`.compressing`); the layout then follows their stored lengths.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -59,7 +58,7 @@ from .layout import (
     pack_superblock,
 )
 
-__all__ = ["Plan", "index_bytes", "plan_file", "write_data", "write_native"]
+__all__ = ["Plan", "finish", "index_bytes", "plan_file", "write_data", "write_native"]
 
 _ZEROS = memoryview(bytes(ALIGN))
 _EMPTY = memoryview(b"")
@@ -400,71 +399,26 @@ def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algo
     fn = checksum_function(algorithm)
     plan = plan_file(blobs, options, fn, defer=True)
     if plan.lazy:
-        return _write_compressing(path, plan, algorithm, fn)
+        from .compressing import write_compressing  # (it builds on this module)
+
+        return write_compressing(path, plan, algorithm, fn)
     try:
         return _write_planned(path, plan, algorithm, fn)
     finally:
         plan.release()
 
 
-def _write_compressing(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
-    """Write a file whose segments ``plan.lazy`` are compressed as the write reaches them,
-    one at a time, each written and its buffer given back (once its checksum is taken) for
-    the next: a compressed save holds one or two segments' compressed bytes, not the whole
-    file's, and reuses their memory within the save. The layout is then that of the stored
-    lengths (the same bytes as compressing every segment first): the index is written after
-    the data and the superblock last, as always; the file's size is known only at the end."""
-    options = plan.options
-    assert options is not None
-    made: dict[int, tuple[int, int, int, int, list[int], list[int]]] = {}
-
-    def produce(k: int) -> tuple[Any, int, Any]:
-        c = compress_segment(plan.views[k], plan.widths[k], options, fn)
-        if c is None:  # (stored raw)
-            v = plan.views[k]
-            return v, -v.nbytes % ALIGN, None
-        made[k] = (c.codec, c.planes, c.frame_bytes, c.logical, c.lengths, c.crcs)  # (not its bytes)
-        buf = c.buffer
-        return c.data, -c.nbytes % ALIGN, (lambda: SPARES.give_back([buf])) if buf is not None else None
-
-    g = plan.groups
-    with committed(store_for(path).create(path)) as out:
-        crcs = stream_segments(
-            out, fn, plan.views, plan.segs["length"].tolist(), batch_bytes=tuning.BATCH_BYTES,
-            pads=plan.segs["pad"].tolist(), head=[_ZEROS], big=tuning.BIG_SEGMENT, chunk=tuning.CHUNK,
-            groups=list(zip(g["seg_first"].tolist(), g["seg_count"].tolist())), produce=produce, lazy=plan.lazy,
-        )
-        segs = plan.segs.copy()
-        rows: list[tuple[int, int, int, int, int, int]] = []
-        lens: list[int] = []
-        stream_crcs: list[int] = []
-        for k in sorted(made):
-            codec, planes, frame_bytes, logical, lengths, scrcs = made[k]
-            rows.append((k, codec, planes, frame_bytes, len(lens), logical))
-            lens.extend(lengths)
-            stream_crcs.extend(scrcs)
-            segs["length"][k] = sum(lengths)
-        segs["pad"] = (-segs["length"].astype(np.int64)) % ALIGN
-        padded = segs["length"] + segs["pad"]
-        segs["offset"][0:1] = SUPERBLOCK_SIZE
-        if len(segs) > 1:
-            segs["offset"][1:] = SUPERBLOCK_SIZE + np.cumsum(padded[:-1])
-        nseg = len(segs)
-        segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
-        plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
-        streams = np.zeros(len(lens), dtype=STREAM_DTYPE)
-        streams["length"], streams["crc"] = lens, stream_crcs
-        done = dataclasses.replace(
-            plan, segs=segs, coded=np.array(rows, dtype=CODED_DTYPE) if rows else _NO_CODED, streams=streams,
-            index_offset=SUPERBLOCK_SIZE + int(padded.sum()), data_bytes=int(segs["length"].sum()), lazy=(),
-        )
-        index = index_bytes(done)
-        file_size = done.index_offset + len(index)
-        out.write(index)
-        out.patch(0, pack_superblock(
-            ALGORITHM_IDS[algorithm], done.index_offset, len(index), file_size, len(done.recs), nseg,
-            done.data_bytes, fn(index, 0), fn, done.version,
-        ))
+def finish(out: ByteSink, plan: Plan, algorithm: str, fn: Any) -> int:
+    """Append the index of ``plan`` (its data checksums filled in) to ``out`` after the data
+    and fill in the superblock; return the file's size."""
+    index = index_bytes(plan)
+    assert len(index) == plan.index_length
+    file_size = plan.index_offset + len(index)
+    out.write(index)
+    out.patch(0, pack_superblock(
+        ALGORITHM_IDS[algorithm], plan.index_offset, len(index), file_size, len(plan.recs), len(plan.segs),
+        plan.data_bytes, fn(index, 0), fn, plan.version,
+    ))
     return file_size
 
 
@@ -482,13 +436,4 @@ def _write_planned(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
         nseg = len(plan.segs)
         plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
         plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
-        index = index_bytes(plan)
-        assert len(index) == plan.index_length
-        index_crc = fn(index, 0)
-        out.write(index)
-        sb = pack_superblock(
-            ALGORITHM_IDS[algorithm], plan.index_offset, plan.index_length, file_size,
-            len(plan.recs), len(plan.segs), plan.data_bytes, index_crc, fn, plan.version,
-        )
-        out.patch(0, sb)
-    return file_size
+        return finish(out, plan, algorithm, fn)

@@ -50,13 +50,14 @@ def digest(data: Any) -> bytes:
 
 
 class ExtentSink:
-    """A ByteSink for a logical file of ``logical_size`` bytes that writes an extent file to
-    ``inner``. ``chunks``: sorted, disjoint ``(logical offset, length)`` content chunks;
-    ``breaks``: logical offsets where a stored extent must end (so a later :meth:`patch` of
-    the range before one replaces a whole extent); ``refs``: the referenced files, filled in
-    by ``decide`` as it references them."""
+    """A ByteSink for a logical file of ``logical_size`` bytes (None: as many as are written)
+    that writes an extent file to ``inner``. ``chunks``: sorted, disjoint ``(logical offset,
+    length)`` content chunks (more may follow, :meth:`add_chunks`); ``breaks``: logical offsets
+    where a stored extent must end (so a later :meth:`patch` of the range before one replaces
+    a whole extent); ``refs``: the referenced files, filled in by ``decide`` as it references
+    them."""
 
-    def __init__(self, inner: ByteSink, algorithm: str, logical_size: int, chunks: Sequence[tuple[int, int]],
+    def __init__(self, inner: ByteSink, algorithm: str, logical_size: int | None, chunks: Sequence[tuple[int, int]],
                  decide: Decide, refs: list[RefFile], *, step: int = -1, breaks: Sequence[int] = ()) -> None:
         self.inner, self.name = inner, inner.name
         self.algorithm, self.fn = algorithm, checksum_function(algorithm)
@@ -80,6 +81,16 @@ class ExtentSink:
         inner.write(bytes(HEAD_SIZE))
 
     # ---- the stream
+    def add_chunks(self, chunks: Sequence[tuple[int, int]]) -> None:
+        """More content chunks, after the known ones and at or past the bytes received (a
+        segment whose stored length is known only when the stream reaches it)."""
+        last = self.chunks[-1][0] + self.chunks[-1][1] if self.chunks else 0
+        for start, ln in chunks:
+            if start < max(last, self.pos) or ln <= 0:
+                raise ValueError(f"{self.name}: content chunk at {start} overlaps what came before")
+            self.chunks.append((start, ln))
+            last = start + ln
+
     def write(self, buffer: Any) -> int:
         bufs = buffer if isinstance(buffer, (list, tuple)) else [buffer]
         total = 0
@@ -112,7 +123,7 @@ class ExtentSink:
                 return mv[n:]
             limit = start
         else:
-            limit = self.logical_size
+            limit = self.logical_size if self.logical_size is not None else self.pos + mv.nbytes
         for b in self.breaks:
             if b > self.pos:
                 limit = min(limit, b)
@@ -249,6 +260,8 @@ class ExtentSink:
         return head, tables
 
     def commit(self) -> None:
+        if self.logical_size is None:
+            self.logical_size = self.pos
         if self.pos != self.logical_size:
             raise ValueError(f"{self.name}: {self.pos} of {self.logical_size} logical bytes written")
         head, tables = self.tables()
