@@ -148,8 +148,9 @@ def long_run(mb: int, steps: int, sources: int) -> None:
         shutil.rmtree(full)
 
 
-def runner_run(mb: int, epochs: int, kept: bool) -> tuple[float, float]:
-    """Wall and CPU seconds of one ``train()`` of the JobRunner job (module doc)."""
+def runner_run(mb: int, epochs: int, kept: bool) -> tuple[float, float, float]:
+    """Wall and CPU seconds of one ``train()`` of the JobRunner job (module doc), and the
+    median of its saves after the first two (the runner's events: incremental ones)."""
     from epochal import (
         Cluster,
         DirectoryMetadataHandler,
@@ -158,10 +159,18 @@ def runner_run(mb: int, epochs: int, kept: bool) -> tuple[float, float]:
         LocalSession,
         MultiNodeCheckpointManager,
         Node,
+        RunListener,
         Task,
         Workspace,
         epoch_limiter,
     )
+
+    saves: list[float] = []
+
+    class Saves(RunListener):
+        def on_checkpoint(self, event) -> None:
+            if event.action == "checkpoint_save" and event.ok:
+                saves.append(event.seconds)
 
     rows = mb * (1 << 20) // (4 * DIM)
     d = tempfile.mkdtemp(prefix="bench_incr_runner_")
@@ -186,8 +195,8 @@ def runner_run(mb: int, epochs: int, kept: bool) -> tuple[float, float]:
             manager = MultiNodeCheckpointManager(d, "native", metadata_handler=DirectoryMetadataHandler(incremental=True))
             with knobs.override(kept_bytes=(2 << 30) if kept else 0):
                 t, c = time.perf_counter(), time.process_time()
-                JobRunner(job, manager, progress=False).train(LocalSession(Workspace()))
-                return time.perf_counter() - t, time.process_time() - c
+                JobRunner(job, manager, listeners=[Saves()], progress=False).train(LocalSession(Workspace()))
+                return time.perf_counter() - t, time.process_time() - c, float(np.median(saves[2:]))
     finally:
         shutil.rmtree(d)
 
@@ -208,15 +217,16 @@ def main() -> None:
     global COLD, DIM
     COLD, DIM = a.cold, a.dim
     if a.runner:
-        got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        got: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
         for r in range(a.rounds):
             for kept in ((True, False) if r % 2 else (False, True)):
                 got[kept].append(runner_run(a.mb, a.steps, kept))
         for kept in (True, False):
-            print(f"  train(), nodes' saves {'kept' if kept else 'read'} (wall/CPU ms): "
-                  + " ".join(f"{w * 1e3:.0f}/{c * 1e3:.0f}" for w, c in got[kept]))
+            print(f"  train(), nodes' saves {'kept' if kept else 'read'} (train wall/CPU, median save, ms): "
+                  + " ".join(f"{w * 1e3:.0f}/{c * 1e3:.0f}/{m * 1e3:.1f}" for w, c, m in got[kept]))
         pairs = list(zip(got[True], got[False]))
-        print(f"JobRunner, {a.steps} epochs of a {a.mb} MiB table, {a.rounds} rounds: train() kept / read: wall "
+        print(f"JobRunner, {a.steps} epochs of a {a.mb} MiB table, {a.rounds} rounds, kept / read: median save "
+              f"{np.median([k[2] / r[2] for k, r in pairs]):.2f}x; train() wall "
               f"{np.median([k[0] / r[0] for k, r in pairs]):.2f}x, CPU {np.median([k[1] / r[1] for k, r in pairs]):.2f}x")
         return
     if a.long:
