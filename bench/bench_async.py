@@ -375,7 +375,7 @@ def _write_from_shm(name: str, shapes: list[tuple[int, ...]], path: str) -> None
     """(In a worker process) write the arrays laid out in shared memory ``name``."""
     from multiprocessing import shared_memory
 
-    from epochal.storage.formats.native.writer import write_native
+    from epochal.storage.formats.native.write import write_native
 
     shm = shared_memory.SharedMemory(name=name)
     at, blobs = 0, {}
@@ -410,7 +410,7 @@ def gil(arrays: list[np.ndarray], directory: str, rounds: int) -> None:
         at += x.nbytes
     pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
     pool.submit(time.sleep, 0).result()  # started before the timing
-    from epochal.storage.formats.native.writer import write_native
+    from epochal.storage.formats.native.write import write_native
 
     def thread(interval: float) -> float:
         saver = BackgroundSaver(switch_interval=interval)

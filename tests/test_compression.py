@@ -21,7 +21,8 @@ from epochal import Checkpointer
 from epochal.errors import CheckpointCorruptError
 from epochal.storage.encoding import compress
 from epochal.storage.encoding.compress import WriteOptions
-from epochal.storage.formats.native import NativeFile, compressing, stat_native, write_native
+from epochal.storage.formats.native import NativeFile, stat_native, write_native
+from epochal.storage.formats.native import write as native_write
 from epochal.storage.formats.native import writer as native_writer
 from epochal.storage.formats.native.reads import coded as coded_path
 
@@ -233,7 +234,7 @@ def test_async_save_compresses_on_the_background_writer(tmp_path, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(native_writer, "compress_segment", spy)  # (segments compressed first)
-    monkeypatch.setattr(compressing, "compress_segment", spy)  # (... as the stream reaches them)
+    monkeypatch.setattr(native_write, "compress_segment", spy)  # (... as the stream reaches them)
     model = torch.nn.Linear(400, 300).to(torch.bfloat16)
     state = {"model": model, "step_weights": torch.randn(200_000) * 0.02}
     want = {k: v.clone() for k, v in model.state_dict().items()}

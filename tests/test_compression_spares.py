@@ -174,7 +174,7 @@ def test_a_file_compressed_segment_by_segment_is_the_file_compressed_all_first(t
     """write_native compresses each segment as the write reaches it; the file is byte for
     byte the one laid out after compressing every segment first (offsets, paddings, index,
     groups, superblock), and reads back bit-exact."""
-    from epochal.storage.formats.native import writer
+    from epochal.storage.formats.native import write, writer
     from epochal.storage.io.checksum import checksum_function, default_algorithm
 
     blobs = _mixed()
@@ -184,7 +184,7 @@ def test_a_file_compressed_segment_by_segment_is_the_file_compressed_all_first(t
     fn = checksum_function(default_algorithm())
     plan = writer.plan_file(blobs, options, fn)  # (every segment compressed first)
     assert not plan.lazy and len(plan.coded) == 4 and len(plan.groups) >= 1
-    writer._write_planned(str(tmp_path / "planned.db"), plan, default_algorithm(), fn)
+    write._write_planned(str(tmp_path / "planned.db"), plan, default_algorithm(), fn)
     a, b = (tmp_path / "streamed.db").read_bytes(), (tmp_path / "planned.db").read_bytes()
     assert len(a) == len(b) and a == b
     got = _read(tmp_path / "streamed.db")

@@ -232,15 +232,15 @@ def test_a_compressed_incremental_save_compresses_each_segment_as_it_streams(tmp
     segment before it; the logical file is byte for byte write_native's of the same blobs."""
     pytest.importorskip("zstandard")
     from epochal.storage.encoding.compress import WriteOptions, write_options
-    from epochal.storage.formats.native import compressing
+    from epochal.storage.formats.native import write as native_write
     from epochal.storage.formats.native.incremental import write_incremental
-    from epochal.storage.formats.native.writer import write_native
+    from epochal.storage.formats.native.write import write_native
     from epochal.storage.io.extents import open_db
     from epochal.storage.io.extents.sink import ExtentSink
 
     events: list[str] = []
-    real_compress, real_add = compressing.compress_segment, ExtentSink.add_chunks
-    monkeypatch.setattr(compressing, "compress_segment", lambda *a, **k: events.append("compress") or real_compress(*a, **k))
+    real_compress, real_add = native_write.compress_segment, ExtentSink.add_chunks
+    monkeypatch.setattr(native_write, "compress_segment", lambda *a, **k: events.append("compress") or real_compress(*a, **k))
     monkeypatch.setattr(ExtentSink, "add_chunks", lambda self, c: events.append("chunks") or real_add(self, c))
     blobs = [_state(s) for s in (1, 2)]
     blobs[1]["ints"] = np.arange(1 << 20, dtype=np.int64)  # (8 MiB more, after the floats)

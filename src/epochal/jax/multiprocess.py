@@ -50,7 +50,7 @@ from ..errors import CheckpointError
 from ..storage.encoding.compress import WriteOptions, write_options
 from ..storage.formats.native.incremental import write_incremental
 from ..storage.formats.native.reader import stat_native
-from ..storage.formats.native.writer import write_native
+from ..storage.formats.native.write import write_native
 from ..storage.io.location import location_for
 from ..storage.io.seam import local_path
 from .background import Agree, PendingSave, agree_off_thread, join_pending, start_pending

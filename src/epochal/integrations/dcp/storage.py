@@ -60,7 +60,7 @@ from ...errors import (
 from ...storage.formats.native.incremental import write_incremental
 from ...storage.formats.native.kept import KeptBytes
 from ...storage.formats.native.reader import stat_native
-from ...storage.formats.native.writer import write_native
+from ...storage.formats.native.write import write_native
 from ...storage.io.location import location_for
 from ...storage.io.seam import is_url, local_path
 from ..distributed import world as _world

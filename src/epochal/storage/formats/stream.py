@@ -52,7 +52,7 @@ def stream_segments(
     order). The views ``lazy`` (none of them in a group) are made only when the write
     reaches them: ``produce(k)`` gives ``(view, pad, done)``, written on its own in pieces as
     a big view is; ``done`` (or None) is called once its checksum is taken (its buffer may
-    then be reused: a compressed segment's, :func:`~.native.writer.write_native`)."""
+    then be reused: a compressed segment's, :func:`~.native.write.write_native`)."""
     n = len(views)
     ck = Checksummer(fn, n + len(groups))
     g_first = np.asarray([a for a, _ in groups], dtype=np.int64)

@@ -35,7 +35,7 @@ from __future__ import annotations
 from .backend import NativeBackend
 from .layout import FORMAT_MAJOR, FORMAT_MINOR, MAGIC, NativeStat
 from .reader import NativeFile, open_native, stat_native
-from .writer import write_native
+from .write import write_native
 
 __all__ = [
     "FORMAT_MAJOR",

@@ -11,7 +11,7 @@ from ...io.extents import ExtentSource
 from ..base import BlobInfo, DbBackend, DbProblem, DbStat, ReadStats, register_db_type
 from .layout import is_native
 from .reader import NativeFile, stat_native
-from .writer import write_native
+from .write import write_native
 
 __all__ = ["NativeBackend"]
 

@@ -1,6 +1,6 @@
 """Incremental native saves: write only the bytes that differ from an older step's file.
 
-:func:`write_incremental` lays the file out exactly as :func:`~.writer.write_native` would (the
+:func:`write_incremental` lays the file out exactly as :func:`~.write.write_native` would (the
 same logical bytes: superblock, segments, index) and streams it into an
 :class:`~epochal.storage.io.extents.sink.ExtentSink`. Every segment of at least
 ``MIN_CHUNKED`` bytes is cut into content chunks of ``CHUNK_BYTES`` (from the segment's
@@ -44,10 +44,10 @@ from ...io.checksum import checksum_function, default_algorithm
 from ...io.extents import ExtentSource, RefFile
 from ...io.extents.sink import ExtentSink, digest
 from ...io.seam import committed, is_url, store_for
-from .compressing import Compressing
 from .kept import Keeper, KeptBytes
 from .layout import SUPERBLOCK_SIZE
 from .reads.ranges import RangedFile
+from .write import Compressing
 from .writer import finish, plan_file, write_data
 
 logger = logging.getLogger("epochal")
@@ -277,7 +277,7 @@ def _decide(base: _Base | None, counterpart: dict[int, int], keeper: Keeper | No
 def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, base: str | None = None,
                       step: int = -1, algorithm: str | None = None, kept: KeptBytes | None = None) -> int:
     """Write ``blobs`` at ``path`` as an incremental db (module doc): the logical file is what
-    :func:`~.writer.write_native` writes; stored are only the bytes that ``base`` (the db of
+    :func:`~.write.write_native` writes; stored are only the bytes that ``base`` (the db of
     the newest committed step before this one, same folder; None: none) does not hold.
     ``kept``: the bytes the last save in this folder kept (:mod:`.kept`): compared with
     instead of the base's when they are still its; this save's are kept there once it

@@ -1,19 +1,16 @@
-"""The native writer: plan the whole file, then stream it.
+"""The native writer's layers: plan the whole file, stream its data, write its index.
 
 :func:`plan_file` encodes every blob and lays the file out (offsets, tables, names, metas)
 before anything touches the disk, so an unsupported blob is reported first. :func:`write_data`
 streams the superblock placeholder and the segments in large sequential writes, straight
-from the values' memory, checksummed on a background thread; :func:`write_native` then
-appends the index, fills in the superblock and commits the file through the byte store
-(local: temp name, fsync, rename, directory fsync). With compression, the segments to
-compress are laid out at their raw lengths and compressed one at a time as the stream reaches
-them (:mod:`.compressing`); the layout then follows their stored lengths.
+from the values' memory, checksummed on a background thread; :func:`finish` appends the
+index and fills in the superblock. :mod:`.write` puts them together (``write_native``,
+and compression as the stream reaches each segment); :mod:`.incremental` streams the same
+plan into an extent file.
 """
-
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +32,7 @@ from ...encoding.compress import (
 from ...encoding.planes import SPARES
 from ...io import tuning
 from ...io.checksum import ALGORITHM_IDS, checksum_function, default_algorithm
-from ...io.seam import ByteSink, PinnedSink, committed, store_for
+from ...io.seam import ByteSink, PinnedSink
 from ..stream import stream_segments
 from . import image
 from .layout import (
@@ -58,7 +55,7 @@ from .layout import (
     pack_superblock,
 )
 
-__all__ = ["Plan", "finish", "index_bytes", "plan_file", "write_data", "write_native"]
+__all__ = ["Plan", "finish", "index_bytes", "plan_file", "write_data"]
 
 _ZEROS = memoryview(bytes(ALIGN))
 _EMPTY = memoryview(b"")
@@ -384,30 +381,6 @@ def index_bytes(plan: Plan) -> bytes:
     )
 
 
-def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algorithm: str | None = None,
-                 options: WriteOptions | None = None) -> int:
-    """Write ``blobs`` to a native db file at ``path`` atomically and durably; return its size.
-
-    Every value is encoded first (UnsupportedBlobError naming the blob before anything touches
-    the disk); then the data is streamed from the values' own memory in large sequential
-    writes, checksummed on a background thread, followed by the index; the file is fsynced,
-    renamed into place and the directory fsynced. A missing directory raises
-    FileNotFoundError; too little free space raises OSError(ENOSPC) naming the file.
-    ``options`` (default: the context's :data:`WRITE_OPTIONS`): compression (format 3.0)."""
-    path = os.fspath(path)
-    algorithm = algorithm or default_algorithm()
-    fn = checksum_function(algorithm)
-    plan = plan_file(blobs, options, fn, defer=True)
-    if plan.lazy:
-        from .compressing import write_compressing  # (it builds on this module)
-
-        return write_compressing(path, plan, algorithm, fn)
-    try:
-        return _write_planned(path, plan, algorithm, fn)
-    finally:
-        plan.release()
-
-
 def finish(out: ByteSink, plan: Plan, algorithm: str, fn: Any) -> int:
     """Append the index of ``plan`` (its data checksums filled in) to ``out`` after the data
     and fill in the superblock; return the file's size."""
@@ -420,20 +393,3 @@ def finish(out: ByteSink, plan: Plan, algorithm: str, fn: Any) -> int:
         plan.data_bytes, fn(index, 0), fn, plan.version,
     ))
     return file_size
-
-
-def _write_planned(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
-    file_size = plan.index_offset + plan.index_length
-    store = store_for(path)
-    create = store.create
-    pinned_min = tuning.DIRECT_MIN_PINNED
-    if (pinned_min is not None and file_size >= pinned_min and knobs.get().zero_copy
-            and hasattr(store, "create_pinned")
-            and image.data_image(plan.views, plan.segs, image.PAGE) is not None):
-        create = store.create_pinned  # a snapshot arena: written from there (O_DIRECT)
-    with committed(create(path, size=file_size)) as out:
-        crcs = write_data(out, plan, algorithm)
-        nseg = len(plan.segs)
-        plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
-        plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
-        return finish(out, plan, algorithm, fn)

@@ -1,30 +1,76 @@
-"""Writes whose segments are compressed as the stream reaches them, one at a time.
+"""Writing a native db file: :func:`write_native`, raw or compressed as the stream goes.
 
-:func:`~.writer.plan_file` with ``defer`` lays a compressed file out at its segments' raw
-lengths and marks those to compress (:attr:`~.writer.Plan.lazy`); :class:`Compressing`
-compresses each when the stream reaches it, gives its buffer back once its checksum is taken,
-and at the end lays the file out at the stored lengths (:meth:`Compressing.laid_out`): the
-same bytes as compressing every segment first, with one or two segments' compressed bytes in
-memory at a time. :func:`write_compressing` writes a native db so (:func:`~.writer.write_native`);
-an incremental save streams into its extent sink the same way (:mod:`.incremental`).
+:func:`write_native` plans the whole file (:func:`~.writer.plan_file`: every blob encoded and
+laid out before anything touches the disk), streams the data (:func:`~.writer.write_data`),
+appends the index and fills in the superblock (:func:`~.writer.finish`), through the byte
+store's atomic commit. With compression, :func:`~.writer.plan_file` with ``defer`` lays the
+file out at its segments' raw lengths and marks those to compress
+(:attr:`~.writer.Plan.lazy`); :class:`Compressing` compresses each when the stream reaches
+it, gives its buffer back once its checksum is taken, and at the end lays the file out at
+the stored lengths (:meth:`Compressing.laid_out`): the same bytes as compressing every
+segment first, with one or two segments' compressed bytes in memory at a time. An
+incremental save streams into its extent sink the same way (:mod:`.incremental`).
 """
-
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ...encoding.compress import compress_segment
+from .... import knobs
+from ...encoding.compress import WriteOptions, compress_segment
 from ...encoding.planes import SPARES
 from ...io import tuning
+from ...io.checksum import checksum_function, default_algorithm
 from ...io.seam import ByteSink, committed, store_for
 from ..stream import stream_segments
+from . import image
 from .layout import ALIGN, CODED_DTYPE, STREAM_DTYPE, SUPERBLOCK_SIZE
-from .writer import _NO_CODED, _ZEROS, Plan, finish, index_bytes
+from .writer import _NO_CODED, _ZEROS, Plan, finish, index_bytes, plan_file, write_data
 
-__all__ = ["Compressing", "write_compressing"]
+__all__ = ["Compressing", "write_compressing", "write_native"]
+
+def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algorithm: str | None = None,
+                 options: WriteOptions | None = None) -> int:
+    """Write ``blobs`` to a native db file at ``path`` atomically and durably; return its size.
+
+    Every value is encoded first (UnsupportedBlobError naming the blob before anything touches
+    the disk); then the data is streamed from the values' own memory in large sequential
+    writes, checksummed on a background thread, followed by the index; the file is fsynced,
+    renamed into place and the directory fsynced. A missing directory raises
+    FileNotFoundError; too little free space raises OSError(ENOSPC) naming the file.
+    ``options`` (default: the context's :data:`WRITE_OPTIONS`): compression (format 3.0)."""
+    path = os.fspath(path)
+    algorithm = algorithm or default_algorithm()
+    fn = checksum_function(algorithm)
+    plan = plan_file(blobs, options, fn, defer=True)
+    if plan.lazy:
+        return write_compressing(path, plan, algorithm, fn)
+    try:
+        return _write_planned(path, plan, algorithm, fn)
+    finally:
+        plan.release()
+
+
+def _write_planned(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
+    file_size = plan.index_offset + plan.index_length
+    store = store_for(path)
+    create = store.create
+    pinned_min = tuning.DIRECT_MIN_PINNED
+    if (pinned_min is not None and file_size >= pinned_min and knobs.get().zero_copy
+            and hasattr(store, "create_pinned")
+            and image.data_image(plan.views, plan.segs, image.PAGE) is not None):
+        create = store.create_pinned  # a snapshot arena: written from there (O_DIRECT)
+    with committed(create(path, size=file_size)) as out:
+        crcs = write_data(out, plan, algorithm)
+        nseg = len(plan.segs)
+        plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
+        plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
+        return finish(out, plan, algorithm, fn)
+
 
 
 def write_compressing(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
