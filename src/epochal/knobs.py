@@ -51,9 +51,10 @@ class Knobs:
       SpareBuffers`: memory already touched, instead of a page fault per 4 KiB page); they
       stay allocated between saves. 0 keeps none.
     - ``kept_bytes``: how many bytes of the content chunks an incremental save of a
-      ``Checkpointer`` keeps in memory (a copy, :mod:`epochal.storage.formats.native.kept`),
-      so that its next save compares against them instead of reading the step before back;
-      freed when the Checkpointer closes. Read when a Checkpointer makes its first
+      ``Checkpointer`` (or of each rank, DCP writer, JobRunner node) keeps in memory (a
+      copy, :mod:`epochal.storage.formats.native.kept`), so that its next save compares
+      against them instead of reading the step before back; freed when the Checkpointer
+      closes (a node's: when ``train`` ends). Read when the saver makes its first
       incremental save. 0 keeps none (every save reads its base).
     - ``incremental_sources`` and ``incremental_pieces``: compaction of incremental saves
       (:mod:`epochal.storage.formats.native.incremental`): a content chunk whose bytes would

@@ -336,10 +336,7 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
 
         with committed(out):
             if lazy is None:
-                crcs = write_data(out, plan, algorithm, chunk=CHUNK_BYTES)
-                nseg = len(plan.segs)
-                plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
-                plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
+                plan.checksummed(write_data(out, plan, algorithm, chunk=CHUNK_BYTES))
                 finish(out, plan, algorithm, fn)
             else:  # (every chunked segment made when reached: its offset follows the stored lengths)
                 finish(out, lazy.laid_out(lazy.stream(out, CHUNK_BYTES, tuple(big), produce)), algorithm, fn)

@@ -15,11 +15,12 @@ base is not the step this process wrote last) and the kept bytes are dropped: th
 reads the base as before. A save takes the kept bytes for itself as it starts and hands back
 the new ones only once it has committed, so a failed save leaves none.
 
-A :class:`KeptBytes` belongs to whoever saves in the folder (the ``Checkpointer``: freed with
-it; a JobRunner's node: :func:`for_node`, held by the process that runs the node's saves
-until :func:`release`, which ``JobRunner.train`` calls as it ends); the ``kept_bytes`` knob (:mod:`epochal.knobs`, 2 GiB; 0 keeps none) bounds its memory,
-chunks past it are not kept (their next save reads
-them). While a save runs, buffers of the save before that it has not reused yet are held too.
+A :class:`KeptBytes` belongs to whoever saves in the folder: the ``Checkpointer`` (freed with
+it), or a JobRunner's node (:func:`for_node`: held by the process that runs the node's saves
+until :func:`release`, which ``JobRunner.train`` calls as it ends). The ``kept_bytes`` knob
+(:mod:`epochal.knobs`, 2 GiB; 0 keeps none) bounds the memory of each; chunks past it are
+not kept (their next save reads them). While a save runs, buffers of the save before that it
+has not reused yet are held too.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from .writer import _NO_CODED, _ZEROS, Plan, finish, index_bytes, plan_file, wri
 
 __all__ = ["Compressing", "write_compressing", "write_native"]
 
+
 def write_native(path: str | os.PathLike[str], blobs: Mapping[str, Any], *, algorithm: str | None = None,
                  options: WriteOptions | None = None) -> int:
     """Write ``blobs`` to a native db file at ``path`` atomically and durably; return its size.
@@ -65,12 +66,8 @@ def _write_planned(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
             and image.data_image(plan.views, plan.segs, image.PAGE) is not None):
         create = store.create_pinned  # a snapshot arena: written from there (O_DIRECT)
     with committed(create(path, size=file_size)) as out:
-        crcs = write_data(out, plan, algorithm)
-        nseg = len(plan.segs)
-        plan.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
-        plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
+        plan.checksummed(write_data(out, plan, algorithm))
         return finish(out, plan, algorithm, fn)
-
 
 
 def write_compressing(path: str, plan: Plan, algorithm: str, fn: Any) -> int:
@@ -141,13 +138,11 @@ class Compressing:
         segs["offset"][0:1] = SUPERBLOCK_SIZE
         if len(segs) > 1:
             segs["offset"][1:] = SUPERBLOCK_SIZE + np.cumsum(padded[:-1])
-        nseg = len(segs)
-        segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
-        plan.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(plan.groups) else 0
         streams = np.zeros(len(lens), dtype=STREAM_DTYPE)
         streams["length"], streams["crc"] = lens, stream_crcs
         done = dataclasses.replace(
             plan, segs=segs, coded=np.array(rows, dtype=CODED_DTYPE) if rows else _NO_CODED, streams=streams,
             index_offset=SUPERBLOCK_SIZE + int(padded.sum()), data_bytes=int(segs["length"].sum()), lazy=(),
         )
+        done.checksummed(crcs)
         return dataclasses.replace(done, index_length=len(index_bytes(done)))

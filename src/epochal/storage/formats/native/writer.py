@@ -100,6 +100,13 @@ class Plan:
     widths: tuple[int, ...] = ()
     options: WriteOptions | None = None
 
+    def checksummed(self, crcs: list[int]) -> None:
+        """Fill in the data checksums ``crcs`` (:func:`write_data`'s: the segments', then the
+        groups')."""
+        nseg = len(self.segs)
+        self.segs["crc"] = np.asarray(crcs[:nseg], dtype=np.uint64) if nseg else 0
+        self.groups["crc"] = np.asarray(crcs[nseg:], dtype=np.uint64) if len(self.groups) else 0
+
     def release(self) -> None:
         """Give the compressed segments' buffers back for reuse (after the write ended;
         :attr:`views` of compressed segments must not be read after this)."""
