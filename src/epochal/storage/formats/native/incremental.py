@@ -318,9 +318,10 @@ def write_incremental(path: str | os.PathLike[str], blobs: Mapping[str, Any], *,
         if lazy is None:
             for s in big:
                 chunks += chunks_of(s, int(plan.segs["offset"][s]), int(plan.segs["length"][s]))
-        inner = store_for(path).create(path, size=None if lazy else plan.index_offset + plan.index_length)
+        logical = None if lazy else plan.index_offset + plan.index_length  # (compressed: known at the end)
+        inner = store_for(path).create(path, size=logical)
         try:
-            out = ExtentSink(inner, algorithm, None if lazy else plan.index_offset + plan.index_length, chunks,
+            out = ExtentSink(inner, algorithm, logical, chunks,
                              lambda lo, data: _pieces(old, counterpart, keeper, lo, data), refs,
                              step=step, breaks=[SUPERBLOCK_SIZE])
         except BaseException:
